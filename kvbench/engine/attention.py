@@ -1,0 +1,119 @@
+"""The attention function kvbench registers with transformers, and its kernels.
+
+transformers calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value,
+mask, scaling=...)`` from every attention layer, after the projections and RoPE. Registering
+``"kvbench"`` there gives the engine the post-RoPE query, key and value of each layer, with
+``module.layer_idx``, for any model family that uses the interface (Llama, Mistral, Qwen2/3, GLM-4),
+without patching model code. The function does not receive the cache object, so it reads the active
+:class:`~kvbench.engine.context.GenerationContext` from a context variable that
+:func:`activate` binds for the duration of one generation.
+
+Dense paths call transformers' own SDPA function with the same tensors the stock model would pass,
+so ``method=full`` is token-identical to ``model.generate``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
+
+ATTENTION_NAME = "kvbench"
+_ACTIVE: ContextVar[GenerationContext | None] = ContextVar("kvbench_active_generation", default=None)
+
+
+def kvbench_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        raise RuntimeError("the kvbench attention function ran outside kvbench.engine.activate()")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return ctx.attend(module, query, key, value, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, kvbench_attention)
+
+
+@contextmanager
+def activate(ctx: GenerationContext) -> Iterator[GenerationContext]:
+    """Route the model's attention through ``ctx`` while the block runs."""
+    if _ACTIVE.get() is not None:
+        raise RuntimeError("a kvbench generation is already active in this thread")
+    model = ctx.model
+    previous = model.config._attn_implementation
+    token = _ACTIVE.set(ctx)
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield ctx
+    finally:
+        model.set_attn_implementation(previous)
+        _ACTIVE.reset(token)
+
+
+# ---------------------------------------------------------------------- kernels
+def dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal (prefill) or full (decode) attention exactly as transformers' SDPA path computes it.
+
+    ``query`` ``[1, H, t, d]``, ``key``/``value`` ``[1, kv_heads, n, d]``; returns ``[1, t, H, d]``.
+    """
+    return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)[0]
+
+
+def selected(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention over a per-head selection.
+
+    ``query`` ``[1, H, 1, d]``; ``keys``/``values`` ``[rows, k, d]`` with rows = KV heads (shared by a
+    query group) or rows = H (one selection per query head). Returns ``[1, 1, H, d]``.
+    """
+    n_heads, d = query.shape[1], query.shape[-1]
+    rows = keys.shape[0]
+    q = query[0, :, 0, :].reshape(rows, n_heads // rows, d)
+    out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
+    return out.reshape(1, 1, n_heads, values.shape[-1])
+
+
+def probabilities(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention ``[H, k]`` of a decode query over ``keys`` ``[rows, k, d]`` (fp32)."""
+    n_heads, d = query.shape[1], query.shape[-1]
+    rows = keys.shape[0]
+    q = query[0, :, 0, :].reshape(rows, n_heads // rows, d).float()
+    logits = torch.einsum("rgd,rkd->rgk", q, keys.float()) * scaling
+    return torch.softmax(logits, dim=-1).reshape(n_heads, -1)
+
+
+def with_past(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Several new tokens attending the held cache causally by position (chunked prefill).
+
+    ``query`` ``[1, H, t, d]``; ``keys``/``values`` ``[kv_heads, n, d]``; ``key_positions``
+    ``[kv_heads, n]``; ``query_positions`` ``[t]``. Returns ``[1, t, H, d]``.
+    """
+    n_heads, t, d = query.shape[1], query.shape[2], query.shape[-1]
+    kv_heads = keys.shape[0]
+    q = query[0].reshape(kv_heads, n_heads // kv_heads, t, d)
+    mask = key_positions[:, None, None, :] <= query_positions.to(key_positions.device)[None, None, :, None]
+    out = F.scaled_dot_product_attention(q, keys[:, None], values[:, None], attn_mask=mask.to(q.device), scale=scaling)
+    return out.reshape(n_heads, t, -1).transpose(0, 1).unsqueeze(0)

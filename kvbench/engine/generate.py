@@ -1,0 +1,178 @@
+"""The generation loop: prefill, greedy decode, stop tokens, and teacher-forced scoring.
+
+This is the only code that drives a model. It computes logits for the last position only
+(``logits_to_keep=1``): full-vocabulary logits of a 16k-token prompt would take gigabytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from kvbench.budget import BudgetConfig, ResolvedBudget, full_budget
+from kvbench.engine.attention import activate
+from kvbench.engine.context import GenerationContext, Profile
+from kvbench.errors import ContextTooLongError
+from kvbench.methods.base import KVMethod
+from kvbench.models.loading import LoadedModel
+
+
+@dataclass
+class Generation:
+    """One prompt's output and measurements."""
+
+    tokens: list[int]  # generated ids, the stop token included when one ended the generation
+    text: str  # decoded output without the stop token
+    stop_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    budget: ResolvedBudget
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+def _budget_for(method: KVMethod, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
+    if method.family == "dense":
+        return full_budget(context)
+    return method.resolve_budget(budget, context, capacity, n_layers)
+
+
+def _check_length(loaded: LoadedModel, total: int) -> None:
+    if total > loaded.spec.max_length:
+        raise ContextTooLongError(
+            f"prompt plus generation ({total} tokens) exceeds model {loaded.spec.name}'s maximum of "
+            f"{loaded.spec.max_length} tokens",
+            "shorten the prompt (e.g. lower task.lengths or the task's truncation limit) or use a longer-context model",
+        )
+
+
+def _new_context(
+    loaded: LoadedModel, method: KVMethod, budget: BudgetConfig, prompt_len: int, extra: int, profile: Profile
+) -> GenerationContext:
+    _check_length(loaded, prompt_len + extra)
+    resolved = _budget_for(method, budget, prompt_len, prompt_len + extra, loaded.spec.n_layers)
+    ctx = GenerationContext(loaded, method, resolved, profile=profile, capacity=prompt_len + extra)
+    method.start(ctx)
+    return ctx
+
+
+def generate(
+    loaded: LoadedModel,
+    method: KVMethod,
+    input_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    budget: BudgetConfig | None = None,
+    stop_ids: Sequence[int] = (),
+    min_new_tokens: int = 0,
+    profile: Profile | None = None,
+) -> Generation:
+    """Greedy generation of up to ``max_new_tokens`` tokens with ``method`` managing the KV cache.
+
+    Generation stops at any of the model's stop ids or ``stop_ids`` (e.g. LongBench's newline for
+    samsum), but not before ``min_new_tokens`` tokens.
+    """
+    profile = profile or Profile()
+    budget = budget or BudgetConfig()
+    prompt_len = len(input_ids)
+    ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile)
+    stops = set(loaded.spec.stop_ids) | {int(i) for i in stop_ids}
+    device = torch.device(loaded.spec.device)
+    clock, tele = ctx.clock, ctx.telemetry
+    tokens: list[int] = []
+    stop_reason = "length"
+    with torch.inference_mode(), activate(ctx):
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
+        start = clock.now()
+        logits = method.prefill(ctx, ids)
+        token = int(torch.argmax(logits, dim=-1))
+        tele.prefill_s = clock.now() - start
+        ctx.check_after_prefill()
+        tokens.append(token)
+        while True:
+            if token in stops and len(tokens) > min_new_tokens:
+                stop_reason = "stop"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+            tele.excluded_s = 0.0
+            step_start = clock.now()
+            logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
+            token = int(torch.argmax(logits, dim=-1))
+            tele.step_s.append(clock.now() - step_start - tele.excluded_s)
+            if len(tele.step_s) == 1:
+                ctx.check_after_first_step()
+            tokens.append(token)
+    body = tokens[:-1] if stop_reason == "stop" else tokens
+    text = loaded.tokenizer.decode(body, skip_special_tokens=True)
+    return Generation(
+        tokens=tokens,
+        text=text,
+        stop_reason=stop_reason,
+        prompt_tokens=prompt_len,
+        budget=ctx.budget,
+        telemetry=_telemetry(ctx, method, len(tokens)),
+    )
+
+
+def teacher_force(
+    loaded: LoadedModel,
+    method: KVMethod,
+    prefix_ids: Sequence[int],
+    continuation_ids: Sequence[int],
+    *,
+    budget: BudgetConfig | None = None,
+    profile: Profile | None = None,
+) -> tuple[list[float], dict[str, Any]]:
+    """Negative log-likelihood of each continuation token, decode mode.
+
+    The prefix is prefilled densely (the method evicts or indexes as usual); then every
+    continuation token is predicted by one decode step with the method active, and the true token
+    is fed next — the way ClusterKV and Quest measure PG19 perplexity.
+    """
+    profile = profile or Profile()
+    budget = budget or BudgetConfig()
+    prefix_len = len(prefix_ids)
+    targets = list(continuation_ids)
+    ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile)
+    device = torch.device(loaded.spec.device)
+    nll: list[float] = []
+    with torch.inference_mode(), activate(ctx):
+        start = ctx.clock.now()
+        logits = method.prefill(ctx, torch.tensor([list(prefix_ids)], dtype=torch.long, device=device))
+        ctx.telemetry.prefill_s = ctx.clock.now() - start
+        ctx.check_after_prefill()
+        for i, target in enumerate(targets):
+            nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
+            if i == len(targets) - 1:
+                break
+            ctx.telemetry.excluded_s = 0.0
+            step_start = ctx.clock.now()
+            logits = ctx.forward(torch.tensor([[target]], device=device), start=prefix_len + i)
+            ctx.telemetry.step_s.append(ctx.clock.now() - step_start - ctx.telemetry.excluded_s)
+            if i == 0:
+                ctx.check_after_first_step()
+    return nll, _telemetry(ctx, method, len(targets))
+
+
+def _telemetry(ctx: GenerationContext, method: KVMethod, new_tokens: int) -> dict[str, Any]:
+    stats = ctx.store.stats()
+    element = next(ctx.model.parameters()).element_size()
+    full_bytes = ctx.budget.context * ctx.spec.kv_bytes_per_token(element)
+    summary = ctx.telemetry.summary()
+    summary.update(
+        {
+            "prompt_tokens": ctx.budget.context,
+            "new_tokens": new_tokens,
+            "kv_bytes_full": full_bytes,
+            "kv_bytes_ratio": (summary["kv_bytes_after_prefill"] / full_bytes) if full_bytes else None,
+            **{key: value for key, value in stats.to_dict().items()},
+            "method": method.telemetry(),
+        }
+    )
+    return summary
+
+
+def perplexity(nll: Sequence[float]) -> float:
+    return math.exp(sum(nll) / len(nll)) if nll else float("nan")

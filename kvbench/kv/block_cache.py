@@ -1,0 +1,85 @@
+"""A device-side cache of token blocks between the host tier and attention.
+
+Offloading methods (PQCache, InfLLM, ClusterKV) fetch the selected tokens' K/V from host memory at
+every decode step; tokens that stay important from step to step are worth keeping on the device.
+PQCache caches *blocks* of 128 consecutive tokens (all KV heads of a layer together), checks the
+selected tokens against the cache, fetches only the misses, and after the step admits the
+``update_blocks`` blocks that hold the most selected tokens, evicting by LRU or LFU.
+
+The cache only decides *what* is resident; :class:`~kvbench.kv.store.LayerKV` does the counting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from itertools import count
+
+import torch
+
+
+class BlockCache:
+    """Which blocks of one layer are resident on the device, with an LRU or LFU replacement rule."""
+
+    def __init__(self, capacity_blocks: int, *, block_size: int = 128, policy: str = "lfu", update_blocks: int | None = None):
+        if capacity_blocks < 0:
+            raise ValueError("capacity_blocks must be >= 0")
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown block-cache policy {policy!r}; use 'lru' or 'lfu'")
+        self.capacity = int(capacity_blocks)
+        self.block_size = int(block_size)
+        self.policy = policy
+        self.update_blocks = int(update_blocks if update_blocks is not None else capacity_blocks)
+        self._freq: dict[int, int] = {}
+        self._order: OrderedDict[int, int] = OrderedDict()  # block -> admission/touch tick
+        self._tick = count()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._order
+
+    def blocks(self) -> list[int]:
+        return list(self._order)
+
+    def lookup(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Boolean mask: which of ``blocks`` (any shape) are resident. Touches the hits."""
+        if not self._order or blocks.numel() == 0:
+            return torch.zeros_like(blocks, dtype=torch.bool)
+        resident = torch.tensor(list(self._order), dtype=blocks.dtype, device=blocks.device)
+        hit = torch.isin(blocks, resident)
+        if hit.any():
+            self._touch(torch.unique(blocks[hit]).tolist())
+        return hit
+
+    def update(self, requested_blocks: torch.Tensor) -> int:
+        """Admit the ``update_blocks`` most requested blocks of this step; return how many were new."""
+        if self.capacity == 0 or requested_blocks.numel() == 0:
+            return 0
+        ids, counts = torch.unique(requested_blocks.flatten(), return_counts=True)
+        # Most requested first; among equals the lower block id first (deterministic).
+        order = sorted(zip(counts.tolist(), ids.tolist()), key=lambda pair: (-pair[0], pair[1]))
+        admitted = 0
+        for _, block in order[: self.update_blocks]:
+            if block in self._order:
+                continue
+            if len(self._order) >= self.capacity:
+                self._evict()
+            self._order[block] = next(self._tick)
+            self._freq[block] = 1
+            admitted += 1
+        return admitted
+
+    def _touch(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._freq[block] = self._freq.get(block, 0) + 1
+            self._order[block] = next(self._tick)
+            self._order.move_to_end(block)
+
+    def _evict(self) -> None:
+        if self.policy == "lru":
+            victim = next(iter(self._order))
+        else:  # least frequently used, the least recently touched among equals
+            victim = min(self._order, key=lambda b: (self._freq.get(b, 0), self._order[b]))
+        del self._order[victim]
+        self._freq.pop(victim, None)

@@ -1,0 +1,267 @@
+"""Where K/V live during a run, and what moving them costs.
+
+One :class:`LayerKV` per transformer layer holds that layer's keys and values (batch size 1) as
+``[kv_heads, slots, head_dim]`` with the absolute position of every slot. Two tiers:
+
+* **device** (where attention runs) for methods that keep their cache on the accelerator
+  (``full``, eviction methods, ``oracle``);
+* **host** (CPU memory, pinned on CUDA) for offloading methods: the *middle* tokens live there and
+  every decode step fetches the selected ones. Sink tokens and the recent window are *resident*
+  (kept on the device), and a :class:`~kvbench.kv.block_cache.BlockCache` keeps popular blocks.
+
+Methods never move bytes themselves: they ask :meth:`LayerKV.gather` for slots, and the store counts
+every byte that crosses host→device and every cache hit. On a CPU-only machine both tiers are host
+memory, and the counts are still exact: they are what the same run would move on a GPU.
+
+Slots are positions until a method evicts; after :meth:`LayerKV.keep` (eviction) slot order no longer
+equals position order for every head, so position logic must read :attr:`LayerKV.positions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvbench.kv.block_cache import BlockCache
+
+
+@dataclass
+class TransferStats:
+    """Bytes and cache events of one layer (or, merged, of a whole run)."""
+
+    bytes_h2d_fetch: int = 0  # synchronous fetch of selected K/V that missed the block cache
+    bytes_h2d_cache_fill: int = 0  # asynchronous block-cache fills
+    bytes_h2d_index: int = 0  # index traffic a method moves to score tokens (PQ codes, key slices, ...)
+    bytes_d2h: int = 0  # offload of K/V to the host tier
+    cache_lookups: int = 0  # (kv head, token) pairs requested from the host tier
+    cache_hits: int = 0  # ... of which the block cache served
+
+    def merge(self, other: TransferStats) -> TransferStats:
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)
+        return self
+
+    @property
+    def bytes_h2d(self) -> int:
+        return self.bytes_h2d_fetch + self.bytes_h2d_cache_fill + self.bytes_h2d_index
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cache_hits / self.cache_lookups if self.cache_lookups else None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        data: dict[str, float | int | None] = dict(asdict(self))
+        data["bytes_h2d"] = self.bytes_h2d
+        data["hit_rate"] = self.hit_rate
+        return data
+
+
+class LayerKV:
+    """Keys, values and positions of one layer, in one tier, with transfer accounting."""
+
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        offload: bool = False,
+        capacity: int = 0,
+    ) -> None:
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.offload = offload
+        self.home = torch.device("cpu") if offload else self.device
+        self._pin = offload and self.device.type == "cuda"
+        self.n = 0  # slots in use
+        self.seen = 0  # tokens ever appended (the next token's position)
+        self.stats = TransferStats()
+        self.cache: BlockCache | None = None
+        self.resident_sink = 0
+        self.resident_recent = 0
+        self._k = self._alloc(capacity, head_dim, dtype)
+        self._v = self._alloc(capacity, head_dim, dtype)
+        self._pos = self._alloc(capacity, None, torch.long)
+
+    # ------------------------------------------------------------------ storage
+    def _alloc(self, capacity: int, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
+        shape = (self.n_kv_heads, capacity) if dim is None else (self.n_kv_heads, capacity, dim)
+        return torch.empty(shape, dtype=dtype, device=self.home, pin_memory=self._pin)
+
+    @property
+    def capacity(self) -> int:
+        return self._k.shape[1]
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more slots (amortised doubling)."""
+        need = self.n + extra
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity, 16)
+        for name, dim, dtype in (("_k", self.head_dim, self.dtype), ("_v", self.head_dim, self.dtype), ("_pos", None, torch.long)):
+            old = getattr(self, name)
+            new = self._alloc(new_cap, dim, dtype)
+            new[:, : self.n] = old[:, : self.n]
+            setattr(self, name, new)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[kv_heads, n, head_dim]`` view of the held keys (in the home tier)."""
+        return self._k[:, : self.n]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, : self.n]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[kv_heads, n]`` absolute position of every held slot."""
+        return self._pos[:, : self.n]
+
+    @property
+    def element_bytes(self) -> int:
+        return self._k.element_size()
+
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V for one KV head."""
+        return 2 * self.head_dim * self.element_bytes
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V this layer holds (live slots, not spare capacity)."""
+        return self.n * self.n_kv_heads * self.token_bytes()
+
+    # ------------------------------------------------------------------ writes
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append new tokens ``[kv_heads, t, head_dim]`` at the next positions."""
+        t = keys.shape[1]
+        self.reserve(t)
+        blocking = not self._pin
+        self._k[:, self.n : self.n + t].copy_(keys, non_blocking=not blocking)
+        self._v[:, self.n : self.n + t].copy_(values, non_blocking=not blocking)
+        self._pos[:, self.n : self.n + t] = torch.arange(self.seen, self.seen + t, device=self.home)
+        if self.offload:
+            self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
+        self.n += t
+        self.seen += t
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Evict every slot not in ``slots`` (``[kv_heads, m]``, same m per head); keeps slot order."""
+        if slots.dim() != 2 or slots.shape[0] != self.n_kv_heads:
+            raise ValueError(f"keep() expects [kv_heads={self.n_kv_heads}, m] slots, got {tuple(slots.shape)}")
+        slots, _ = torch.sort(slots.to(self.home), dim=1)
+        idx = slots.unsqueeze(-1).expand(-1, -1, self.head_dim)
+        k = torch.gather(self.keys, 1, idx)
+        v = torch.gather(self.values, 1, idx)
+        pos = torch.gather(self.positions, 1, slots)
+        m = slots.shape[1]
+        self._k = self._alloc(m, self.head_dim, self.dtype)
+        self._v = self._alloc(m, self.head_dim, self.dtype)
+        self._pos = self._alloc(m, None, torch.long)
+        self._k.copy_(k)
+        self._v.copy_(v)
+        self._pos.copy_(pos)
+        self.n = m
+
+    def remove(self, slots: torch.Tensor) -> None:
+        """Evict ``slots`` (``[kv_heads, r]``, same r per head)."""
+        mask = torch.ones(self.n_kv_heads, self.n, dtype=torch.bool, device=self.home)
+        mask.scatter_(1, slots.to(self.home), False)
+        keep = torch.nonzero(mask, as_tuple=False)[:, 1].view(self.n_kv_heads, -1)
+        self.keep(keep)
+
+    # ------------------------------------------------------------------ reads
+    def set_residency(self, sink: int, recent: int) -> None:
+        """Slots below ``sink`` and the last ``recent`` slots are device-resident (offload mode)."""
+        self.resident_sink = sink
+        self.resident_recent = recent
+
+    def attach_cache(self, cache: BlockCache | None) -> None:
+        self.cache = cache
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` on the compute device, counting what crosses the host→device link.
+
+        ``slots`` is ``[kv_heads, k]`` (one selection per KV head) or ``[q_heads, k]`` (one per query
+        head; query head ``h`` reads KV head ``h // group``).
+        """
+        rows = slots.shape[0]
+        if rows % self.n_kv_heads:
+            raise ValueError(f"cannot map {rows} selection rows onto {self.n_kv_heads} KV heads")
+        group = rows // self.n_kv_heads
+        heads = torch.arange(rows, device=self.home) // group
+        home_slots = slots.to(self.home)
+        k = self._k[heads[:, None], home_slots]
+        v = self._v[heads[:, None], home_slots]
+        if self.offload:
+            self._account_fetch(heads, home_slots)
+        if k.device != self.device:
+            k = k.to(self.device, non_blocking=True)
+            v = v.to(self.device, non_blocking=True)
+        return k, v
+
+    def _account_fetch(self, heads: torch.Tensor, slots: torch.Tensor) -> None:
+        """Count bytes for the non-resident (kv head, slot) pairs; several query heads share a fetch."""
+        n = max(self.n, 1)
+        slot = torch.unique(heads[:, None] * n + slots) % n
+        middle = (slot >= self.resident_sink) & (slot < self.n - self.resident_recent)
+        slot = slot[middle]
+        wanted = int(slot.numel())
+        if wanted == 0:
+            return
+        self.stats.cache_lookups += wanted
+        if self.cache is None:
+            self.stats.bytes_h2d_fetch += wanted * self.token_bytes()
+            return
+        blocks = slot // self.cache.block_size
+        hits = int(self.cache.lookup(blocks).sum())
+        self.stats.cache_hits += hits
+        self.stats.bytes_h2d_fetch += (wanted - hits) * self.token_bytes()
+        admitted = self.cache.update(blocks)
+        self.stats.bytes_h2d_cache_fill += admitted * self.cache.block_size * self.n_kv_heads * self.token_bytes()
+
+    def count_index_bytes(self, nbytes: int) -> None:
+        """A method moved ``nbytes`` of index data (e.g. PQ codes) to score tokens."""
+        self.stats.bytes_h2d_index += int(nbytes)
+
+
+class KVStore:
+    """The per-layer stores of one generation."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        offload: bool = False,
+        capacity: int = 0,
+    ) -> None:
+        self.layers = [
+            LayerKV(n_kv_heads, head_dim, dtype=dtype, device=device, offload=offload, capacity=capacity)
+            for _ in range(n_layers)
+        ]
+        self.offload = offload
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def held_tokens(self) -> list[int]:
+        return [layer.n for layer in self.layers]
+
+    def stats(self) -> TransferStats:
+        total = TransferStats()
+        for layer in self.layers:
+            total.merge(layer.stats)
+        return total

@@ -1,0 +1,84 @@
+"""Per-sample measurements: latency phases, attended tokens, recall of the exact top-k.
+
+Definitions (shared by every method so that tables compare like with like):
+
+* ``ttft_s`` — prompt in, first token out (the prefill and its logits).
+* ``tt2t_s`` — time to the 2nd token: TTFT plus the first decode step. PQCache's metric: work a
+  method overlaps with prefill (K-means) and waits for at the first decode step lands here.
+* ``tpot_s`` — mean time of the decode steps after the first (PQCache measures TPOT as
+  ``(T(n) - TT2T) / (n - 2)``); ``tpot_p50_s`` / ``tpot_p90_s`` their percentiles.
+* ``attended_per_layer`` — mean tokens attended per head at a decode step, per layer;
+  ``kept_per_layer`` — tokens each layer holds right after prefill.
+* ``recall`` — ``|selected ∩ exact top-k| / k`` over the method's ranked part, averaged over layers,
+  heads and steps (only with ``profile.recall=true``: it costs an exact pass, excluded from the
+  step times).
+
+On CUDA the clock synchronises the device before reading ``perf_counter``; on CPU it reads it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+class Telemetry:
+    """Collects one sample's figures while the engine runs."""
+
+    def __init__(self, n_layers: int, clock: Clock) -> None:
+        self.clock = clock
+        self.n_layers = n_layers
+        self.attended: list[list[int]] = [[] for _ in range(n_layers)]
+        self.available: list[list[int]] = [[] for _ in range(n_layers)]
+        self.recall: list[list[float]] = [[] for _ in range(n_layers)]
+        self.kept_after_prefill: list[int] | None = None
+        self.kv_bytes_after_prefill: int | None = None
+        self.prefill_s: float | None = None
+        self.step_s: list[float] = []
+        self.excluded_s = 0.0  # profiling time inside a step, removed from its duration
+
+    def record_decode(self, layer: int, attended: int, available: int, recall: float | None = None) -> None:
+        self.attended[layer].append(int(attended))
+        self.available[layer].append(int(available))
+        if recall is not None:
+            self.recall[layer].append(float(recall))
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.step_s
+        later = steps[1:]
+        recall_layers = [_mean(r) for r in self.recall]
+        recall_all = [value for layer in self.recall for value in layer]
+        return {
+            "ttft_s": self.prefill_s,
+            "tt2t_s": (self.prefill_s + steps[0]) if (self.prefill_s is not None and steps) else None,
+            "tpot_s": _mean(later),
+            "tpot_p50_s": float(np.percentile(later, 50)) if later else None,
+            "tpot_p90_s": float(np.percentile(later, 90)) if later else None,
+            "prefill_s": self.prefill_s,
+            "decode_s": float(sum(steps)) if steps else 0.0,
+            "decode_steps": len(steps),
+            "attended_per_layer": [_mean(a) for a in self.attended],
+            "attended_first_step": [a[0] if a else None for a in self.attended],
+            "available_first_step": [a[0] if a else None for a in self.available],
+            "kept_per_layer": self.kept_after_prefill,
+            "kv_bytes_after_prefill": self.kv_bytes_after_prefill,
+            "recall": _mean(recall_all),
+            "recall_per_layer": recall_layers if recall_all else None,
+        }

@@ -1,0 +1,135 @@
+"""The KV-method interface: one small class of policy per method.
+
+Why this shape. The three families of KV methods differ in *when* they decide and *where* the
+tokens live, not in how attention is computed:
+
+1. **eviction** (StreamingLLM, H2O, SnapKV, PyramidKV) decides after the dense prefill of a layer which
+   tokens to keep (:meth:`KVMethod.on_prefill` calls ``kv.keep``), and, for H2O, keeps evicting
+   during decode from the attention it observes (:meth:`KVMethod.after_attention`). The store
+   forgets the rest, so held bytes really shrink.
+2. **retrieval** (Oracle, SparQ, InfLLM, Quest, PQCache, ClusterKV) keeps every token, builds an
+   index at prefill (:meth:`KVMethod.on_prefill`), and at each decode step returns a
+   :class:`Selection` per head from :meth:`KVMethod.select`; the store fetches those tokens,
+   through its host tier and block cache when the method offloads.
+3. **reuse** (CacheBlend, full KV reuse, prefix caching) builds the prefill cache from stored
+   per-chunk caches instead of a dense prefill: it overrides :meth:`KVMethod.prefill`, fills the
+   store layer by layer with re-rotated keys and recomputes a chosen subset of tokens, using the same
+   engine primitives (``ctx.forward``) and the same store.
+
+The engine (``kvbench.engine``) is the only code that drives the model. It calls these hooks from an
+attention function registered with transformers' ``AttentionInterface`` and bound to the active
+generation, so any Llama/Mistral/Qwen/GLM-family model works unchanged. A method never moves K/V
+bytes itself (the store counts them) and never times itself (telemetry does).
+
+Per-sample state lives on the method object between :meth:`KVMethod.start` and the end of the
+sample; the engine calls ``start`` before every prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+import torch
+
+from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget, resolve_budget
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
+    from kvbench.kv.store import LayerKV
+
+
+@dataclass
+class Selection:
+    """What one decode step of one layer attends.
+
+    ``slots``: ``[rows, k]`` sorted store slots, rows = KV heads (one selection shared by the query
+    heads of a group) or query heads (one selection per query head; row ``h`` reads KV head
+    ``h // group``). It includes sinks, the local window and the current token.
+    ``selected``: ``[rows, k_sel]`` the part the method *chose* among ``candidates`` (for recall of the
+    exact top-k); ``candidates``: 1-D slots it chose from (``None`` when the method did not rank).
+    """
+
+    slots: torch.Tensor
+    selected: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def attended(self) -> int:
+        return int(self.slots.shape[1])
+
+
+class KVMethod:
+    """Base class: a method that attends everything (``full``). Subclasses override hooks."""
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = "dense"  # dense | eviction | retrieval | reuse
+    #: default sink size, local-window share and "(C)" eligibility; config keys ``sink`` and
+    #: ``local_fraction`` override them, ``budget.sink`` / ``budget.local`` override those.
+    budget_defaults: ClassVar[MethodBudgetDefaults] = MethodBudgetDefaults()
+    #: the method needs the decode step's attention probabilities (H2O's accumulated scores)
+    needs_attention_probs: ClassVar[bool] = False
+    #: layers that always attend everything (e.g. Quest/ClusterKV leave layers 0-1 dense)
+    dense_layers: tuple[int, ...] = ()
+
+    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
+        self.cfg = dict(cfg or {})
+        self.ctx: GenerationContext | None = None
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def offload(self) -> bool:
+        """Whether middle tokens live in the host tier (offloading methods)."""
+        return bool(self.cfg.get("offload", False))
+
+    def defaults(self) -> MethodBudgetDefaults:
+        base = self.budget_defaults
+        return MethodBudgetDefaults(
+            sink=int(self.cfg.get("sink", base.sink)),
+            local_fraction=float(self.cfg.get("local_fraction", base.local_fraction)),
+            compensable=base.compensable,
+        )
+
+    def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
+        """Concrete token counts for a prompt of ``context`` tokens in a cache of at most ``capacity``
+        (PyramidKV adds per-layer budgets)."""
+        return resolve_budget(budget, context, self.defaults(), self.name, capacity)
+
+    def describe(self) -> dict[str, Any]:
+        """The method's effective settings, recorded with every sample."""
+        return {"name": self.name, "family": self.family, **self.cfg}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, ctx: GenerationContext) -> None:
+        """Reset per-sample state; ``ctx.budget`` and ``ctx.store`` are ready."""
+        self.ctx = ctx
+
+    def prefill(self, ctx: GenerationContext, input_ids: torch.Tensor) -> torch.Tensor:
+        """Process the prompt and return the last position's logits. Reuse methods override."""
+        return ctx.forward(input_ids, start=0)
+
+    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+        """After the dense prefill attention of ``layer``: build an index or evict.
+
+        ``query`` is ``[1, q_heads, s, d]``, ``key``/``value`` ``[1, kv_heads, s, d]`` (post-RoPE);
+        ``kv`` already holds the ``s`` tokens.
+        """
+
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:
+        """Tokens to attend at a decode step (``query`` ``[1, q_heads, 1, d]``; ``kv`` holds the
+        current token in its last slot). ``None`` attends every held token."""
+        return None
+
+    def after_attention(
+        self, layer: int, query: torch.Tensor, selection: Selection | None, kv: LayerKV, probs: torch.Tensor | None
+    ) -> None:
+        """Decode bookkeeping after attention; ``probs`` is ``[q_heads, attended]`` when
+        :attr:`needs_attention_probs` is set."""
+
+    def telemetry(self) -> dict[str, Any]:
+        """Method-specific per-sample figures (e.g. K-means iterations used)."""
+        return {}

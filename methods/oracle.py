@@ -1,0 +1,49 @@
+"""``oracle``: the exact top-k at every decode step (ideal selective attention).
+
+At each decode step every KV head attends its sink tokens, its local window, the current token and
+the ``select`` middle tokens with the highest *exact* attention: per query head softmax of
+``q·k/sqrt(d)`` over all held tokens, summed over the GQA group (the PQCache authors' Oracle,
+seed-pqcache.md §2.7/§3.4). ``gqa`` switches the group rule (``softmax_sum`` | ``logit_sum`` | ``max``);
+``per_query_head: true`` lets every query head pick its own tokens instead.
+
+The Oracle reads every key to score it, so its cache stays on the device (``offload: false``): it
+is a quality ceiling for the retrieval methods, not a system design.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.budget import MethodBudgetDefaults
+from kvbench.kv.store import LayerKV
+from kvbench.methods import register
+from kvbench.methods.base import KVMethod, Selection
+from kvbench.methods.selection import compose, exact_topk, layout
+
+
+@register
+class Oracle(KVMethod):
+    name = "oracle"
+    family = "retrieval"
+    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
+        budget = self.ctx.budget
+        spec = self.ctx.spec
+        lay = layout(kv, budget.sink, budget.local)
+        candidates = lay.candidates(kv.home)
+        per_query_head = bool(self.cfg.get("per_query_head", False))
+        if budget.select >= lay.middle:
+            rows = spec.n_heads if per_query_head else spec.n_kv_heads
+            return compose(lay, candidates.expand(rows, -1))
+        chosen = exact_topk(
+            query,
+            kv.keys,
+            candidates,
+            budget.select,
+            group=spec.group,
+            per_query_head=per_query_head,
+            rule=str(self.cfg.get("gqa", "softmax_sum")),
+            scale=spec.head_dim**-0.5,
+        )
+        return compose(lay, chosen)
