@@ -1,0 +1,22 @@
+"""Tasks: one module (or folder) per benchmark family, registered by name (``task=<name>``)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kvbench.registry import Registry
+from kvbench.tasks.base import Sample, SampleResult, Task
+
+REGISTRY: Registry[Task] = Registry("task", __name__, exclude={"base", "metrics", "metrics_infinitebench", "scoring"})
+register = REGISTRY.register
+
+
+def available_tasks() -> list[str]:
+    return REGISTRY.names()
+
+
+def create_task(cfg: Mapping[str, Any]) -> Task:
+    return REGISTRY.create(cfg)
+
+
+__all__ = ["Task", "Sample", "SampleResult", "register", "create_task", "available_tasks", "REGISTRY"]

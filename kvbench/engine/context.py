@@ -8,7 +8,6 @@ store and records what was attended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,20 +16,13 @@ from kvbench.budget import ResolvedBudget
 from kvbench.engine import attention
 from kvbench.errors import CompressionNotApplied, ConfigError
 from kvbench.kv.store import KVStore
+from kvbench.profile import Profile
 from kvbench.methods.selection import exact_topk
 from kvbench.telemetry import Clock, Telemetry
 
 if TYPE_CHECKING:
     from kvbench.methods.base import KVMethod, Selection
     from kvbench.models.loading import LoadedModel
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What to measure beyond the always-on timings."""
-
-    recall: bool = False  # recall of the exact top-k (an exact scoring pass per step)
-    recall_rule: str = "softmax_sum"  # GQA rule of the exact reference for per-KV-head selections
 
 
 class GenerationContext:

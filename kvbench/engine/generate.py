@@ -14,7 +14,8 @@ import torch
 
 from kvbench.budget import BudgetConfig, ResolvedBudget, full_budget
 from kvbench.engine.attention import activate
-from kvbench.engine.context import GenerationContext, Profile
+from kvbench.engine.context import GenerationContext
+from kvbench.profile import Profile
 from kvbench.errors import ContextTooLongError
 from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
@@ -71,7 +72,8 @@ def generate(
     """Greedy generation of up to ``max_new_tokens`` tokens with ``method`` managing the KV cache.
 
     Generation stops at any of the model's stop ids or ``stop_ids`` (e.g. LongBench's newline for
-    samsum), but not before ``min_new_tokens`` tokens.
+    samsum). Until ``min_new_tokens`` tokens exist the stop ids cannot be chosen (their logits are
+    masked, as transformers' ``min_new_tokens`` / LongBench's ``min_length`` do).
     """
     profile = profile or Profile()
     budget = budget or BudgetConfig()
@@ -79,6 +81,14 @@ def generate(
     ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile)
     stops = set(loaded.spec.stop_ids) | {int(i) for i in stop_ids}
     device = torch.device(loaded.spec.device)
+    stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+
+    def pick(logits: torch.Tensor, produced: int) -> int:
+        if produced < min_new_tokens and stop_index.numel():
+            logits = logits.clone()
+            logits[:, stop_index] = float("-inf")
+        return int(torch.argmax(logits, dim=-1))
+
     clock, tele = ctx.clock, ctx.telemetry
     tokens: list[int] = []
     stop_reason = "length"
@@ -86,12 +96,12 @@ def generate(
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
         start = clock.now()
         logits = method.prefill(ctx, ids)
-        token = int(torch.argmax(logits, dim=-1))
+        token = pick(logits, 0)
         tele.prefill_s = clock.now() - start
         ctx.check_after_prefill()
         tokens.append(token)
         while True:
-            if token in stops and len(tokens) > min_new_tokens:
+            if token in stops:
                 stop_reason = "stop"
                 break
             if len(tokens) >= max_new_tokens:
@@ -99,7 +109,7 @@ def generate(
             tele.excluded_s = 0.0
             step_start = clock.now()
             logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
-            token = int(torch.argmax(logits, dim=-1))
+            token = pick(logits, len(tokens))
             tele.step_s.append(clock.now() - step_start - tele.excluded_s)
             if len(tele.step_s) == 1:
                 ctx.check_after_first_step()

@@ -69,12 +69,24 @@ def load_model(cfg: Any) -> LoadedModel:
     source = cfg.get("source")
     if source == "asset":
         model_dir = converted_model_dir(cfg["asset"])
-        model, tokenizer = _load_pretrained(str(model_dir), dtype, device, local_only=True)
+        try:
+            model, tokenizer = _load_pretrained(str(model_dir), dtype, device, local_only=True)
+        except Exception as exc:  # a damaged conversion: safetensors, json or tokenizer errors
+            raise AssetError(
+                f"the converted model {model_dir} is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+                f"delete {model_dir} and run `kvbench fetch {cfg['asset']}`",
+            ) from exc
     elif source == "pretrained":
         path = cfg.get("path")
         if not path or path == "???":
             raise ConfigError(f"model={cfg.get('name')} needs a path", "pass model.path=<local dir or hub id>")
-        model, tokenizer = _load_pretrained(str(path), dtype, device, local_only=False)
+        try:
+            model, tokenizer = _load_pretrained(str(path), dtype, device, local_only=False)
+        except OSError as exc:
+            raise AssetError(
+                f"cannot load model {path!r}: {str(exc).splitlines()[0]}",
+                "download the weights and pass model.path=/local/dir (the hub may be unreachable from here)",
+            ) from exc
     elif source == "random":
         model, tokenizer = _build_random(cfg, dtype, device)
     else:
@@ -128,14 +140,8 @@ def _load_pretrained(path: str, dtype: torch.dtype, device: torch.device, *, loc
 
     is_local = Path(path).expanduser().is_dir()
     kwargs = {"local_files_only": True} if (local_only or is_local) else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
-    except OSError as exc:
-        raise AssetError(
-            f"cannot load model {path!r}: {str(exc).splitlines()[0]}",
-            "download the weights and pass model.path=/local/dir (the hub may be unreachable from here)",
-        ) from exc
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
     return model, tokenizer
 
 

@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine (Python >= 3.10 with venv):
+#   make run    set up .venv and run the quickstart (SmolLM2, needle-in-a-haystack, 3 methods)
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbench-installed
+RUN_ARGS ?= -m method=full,oracle,streamingllm budget.token_ratio=0.1 'task.depths=[0,0.5,1]'
+
+.PHONY: install run test clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvbench run $(RUN_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info results/runs

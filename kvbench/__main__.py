@@ -1,0 +1,5 @@
+import sys
+
+from kvbench.cli import main
+
+sys.exit(main())

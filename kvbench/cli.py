@@ -1,0 +1,172 @@
+"""The ``kvbench`` command.
+
+``kvbench run [overrides]`` composes the Hydra config tree shipped in ``kvbench.conf`` (``-m`` sweeps
+over comma-separated values); ``list``, ``fetch`` and ``report`` are plain sub-commands. User
+mistakes print one ``kvbench: error: ...`` line with the fix and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvbench.errors import KvbenchError
+
+CONFIG_MODULE = "kvbench.conf"
+GROUPS = ("model", "method", "task", "experiment")
+_SWEEP_RUNS: list[Any] = []
+
+
+def conf_dir() -> Path:
+    import kvbench.conf
+
+    return Path(kvbench.conf.__file__).parent
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _fail(error: KvbenchError) -> int:
+    print(f"kvbench: error: {error}", file=sys.stderr)
+    return error.exit_code
+
+
+# ---------------------------------------------------------------------- run
+def _validate_overrides(overrides: Sequence[str]) -> list[str]:
+    """Check group choices and keys before Hydra runs anything; return the first sweep point."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from kvbench.errors import ConfigError
+
+    first: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        group = key.lstrip("+~")
+        if sep and group in GROUPS:
+            for choice in value.split(","):
+                if choice and choice not in group_options(group):
+                    raise ConfigError(
+                        f"unknown {group} {choice!r}", f"choose one of: {', '.join(group_options(group))} (`kvbench list`)"
+                    )
+        if sep and "," in value and not value.startswith("[") and not value.startswith("{"):
+            value = value.split(",")[0]
+        first.append(f"{key}={value}" if sep else item)
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            compose(config_name="config", overrides=first)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = str(exc).strip().splitlines()
+        raise ConfigError(
+            f"invalid override: {message[0] if message else exc}",
+            "check the key's spelling against `kvbench list` and conf/ (new keys need a leading +)",
+        ) from None
+    return first
+
+
+def _run_job(cfg: Any) -> None:
+    from omegaconf import OmegaConf
+
+    from kvbench.runner import format_summary, run
+
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    resolved.pop("hydra", None)
+    try:
+        summary = run(resolved)
+    except KvbenchError as error:
+        raise SystemExit(_fail(error)) from None
+    _SWEEP_RUNS.append(summary)
+    print(format_summary(summary), flush=True)
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    import hydra
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    try:
+        _validate_overrides(overrides)
+    except KvbenchError as error:
+        return _fail(error)
+    main = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base=None)(_run_job)
+    saved = sys.argv
+    sys.argv = ["kvbench"] + (["--multirun"] if multirun else []) + overrides
+    _SWEEP_RUNS.clear()
+    try:
+        main()
+    finally:
+        sys.argv = saved
+    if multirun and len(_SWEEP_RUNS) > 1:
+        from kvbench.report import runs_table
+
+        print("\n" + runs_table([s.run_dir for s in _SWEEP_RUNS]), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------- list / fetch / report
+def cmd_list(args: argparse.Namespace) -> int:
+    from kvbench.assets import ASSETS
+    from kvbench.methods import available_methods
+    from kvbench.tasks import available_tasks
+
+    sections = {
+        "models": group_options("model"),
+        "methods": [m for m in available_methods() if m in group_options("method")],
+        "tasks": [t for t in available_tasks() if t in group_options("task")],
+        "experiments": group_options("experiment"),
+        "assets": sorted(ASSETS),
+    }
+    for name, items in sections.items():
+        if args.what in (None, name):
+            print(f"{name}: {', '.join(items) if items else '(none)'}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from kvbench.assets import ASSETS, fetch_asset, get_asset
+    from kvbench.models.loading import converted_model_dir
+
+    names = args.assets or ["smollm2_135m", "paul_graham_essays"]
+    if names == ["all"]:
+        names = sorted(ASSETS)
+    for name in names:
+        path = converted_model_dir(name) if get_asset(name).kind == "gguf_model" else fetch_asset(name)
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kvbench.report import runs_table
+
+    print(runs_table(args.paths or ["results/runs"], fmt=args.format))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        return cmd_run(argv[1:])
+    parser = argparse.ArgumentParser(prog="kvbench", description="Benchmark harness for KV-cache methods.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run a model x method x task config (Hydra overrides; -m for sweeps)")
+    p_list = sub.add_parser("list", help="list models, methods, tasks, experiments and assets")
+    p_list.add_argument("what", nargs="?", choices=["models", "methods", "tasks", "experiments", "assets"])
+    p_fetch = sub.add_parser("fetch", help="download and convert offline assets ahead of time")
+    p_fetch.add_argument("assets", nargs="*", help="asset names (default: the quickstart's; 'all' for every asset)")
+    p_report = sub.add_parser("report", help="table of finished runs")
+    p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
+    p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
+    args = parser.parse_args(argv)
+    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report}
+    try:
+        return handlers[args.command](args)
+    except KvbenchError as error:
+        return _fail(error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

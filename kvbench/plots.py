@@ -1,0 +1,47 @@
+"""Figures: needle-in-a-haystack heatmaps in the style of the papers (greener = better)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+# Kamradt's palette, used by PQCache Fig. 9 and most NIAH figures: red (0) → yellow → green (100).
+NIAH_COLORS = ("#F0496E", "#EBB839", "#0CD79F")
+
+
+def niah_heatmap(records: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
+    """Depth (rows, 0 = top of the document) × length (columns) heatmap of scores, 0–100."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LinearSegmentedColormap
+
+    lengths = sorted({int(r["meta"]["length"]) for r in records})
+    depths = sorted({float(r["meta"]["depth"]) for r in records})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for record in records:
+        row = depths.index(float(record["meta"]["depth"]))
+        col = lengths.index(int(record["meta"]["length"]))
+        grid[row, col] = record["score"]
+    cmap = LinearSegmentedColormap.from_list("niah", NIAH_COLORS)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.55 * len(depths)), dpi=120)
+    image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=100, aspect="auto")
+    for row in range(len(depths)):
+        for col in range(len(lengths)):
+            if not np.isnan(grid[row, col]):
+                ax.text(col, row, f"{grid[row, col]:.0f}", ha="center", va="center", fontsize=8, color="black")
+    ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label="score")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

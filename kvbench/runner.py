@@ -1,0 +1,215 @@
+"""Run one (model, method, task) configuration end to end, resumably.
+
+The run directory is named by a hash of the resolved config, so re-running the same command finds
+the finished samples and only runs the rest (when the task knows its sample ids up front, a finished
+run does not even load the model). Nothing is created until the first sample finishes, so a run that
+fails on bad input leaves no trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvbench.budget import BudgetConfig
+from kvbench.profile import Profile
+from kvbench.errors import BudgetError, ConfigError
+from kvbench.results import RunDir, run_id_for
+
+TELEMETRY_MEANS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "prefill_s", "decode_s", "recall",
+                   "kv_bytes_ratio", "kv_bytes_after_prefill", "bytes_h2d", "bytes_h2d_fetch", "bytes_h2d_index",
+                   "bytes_h2d_cache_fill", "prompt_tokens", "new_tokens")
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    metrics: dict[str, Any]
+    ran: int  # samples computed by this invocation
+    seconds: float
+
+
+def run(resolved: dict[str, Any]) -> RunSummary:
+    """Run the config ``resolved`` (a plain dict: model, method, task, budget, profile, output_dir)."""
+    from kvbench.methods import create_method
+    from kvbench.tasks import create_task
+
+    started = time.perf_counter()
+    for group in ("model", "method", "task"):
+        if not isinstance(resolved.get(group), dict):
+            raise ConfigError(f"the config has no {group} group", f"pass {group}=<name> (see `kvbench list`)")
+    output_dir = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
+    _check_writable(output_dir)
+    task = create_task(resolved["task"])
+    method = create_method(resolved["method"])
+    budget = BudgetConfig.from_mapping(resolved.get("budget"))
+    profile = Profile(**(resolved.get("profile") or {}))
+    if method.family != "dense" and not budget.is_set:
+        raise BudgetError(
+            f"method {method.name} compresses the KV cache and needs a budget",
+            "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
+        )
+    run_dir = RunDir(output_dir / run_id_for(resolved))
+    done = run_dir.finished_ids()
+    known = task.sample_ids()
+    ran = 0
+    if known is None or not set(known) <= done:
+        ran = _run_samples(resolved, task, method, budget, profile, run_dir, done)
+    records = run_dir.records()
+    if known is not None:
+        wanted = set(known)
+        records = [r for r in records if str(r["id"]) in wanted]
+    if not records:
+        raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
+    metrics = summarise(task, method, budget, records)
+    run_dir.write_metrics(metrics)
+    title = f"{resolved['model']['name']} · {method.name} · {_budget_label(budget, method)}"
+    metrics["artifacts"] = [p.name for p in task.artifacts(records, run_dir.path, title)]
+    run_dir.write_metrics(metrics)
+    return RunSummary(run_dir=run_dir.path, metrics=metrics, ran=ran, seconds=time.perf_counter() - started)
+
+
+def _run_samples(
+    resolved: dict[str, Any], task: Any, method: Any, budget: BudgetConfig, profile: Profile, run_dir: RunDir, done: set[str]
+) -> int:
+    import yaml
+    from tqdm.auto import tqdm
+
+    from kvbench.models.loading import load_model
+
+    model = load_model(resolved["model"])
+    config_yaml = yaml.safe_dump(resolved, sort_keys=True)
+    ids = task.sample_ids()
+    total = len(ids) - len(done & set(ids)) if ids is not None else None
+    ran = 0
+    bar = tqdm(total=total, desc=run_dir.path.name, unit="sample", disable=not resolved.get("progress", True),
+               file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    try:
+        for sample in task.samples(model):
+            if sample.id in done:
+                continue
+            result = task.run_sample(sample, model, method, budget, profile)
+            record = result.to_record()
+            record["protocol"] = task.protocol()
+            if ran == 0:
+                run_dir.create(config_yaml, environment(model.spec))
+            run_dir.append(record)
+            ran += 1
+            bar.set_postfix(score=f"{result.score:.1f}")
+            bar.update(1)
+    finally:
+        bar.close()
+    return ran
+
+
+def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """metrics.json: the task's aggregate, telemetry means, and what was compared."""
+    import numpy as np
+
+    metrics = task.aggregate(records)
+    for key in TELEMETRY_MEANS:
+        values = [r["telemetry"].get(key) for r in records if r.get("telemetry", {}).get(key) is not None]
+        metrics[key] = float(np.mean(values)) if values else None
+    hits = sum(r["telemetry"].get("cache_hits", 0) for r in records)
+    lookups = sum(r["telemetry"].get("cache_lookups", 0) for r in records)
+    metrics["hit_rate"] = hits / lookups if lookups else None
+    attended = [np.mean([a for a in r["telemetry"].get("attended_per_layer", []) if a is not None])
+                for r in records if any(a is not None for a in r["telemetry"].get("attended_per_layer", []))]
+    metrics["attended_tokens"] = float(np.mean(attended)) if attended else None
+    metrics["method"] = method.describe()
+    metrics["budget"] = {**{k: getattr(budget, k) for k in budget.__dataclass_fields__}, "label": _budget_label(budget, method)}
+    metrics["protocol"] = task.protocol()
+    return metrics
+
+
+def _budget_label(budget: BudgetConfig, method: Any) -> str:
+    if method.family == "dense":
+        return "full cache"
+    size = f"{budget.tokens} tokens" if budget.tokens is not None else f"ratio {budget.token_ratio:g}"
+    return size + (" (C)" if budget.compensate and method.defaults().compensable else "")
+
+
+def _check_writable(path: Path) -> None:
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write results under {path} ({probe} is not a writable directory)",
+                          "set output_dir=<a writable folder>")
+
+
+def environment(spec: Any) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import kvbench
+
+    device = spec.device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        device_name = platform.processor() or platform.machine()
+    return {
+        "kvbench": kvbench.__version__,
+        "git_sha": _git_sha(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "device": device,
+        "device_name": device_name,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "model": spec.to_dict(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _git_sha() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=5).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def format_summary(summary: RunSummary) -> str:
+    """A short human-readable table of one run's results."""
+    m = summary.metrics
+    lines = [f"run: {summary.run_dir}  ({summary.ran} new samples, {summary.seconds:.1f} s)"]
+    fields = [("score", m.get("score")), ("n", m.get("n")), ("TTFT s", m.get("ttft_s")), ("TT2T s", m.get("tt2t_s")),
+              ("TPOT s", m.get("tpot_s")), ("recall", m.get("recall")), ("hit rate", m.get("hit_rate")),
+              ("KV kept", m.get("kv_bytes_ratio")), ("attended", m.get("attended_tokens"))]
+    lines.append("  ".join(f"{name}={_fmt(value)}" for name, value in fields if value is not None))
+    grid = m.get("grid")
+    if grid:
+        depths = sorted({d for row in grid.values() for d in row}, key=float)
+        lines.append("length \\ depth  " + "  ".join(f"{float(d):>5.2f}" for d in depths))
+        for length in sorted(grid, key=int):
+            lines.append(f"{length:>14}  " + "  ".join(f"{grid[length].get(d, float('nan')):>5.0f}" for d in depths))
+    elif m.get("per_subset"):
+        lines.append("  ".join(f"{k}={v}" for k, v in m["per_subset"].items()))
+    if m.get("artifacts"):
+        lines.append("artifacts: " + ", ".join(str(summary.run_dir / a) for a in m["artifacts"]))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)

@@ -1,0 +1,166 @@
+"""The task interface: samples, prompts under a named protocol, scoring, aggregation.
+
+A task turns its data into :class:`Sample` objects (prompt text or prebuilt token ids, references,
+generation settings), scores a prediction on a 0–100 scale with the benchmark's official metric, and
+aggregates per-sample scores. Running a sample (generate, then score) is shared; tasks that measure
+something else (perplexity) override :meth:`Task.run_sample`. Every protocol choice a task makes is
+returned by :meth:`Task.protocol` and recorded with the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
+
+import numpy as np
+
+from kvbench.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvbench.budget import BudgetConfig
+    from kvbench.profile import Profile
+    from kvbench.methods.base import KVMethod
+    from kvbench.models.loading import LoadedModel
+
+
+@dataclass
+class Sample:
+    """One prompt with its reference and generation settings."""
+
+    id: str
+    reference: Any
+    prompt: str | None = None  # the user message (or raw text when ``use_template`` is false)
+    input_ids: list[int] | None = None  # prebuilt ids (take precedence over ``prompt``)
+    use_template: bool = True
+    assistant_prefix: str = ""
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    subset: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SampleResult:
+    """What the runner writes for a sample (one line of ``samples.jsonl``)."""
+
+    id: str
+    prediction: Any
+    reference: Any
+    score: float
+    subset: str | None
+    meta: dict[str, Any]
+    telemetry: dict[str, Any]
+    budget: dict[str, Any]
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "prediction": self.prediction,
+            "reference": self.reference,
+            "score": self.score,
+            "subset": self.subset,
+            "meta": self.meta,
+            "telemetry": self.telemetry,
+            "budget": self.budget,
+        }
+
+
+class Task:
+    """Base task: subclasses set ``name`` and implement :meth:`samples` and :meth:`score`."""
+
+    name: ClassVar[str] = ""
+    #: config keys every task accepts (beyond its own), e.g. ``limit``
+    common_keys: ClassVar[tuple[str, ...]] = ("name", "limit", "data_dir", "question_position")
+    #: the task's own config keys with their defaults
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
+        cfg = dict(cfg or {})
+        unknown = sorted(set(cfg) - set(self.common_keys) - set(self.defaults))
+        if unknown:
+            raise ConfigError(
+                f"task {self.name} has no option(s) {', '.join(unknown)}",
+                f"valid task.* keys: {', '.join(sorted(set(self.common_keys) | set(self.defaults)))}",
+            )
+        self.cfg = {**self.defaults, **cfg}
+        limit = self.cfg.get("limit")
+        if limit is not None and int(limit) < 1:
+            raise ConfigError(f"task.limit={limit} must be positive", "drop task.limit or set it to 1 or more")
+
+    # ------------------------------------------------------------------ data and prompts
+    def sample_ids(self) -> list[str] | None:
+        """Ids of the samples this run will produce, if known without a model (fast resume)."""
+        return None
+
+    def samples(self, model: LoadedModel) -> Iterable[Sample]:
+        raise NotImplementedError
+
+    def limited(self, samples: Iterable[Sample]) -> Iterable[Sample]:
+        limit = self.cfg.get("limit")
+        for index, sample in enumerate(samples):
+            if limit is not None and index >= int(limit):
+                return
+            yield sample
+
+    def protocol(self) -> dict[str, Any]:
+        """The protocol choices of this run (recorded in every sample's config)."""
+        return {"task": self.name}
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sample: Sample, prediction: str) -> float:
+        raise NotImplementedError
+
+    def run_sample(
+        self,
+        sample: Sample,
+        model: LoadedModel,
+        method: KVMethod,
+        budget: BudgetConfig,
+        profile: Profile,
+    ) -> SampleResult:
+        """Generate greedily for ``sample`` and score the prediction."""
+        from kvbench.engine.generate import generate
+
+        ids = sample.input_ids
+        if ids is None:
+            ids = model.chat.encode(sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix)
+        stop_ids = [model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_strings]
+        out = generate(
+            model,
+            method,
+            ids,
+            max_new_tokens=sample.max_new_tokens,
+            min_new_tokens=sample.min_new_tokens,
+            stop_ids=stop_ids,
+            budget=budget,
+            profile=profile,
+        )
+        return SampleResult(
+            id=sample.id,
+            prediction=out.text,
+            reference=sample.reference,
+            score=float(self.score(sample, out.text)),
+            subset=sample.subset,
+            meta={**sample.meta, "stop_reason": out.stop_reason},
+            telemetry=out.telemetry,
+            budget=out.budget.to_dict(),
+        )
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """``score`` (mean, 0–100), ``n`` and ``per_subset`` means."""
+        scores = [r["score"] for r in records]
+        per_subset: dict[str, list[float]] = {}
+        for record in records:
+            if record.get("subset") is not None:
+                per_subset.setdefault(str(record["subset"]), []).append(record["score"])
+        return {
+            "score": round(float(np.mean(scores)), 2) if scores else None,
+            "n": len(scores),
+            "per_subset": {key: round(float(np.mean(v)), 2) for key, v in per_subset.items()},
+        }
+
+    def artifacts(self, records: list[dict[str, Any]], run_dir: Path, title: str) -> list[Path]:
+        """Files (plots) the task writes next to the results; none by default."""
+        return []

@@ -1,0 +1,69 @@
+import math
+
+import pytest
+
+from kvbench.budget import BudgetConfig, MethodBudgetDefaults, full_budget, resolve_budget
+from kvbench.errors import BudgetError
+
+PQ = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+DROP = MethodBudgetDefaults(sink=32, local_fraction=0.5, compensable=True)
+
+
+def test_ratio_follows_pqcache_code_accounting():
+    # s = 10,000 at ratio 1/5: B = 0.2 * (10000 - 32) = 1993 (floor), local = 996, select = 997.
+    b = resolve_budget(BudgetConfig(token_ratio=0.2), 10_000, PQ, "pqcache")
+    assert (b.sink, b.local, b.select) == (32, 996, 997)
+    assert b.total == 32 + 1993 and b.compresses
+
+
+def test_absolute_tokens_win_over_ratio():
+    b = resolve_budget(BudgetConfig(token_ratio=0.5, tokens=256), 4096, PQ, "oracle")
+    assert b.budget == 256 and b.local == 128 and b.select == 128
+
+
+def test_compensation_is_byte_matching_and_only_for_dropping_methods():
+    cfg = BudgetConfig(token_ratio=0.1, comm_ratio=1 / 128, compensate=True)
+    s = 4096
+    dropped = resolve_budget(cfg, s, DROP, "h2o")
+    room = s - 32
+    assert dropped.compensation == math.floor(room / 256)
+    assert dropped.budget == math.floor(0.1 * room) + math.floor(room / 256)
+    offloaded = resolve_budget(cfg, s, PQ, "pqcache")
+    assert offloaded.compensation == 0 and offloaded.budget == math.floor(0.1 * room)
+
+
+def test_local_override_and_its_limit():
+    b = resolve_budget(BudgetConfig(tokens=100, local=10), 1000, PQ, "oracle")
+    assert (b.local, b.select) == (10, 90)
+    with pytest.raises(BudgetError, match="budget.local"):
+        resolve_budget(BudgetConfig(tokens=100, local=101), 1000, PQ, "oracle")
+
+
+def test_budget_may_cover_the_generation_but_not_more():
+    b = resolve_budget(BudgetConfig(tokens=1100), 1000, PQ, "oracle", capacity=1100)
+    assert b.budget == 1100 - 32 and not b.compresses
+    with pytest.raises(BudgetError, match="larger than the context"):
+        resolve_budget(BudgetConfig(tokens=1101), 1000, PQ, "oracle", capacity=1100)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(token_ratio=0.0), dict(token_ratio=1.5), dict(tokens=0), dict(tokens=-5), dict(comm_ratio=-0.1), dict(sink=-1)],
+)
+def test_invalid_budgets_are_rejected(kwargs):
+    with pytest.raises(BudgetError):
+        BudgetConfig(**kwargs)
+
+
+def test_missing_budget_names_the_fix():
+    with pytest.raises(BudgetError, match="budget.token_ratio"):
+        resolve_budget(BudgetConfig(), 1000, PQ, "oracle")
+
+
+def test_unknown_budget_key():
+    with pytest.raises(BudgetError, match="unknown budget key"):
+        BudgetConfig.from_mapping({"ratio": 0.1})
+
+
+def test_full_budget_does_not_compress():
+    assert not full_budget(10).compresses

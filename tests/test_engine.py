@@ -1,0 +1,154 @@
+"""The engine and the three foundation methods: equivalence, invariants, guards."""
+
+import pytest
+import torch
+
+from kvbench.budget import BudgetConfig
+from kvbench.engine.generate import generate, teacher_force
+from kvbench.errors import CompressionNotApplied, ContextTooLongError
+from kvbench.methods import create_method, register
+from kvbench.methods.base import KVMethod, Selection
+from kvbench.profile import Profile
+
+NEW = 24
+
+
+def hf_greedy(loaded, ids, n=NEW):
+    out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def run(loaded, name, ids, n=NEW, profile=None, **budget):
+    return generate(
+        loaded, create_method({"name": name}), ids, max_new_tokens=n, min_new_tokens=n,
+        budget=BudgetConfig(**budget), profile=profile,
+    )
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_full_is_token_identical_to_model_generate(fixture, request, random_ids):
+    loaded = request.getfixturevalue(fixture)
+    ids = random_ids(300, seed=1)
+    expected = hf_greedy(loaded, ids)
+    assert len(set(expected)) > 3, "the reference output should vary, or the test has no teeth"
+    assert run(loaded, "full", ids).tokens == expected
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("name", ["oracle", "streamingllm"])
+def test_a_budget_covering_the_cache_is_token_identical_to_full(fixture, name, request, random_ids):
+    loaded = request.getfixturevalue(fixture)
+    ids = random_ids(300, seed=2)
+    reference = run(loaded, "full", ids).tokens
+    assert run(loaded, name, ids, tokens=300 + NEW).tokens == reference
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_small_budget_changes_the_output_and_attends_exactly_the_budget(fixture, request, random_ids):
+    loaded = request.getfixturevalue(fixture)
+    ids = random_ids(600, seed=3)
+    reference = run(loaded, "full", ids).tokens
+    oracle = run(loaded, "oracle", ids, token_ratio=0.1)
+    b = oracle.budget
+    assert (b.sink, b.budget) == (32, int(0.1 * (600 - 32)))
+    # every layer, every step: sink + local + top-k + the current token
+    assert all(a == b.total + 1 for a in oracle.telemetry["attended_per_layer"])
+    stream = run(loaded, "streamingllm", ids, token_ratio=0.1)
+    s = stream.budget
+    assert s.sink == 4 and s.local == int(0.1 * (600 - 4)) and s.select == 0
+    assert stream.telemetry["kept_per_layer"] == [s.total] * loaded.spec.n_layers
+    assert all(a == s.total + 1 for a in stream.telemetry["attended_per_layer"])
+    assert stream.telemetry["kv_bytes_ratio"] == pytest.approx(s.total / 600)
+    assert oracle.tokens != reference or stream.tokens != reference
+
+
+def test_oracle_recall_is_one_and_streaming_window_is_what_it_keeps(tiny_llama, random_ids):
+    ids = random_ids(500, seed=4)
+    out = run(tiny_llama, "oracle", ids, n=8, profile=Profile(recall=True), token_ratio=0.1)
+    assert out.telemetry["recall"] == pytest.approx(1.0)
+    assert all(r == pytest.approx(1.0) for r in out.telemetry["recall_per_layer"])
+
+
+def test_oracle_selects_the_exact_top_k_of_a_planted_pattern(tiny_llama, random_ids):
+    """Make layer-0 keys at chosen positions align with every query: the oracle must pick them."""
+    loaded = tiny_llama
+    method = create_method({"name": "oracle"})
+    planted = [100, 150, 222, 333]
+    seen: list[torch.Tensor] = []
+
+    original = method.select
+
+    def spy(layer, query, kv):
+        if layer == 0 and not seen:
+            # overwrite the keys of the planted slots with a huge multiple of the query group mean
+            q = query[0, :, 0, :].view(kv.n_kv_heads, -1, kv.head_dim).mean(dim=1)
+            for slot in planted:
+                kv.keys[:, slot] = 50 * q / q.norm(dim=-1, keepdim=True)
+            sel = original(layer, query, kv)
+            seen.append(sel.selected)
+            return sel
+        return original(layer, query, kv)
+
+    method.select = spy
+    generate(loaded, method, random_ids(400, seed=5), max_new_tokens=2, budget=BudgetConfig(tokens=8, local=4))
+    chosen = seen[0]
+    assert chosen.shape == (loaded.spec.n_kv_heads, 4)
+    assert all(row == planted for row in chosen.tolist())
+
+
+class _Lazy(KVMethod):
+    """A broken retrieval method that attends everything while asked to compress."""
+
+    name = "_lazy_for_test"
+    family = "retrieval"
+
+    def select(self, layer, query, kv):
+        return Selection(slots=torch.arange(kv.n).expand(kv.n_kv_heads, -1))
+
+
+class _LazyEvictor(KVMethod):
+    name = "_lazy_evictor_for_test"
+    family = "eviction"
+
+
+def test_silent_compression_failures_are_loud(tiny_llama, random_ids):
+    register(_Lazy)
+    register(_LazyEvictor)
+    ids = random_ids(200, seed=6)
+    for name in (_Lazy.name, _LazyEvictor.name):
+        with pytest.raises(CompressionNotApplied, match="attended all|kept all"):
+            generate(tiny_llama, create_method({"name": name}), ids, max_new_tokens=4, min_new_tokens=4,
+                     budget=BudgetConfig(token_ratio=0.1))
+
+
+def test_context_longer_than_the_model_is_an_error(tiny_llama):
+    with pytest.raises(ContextTooLongError, match="maximum"):
+        generate(tiny_llama, create_method({"name": "full"}), [1] * 16380, max_new_tokens=8)
+
+
+def test_stop_ids_and_min_new_tokens(tiny_llama, random_ids):
+    ids = random_ids(100, seed=7)
+    free = run(tiny_llama, "full", ids, n=12).tokens
+    stop = free[3]
+    first = free.index(stop)
+    out = generate(tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=12, stop_ids=[stop])
+    assert out.stop_reason == "stop" and out.tokens == free[: first + 1]
+    late = generate(tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=12, stop_ids=[stop],
+                    min_new_tokens=first + 1)
+    assert len(late.tokens) > first + 1
+
+
+def test_teacher_forced_full_matches_the_model_loss(tiny_llama, random_ids):
+    ids = random_ids(160, seed=8)
+    nll, _ = teacher_force(tiny_llama, create_method({"name": "full"}), ids[:100], ids[100:])
+    with torch.no_grad():
+        logits = tiny_llama.model(torch.tensor([ids])).logits[0, 99:-1].float()
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[100:]), reduction="none")
+    assert torch.allclose(torch.tensor(nll), expected, atol=1e-4)
+
+
+def test_timings_are_recorded(tiny_llama, random_ids):
+    out = run(tiny_llama, "full", random_ids(200), n=6)
+    t = out.telemetry
+    assert t["ttft_s"] > 0 and t["tt2t_s"] > t["ttft_s"] and t["tpot_s"] > 0
+    assert t["decode_steps"] == 5 and t["new_tokens"] == 6

@@ -1,0 +1,119 @@
+"""Runs end to end on a tiny model: files, resume, crash safety, sweeps."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench.cli import conf_dir
+from kvbench.results import RunDir, load, run_id_for
+from kvbench.runner import run
+
+KVBENCH = [sys.executable, "-m", "kvbench"]
+
+
+@pytest.fixture
+def essays(tmp_path):
+    folder = tmp_path / "essays"
+    folder.mkdir()
+    (folder / "e.txt").write_text(" ".join(f"Essay sentence {i} is about hackers." for i in range(600)))
+    return folder
+
+
+def resolved_config(tmp_path, essays, method="full", **extra):
+    base = OmegaConf.load(conf_dir() / "config.yaml")
+    cfg = {
+        "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
+        "method": OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / f"{method}.yaml")),
+        "task": OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "niah.yaml")),
+        "budget": OmegaConf.to_container(base.budget),
+        "profile": OmegaConf.to_container(base.profile),
+        "output_dir": str(tmp_path / "runs"),
+        "progress": False,
+    }
+    cfg["task"].update(lengths=[600, 700], depths=[0.0, 1.0], data_dir=str(essays), max_new_tokens=4)
+    for key, value in extra.items():
+        group, _, name = key.partition("__")
+        cfg[group][name] = value
+    return cfg
+
+
+def cli_args(tmp_path, essays, *more):
+    return ["run", "model=tiny_llama", f"output_dir={tmp_path / 'runs'}", "progress=false",
+            "task.lengths=[600,700]", "task.depths=[0,0.25,0.5,0.75,1]", f"task.data_dir={essays}",
+            "task.max_new_tokens=4", *more]
+
+
+def test_a_run_writes_its_directory_and_resumes(tmp_path, essays):
+    cfg = resolved_config(tmp_path, essays)
+    first = run(cfg)
+    assert first.ran == 4
+    run_dir = first.run_dir
+    assert run_dir.name == run_id_for(cfg) and run_dir.name.startswith("niah-full-tiny_llama-")
+    for name in ("config.yaml", "samples.jsonl", "metrics.json", "env.json", "heatmap.png"):
+        assert (run_dir / name).exists(), name
+    records = RunDir(run_dir).records()
+    assert [r["id"] for r in records] == ["len600_depth0", "len600_depth1", "len700_depth0", "len700_depth1"]
+    assert all({"id", "prediction", "reference", "score", "telemetry"} <= set(r) for r in records)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["n"] == 4 and metrics["ttft_s"] > 0 and metrics["grid"]["600"]["0"] >= 0
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["torch"] and env["device"] == "cpu"
+    again = run(cfg)
+    assert again.ran == 0 and again.metrics["n"] == 4
+
+
+def test_a_torn_last_line_is_dropped_and_recomputed(tmp_path, essays):
+    cfg = resolved_config(tmp_path, essays)
+    run_dir = run(cfg).run_dir
+    samples = run_dir / "samples.jsonl"
+    lines = samples.read_text().splitlines(keepends=True)
+    samples.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    resumed = run(cfg)
+    assert resumed.ran == 2
+    assert [json.loads(line)["id"] for line in samples.read_text().splitlines()] == [
+        json.loads(line)["id"] for line in lines
+    ]
+
+
+def test_sigkill_loses_no_finished_sample(tmp_path, essays):
+    args = cli_args(tmp_path, essays, "task.max_new_tokens=24")
+    proc = subprocess.Popen(KVBENCH + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    samples = None
+    while time.time() < deadline:
+        found = list((tmp_path / "runs").glob("*/samples.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 2:
+            samples = found[0]
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert samples is not None, "the run never wrote a sample"
+    kept = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
+    assert len(kept) >= 2 and len(kept) == len(set(kept))
+    done = subprocess.run(KVBENCH + args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    final = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
+    assert final[: len(kept)] == kept and len(final) == len(set(final)) == 10
+
+
+def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
+    out = subprocess.run(KVBENCH + cli_args(tmp_path, essays, "-m", "method=full,oracle,streamingllm",
+                                                "budget.token_ratio=0.1", "task.depths=[0.5]"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    runs = sorted(p.name.split("-")[1] for p in (tmp_path / "runs").iterdir())
+    assert runs == ["full", "oracle", "streamingllm"]
+    assert out.stdout.count("| niah |") == 3
+    frame = load(tmp_path / "runs")
+    assert sorted(frame["config.method.name"]) == ["full", "oracle", "streamingllm"]
+    assert set(frame["n"]) == {2}
+    per_sample = load(tmp_path / "runs", samples=True)
+    assert len(per_sample) == 6 and "telemetry.ttft_s" in per_sample.columns
