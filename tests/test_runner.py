@@ -109,7 +109,7 @@ def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
                                                 "budget.token_ratio=0.1", "task.depths=[0.5]"),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    runs = sorted(p.name.split("-")[1] for p in (tmp_path / "runs").iterdir())
+    runs = sorted(p.name.split("-")[1] for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
     assert runs == ["full", "oracle", "streamingllm"]
     assert out.stdout.count("| niah |") == 3
     frame = load(tmp_path / "runs")
