@@ -146,6 +146,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    import platform
+
+    import torch
+
+    from kvbench.bench import BenchOptions, discover, render
+    from kvbench.errors import ConfigError
+
+    benches = discover()
+    names = args.names or sorted(benches)
+    unknown = [n for n in names if n not in benches]
+    if unknown:
+        raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}", f"choose from: {', '.join(sorted(benches))}")
+    options = BenchOptions(quick=args.quick, device=args.device, repeats=args.repeats)
+    results = [benches[name](options) for name in names]
+    if args.json:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else platform.processor()
+        print(json.dumps({"device": device, "results": [r.__dict__ for r in results]}, indent=2, default=str))
+    else:
+        print("\n\n".join(render(r) for r in results))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
@@ -160,8 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="table of finished runs")
     p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
     p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
+    p_bench = sub.add_parser("bench", help="performance micro-benchmarks (ratios measured side by side)")
+    p_bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    p_bench.add_argument("--json", action="store_true", help="machine-readable output")
+    p_bench.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    p_bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p_bench.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report}
+    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except KvbenchError as error:

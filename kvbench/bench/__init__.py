@@ -1,0 +1,89 @@
+"""``kvbench bench``: performance micro-benchmarks, reported as ratios measured side by side.
+
+Each module of this package registers benchmark functions with :func:`benchmark`. A benchmark runs
+both sides of a comparison in the same process, on the same inputs, and returns rows whose ratio
+columns are the figures to quote (absolute times depend on the machine; ratios travel better).
+Performance targets live here, never in timed unit tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class BenchResult:
+    name: str
+    title: str
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    quick: bool = False  # smaller sizes, for smoke tests
+    device: str = "auto"
+    repeats: int = 5
+
+
+Bench = Callable[[BenchOptions], BenchResult]
+BENCHMARKS: dict[str, Bench] = {}
+_discovered = False
+
+
+def benchmark(name: str) -> Callable[[Bench], Bench]:
+    def wrap(fn: Bench) -> Bench:
+        BENCHMARKS[name] = fn
+        return fn
+
+    return wrap
+
+
+def discover() -> dict[str, Bench]:
+    global _discovered
+    if not _discovered:
+        for module in pkgutil.iter_modules(__path__):
+            if not module.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{module.name}")
+        _discovered = True
+    return BENCHMARKS
+
+
+def bench_device(options: BenchOptions) -> torch.device:
+    if options.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(options.device)
+
+
+def time_call(fn: Callable[[], Any], *, repeats: int, device: torch.device, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (synchronising CUDA)."""
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def render(result: BenchResult) -> str:
+    from kvbench.report import to_markdown
+
+    import pandas as pd
+
+    lines = [f"## {result.name}: {result.title}", "", to_markdown(pd.DataFrame(result.rows))]
+    lines += [""] + [f"- {note}" for note in result.notes] if result.notes else []
+    return "\n".join(lines)
