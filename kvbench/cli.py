@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 from kvbench.errors import KvbenchError
 
-CONFIG_MODULE = "kvbench.conf"
+from kvbench.compose import CONFIG_MODULE
+
 GROUPS = ("model", "method", "task", "experiment")
 _SWEEP_RUNS: list[Any] = []
 
@@ -37,10 +38,7 @@ def _fail(error: KvbenchError) -> int:
 # ---------------------------------------------------------------------- run
 def _validate_overrides(overrides: Sequence[str]) -> list[str]:
     """Check group choices and keys before Hydra runs anything; return the first sweep point."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
+    from kvbench.compose import compose
     from kvbench.errors import ConfigError
 
     first: list[str] = []
@@ -56,15 +54,7 @@ def _validate_overrides(overrides: Sequence[str]) -> list[str]:
         if sep and "," in value and not value.startswith("[") and not value.startswith("{"):
             value = value.split(",")[0]
         first.append(f"{key}={value}" if sep else item)
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-            compose(config_name="config", overrides=first)
-    except (HydraException, OmegaConfBaseException) as exc:
-        message = str(exc).strip().splitlines()
-        raise ConfigError(
-            f"invalid override: {message[0] if message else exc}",
-            "check the key's spelling against `kvbench list` and conf/ (new keys need a leading +)",
-        ) from None
+    compose(first)
     return first
 
 
@@ -139,6 +129,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from kvbench.check import run_checks
+
+    return run_checks(args.golden, names=args.names, output_dir=args.output_dir)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from kvbench.report import runs_table
 
@@ -184,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="table of finished runs")
     p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
     p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
+    p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
+    p_check.add_argument("names", nargs="*", help="check names (default: all)")
+    p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")
+    p_check.add_argument("--output-dir", default=None, help="where the check runs go (default: results/runs)")
     p_bench = sub.add_parser("bench", help="performance micro-benchmarks (ratios measured side by side)")
     p_bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p_bench.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench}
+    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench, "check": cmd_check}
     try:
         return handlers[args.command](args)
     except KvbenchError as error:

@@ -56,11 +56,13 @@ class GenerationContext:
         )
 
     # ------------------------------------------------------------------ model
-    def forward(self, input_ids: torch.Tensor, *, start: int) -> torch.Tensor:
-        """Logits ``[1, vocab]`` of the last of ``input_ids`` (``[1, t]``) placed at positions ``start..``."""
+    def forward(self, input_ids: torch.Tensor, *, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[1, vocab]`` of the last of ``input_ids`` (``[1, t]``), placed at positions
+        ``start..start+t-1`` or at explicit ``positions`` (``[t]``; reuse methods recompute scattered tokens)."""
         t = input_ids.shape[1]
-        positions = torch.arange(start, start + t, device=input_ids.device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=input_ids.device)
+        out = self.model(input_ids=input_ids, position_ids=positions.view(1, t), use_cache=False, logits_to_keep=1)
         return out.logits[:, -1, :]
 
     # ------------------------------------------------------------------ attention
