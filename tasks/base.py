@@ -36,7 +36,8 @@ class Sample:
     assistant_prefix: str = ""
     max_new_tokens: int = 64
     min_new_tokens: int = 0
-    stop_strings: tuple[str, ...] = ()
+    stop_tokens: tuple[str, ...] = ()  # texts whose (last) token id ends generation, e.g. LongBench's "\n"
+    stop_texts: tuple[str, ...] = ()  # generation ends once the output contains one; it is cut there
     subset: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -126,7 +127,7 @@ class Task:
         ids = sample.input_ids
         if ids is None:
             ids = model.chat.encode(sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix)
-        stop_ids = [model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_strings]
+        stop_ids = [model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_tokens]
         out = generate(
             model,
             method,
@@ -134,6 +135,7 @@ class Task:
             max_new_tokens=sample.max_new_tokens,
             min_new_tokens=sample.min_new_tokens,
             stop_ids=stop_ids,
+            stop_texts=sample.stop_texts,
             budget=budget,
             profile=profile,
         )

@@ -140,7 +140,7 @@ def test_stop_ids_and_min_new_tokens(tiny_llama, random_ids):
 
 def test_teacher_forced_full_matches_the_model_loss(tiny_llama, random_ids):
     ids = random_ids(160, seed=8)
-    nll, _ = teacher_force(tiny_llama, create_method({"name": "full"}), ids[:100], ids[100:])
+    nll = teacher_force(tiny_llama, create_method({"name": "full"}), ids[:100], ids[100:]).nll
     with torch.no_grad():
         logits = tiny_llama.model(torch.tensor([ids])).logits[0, 99:-1].float()
     expected = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[100:]), reduction="none")
@@ -152,3 +152,14 @@ def test_timings_are_recorded(tiny_llama, random_ids):
     t = out.telemetry
     assert t["ttft_s"] > 0 and t["tt2t_s"] > t["ttft_s"] and t["tpot_s"] > 0
     assert t["decode_steps"] == 5 and t["new_tokens"] == 6
+
+
+def test_stop_texts_cut_the_output_and_change_nothing_before(tiny_llama, random_ids):
+    ids = random_ids(120, seed=9)
+    free = run(tiny_llama, "full", ids, n=20)
+    text = free.text
+    marker = text[6:9]
+    assert marker and text.find(marker) == 6
+    out = generate(tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=20, stop_texts=[marker])
+    assert out.stop_reason == "stop_text" and out.text == text[:6]
+    assert free.tokens[: len(out.tokens)] == out.tokens

@@ -66,6 +66,7 @@ def generate(
     max_new_tokens: int,
     budget: BudgetConfig | None = None,
     stop_ids: Sequence[int] = (),
+    stop_texts: Sequence[str] = (),
     min_new_tokens: int = 0,
     profile: Profile | None = None,
 ) -> Generation:
@@ -73,7 +74,9 @@ def generate(
 
     Generation stops at any of the model's stop ids or ``stop_ids`` (e.g. LongBench's newline for
     samsum). Until ``min_new_tokens`` tokens exist the stop ids cannot be chosen (their logits are
-    masked, as transformers' ``min_new_tokens`` / LongBench's ``min_length`` do).
+    masked, as transformers' ``min_new_tokens`` / LongBench's ``min_length`` do). Generation also ends
+    once the decoded output contains one of ``stop_texts`` (e.g. GSM8k's "\nQuestion:"); the text is cut
+    before it. Greedy decoding is causal, so stopping early changes nothing before the cut.
     """
     profile = profile or Profile()
     budget = budget or BudgetConfig()
@@ -114,8 +117,14 @@ def generate(
             if len(tele.step_s) == 1:
                 ctx.check_after_first_step()
             tokens.append(token)
+            if stop_texts and _find_stop(loaded.tokenizer.decode(tokens, skip_special_tokens=True), stop_texts) >= 0:
+                stop_reason = "stop_text"
+                break
     body = tokens[:-1] if stop_reason == "stop" else tokens
     text = loaded.tokenizer.decode(body, skip_special_tokens=True)
+    cut = _find_stop(text, stop_texts)
+    if cut >= 0:
+        text = text[:cut]
     return Generation(
         tokens=tokens,
         text=text,
@@ -126,6 +135,21 @@ def generate(
     )
 
 
+@dataclass
+class Scoring:
+    """Teacher-forced negative log-likelihoods of a continuation, with the run's budget and telemetry."""
+
+    nll: list[float]
+    budget: ResolvedBudget
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+def _find_stop(text: str, stop_texts: Sequence[str]) -> int:
+    """Index of the earliest stop text in ``text``, or -1."""
+    hits = [i for i in (text.find(stop) for stop in stop_texts if stop) if i >= 0]
+    return min(hits) if hits else -1
+
+
 def teacher_force(
     loaded: LoadedModel,
     method: KVMethod,
@@ -134,7 +158,7 @@ def teacher_force(
     *,
     budget: BudgetConfig | None = None,
     profile: Profile | None = None,
-) -> tuple[list[float], dict[str, Any]]:
+) -> Scoring:
     """Negative log-likelihood of each continuation token, decode mode.
 
     The prefix is prefilled densely (the method evicts or indexes as usual); then every
@@ -163,7 +187,7 @@ def teacher_force(
             ctx.telemetry.step_s.append(ctx.clock.now() - step_start - ctx.telemetry.excluded_s)
             if i == 0:
                 ctx.check_after_first_step()
-    return nll, _telemetry(ctx, method, len(targets))
+    return Scoring(nll=nll, budget=ctx.budget, telemetry=_telemetry(ctx, method, len(targets)))
 
 
 def _telemetry(ctx: GenerationContext, method: KVMethod, new_tokens: int) -> dict[str, Any]:

