@@ -105,6 +105,7 @@ class ResolvedBudget:
     compensation: int = 0
     source: str = ""
     per_layer: tuple[int, ...] | None = field(default=None)
+    comm_ratio: float = 0.0  # the extra-communication budget methods derive parameters from (PQ m·b, SparQ r, ...)
 
     @property
     def budget(self) -> int:
@@ -133,6 +134,7 @@ class ResolvedBudget:
             compensation=self.compensation,
             source=self.source,
             per_layer=tuple(int(b) for b in per_layer),
+            comm_ratio=self.comm_ratio,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,4 +201,5 @@ def resolve_budget(
         select=budget - local,
         compensation=compensation,
         source=source,
+        comm_ratio=float(cfg.comm_ratio),
     )

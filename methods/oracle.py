@@ -17,20 +17,24 @@ import torch
 from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import KVMethod, Selection
-from kvbench.methods.selection import compose, exact_topk, layout
+from kvbench.methods.base import Selection
+from kvbench.methods.retrieval import RetrievalMethod
+from kvbench.methods.selection import compose, exact_topk
 
 
 @register
-class Oracle(KVMethod):
+class Oracle(RetrievalMethod):
     name = "oracle"
-    family = "retrieval"
     budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.cfg.get("offload", False))
 
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
         budget = self.ctx.budget
         spec = self.ctx.spec
-        lay = layout(kv, budget.sink, budget.local)
+        lay = self.layout(kv)
         candidates = lay.candidates(kv.home)
         per_query_head = bool(self.cfg.get("per_query_head", False))
         if budget.select >= lay.middle:

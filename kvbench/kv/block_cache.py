@@ -20,7 +20,15 @@ import torch
 class BlockCache:
     """Which blocks of one layer are resident on the device, with an LRU or LFU replacement rule."""
 
-    def __init__(self, capacity_blocks: int, *, block_size: int = 128, policy: str = "lfu", update_blocks: int | None = None):
+    def __init__(
+        self,
+        capacity_blocks: int,
+        *,
+        block_size: int = 128,
+        policy: str = "lfu",
+        update_blocks: int | None = None,
+        offset: int = 0,
+    ):
         if capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
         if policy not in ("lru", "lfu"):
@@ -29,6 +37,7 @@ class BlockCache:
         self.block_size = int(block_size)
         self.policy = policy
         self.update_blocks = int(update_blocks if update_blocks is not None else capacity_blocks)
+        self.offset = int(offset)  # block b holds positions [offset + b*block_size, offset + (b+1)*block_size)
         self._freq: dict[int, int] = {}
         self._order: OrderedDict[int, int] = OrderedDict()  # block -> admission/touch tick
         self._tick = count()
@@ -41,6 +50,9 @@ class BlockCache:
 
     def blocks(self) -> list[int]:
         return list(self._order)
+
+    def block_of(self, slots: "torch.Tensor") -> "torch.Tensor":
+        return (slots - self.offset).div(self.block_size, rounding_mode="floor")
 
     def lookup(self, blocks: torch.Tensor) -> torch.Tensor:
         """Boolean mask: which of ``blocks`` (any shape) are resident. Touches the hits."""

@@ -216,7 +216,7 @@ class LayerKV:
         if self.cache is None:
             self.stats.bytes_h2d_fetch += wanted * self.token_bytes()
             return
-        blocks = slot // self.cache.block_size
+        blocks = self.cache.block_of(slot)
         hits = int(self.cache.lookup(blocks).sum())
         self.stats.cache_hits += hits
         self.stats.bytes_h2d_fetch += (wanted - hits) * self.token_bytes()

@@ -1,0 +1,146 @@
+"""``infllm``: InfLLM's block memory (Xiao et al., 2024) as PQCache configures it (seed-pqcache.md §3.4).
+
+Past tokens beyond the ``sink`` initial tokens and the local window are grouped into blocks of
+``block_size`` (128) positions, starting after the sinks. Each block is represented by ``reps`` of its
+tokens: per query head, the tokens that received the most attention from their local context (the
+queries within ``budget.local`` positions after them); the block's key for that head is the mean of
+those tokens' keys. At a decode step the block score is the query's dot product with the block keys,
+averaged over all query heads — one ranking shared by every head, as InfLLM does — and the top
+``ceil(select / block_size)`` blocks are attended whole (PQCache's ``topk`` formula), together with
+the sinks, the tokens past the last full block ("remainder"), the local window and the current token.
+Selected blocks go through a device cache of ``cache_tokens / block_size`` blocks (32, LRU).
+
+``reps`` defaults to ``round(budget.comm_ratio · block_size)``, at least 1 (1 for 1/128, 2 for 1/64);
+the representatives' keys are counted once per block as index traffic (``reps / block_size`` of the
+keys' bytes, PQCache's accounting).
+
+Deviations (documented choices): the prefill is dense (InfLLM prefills in 512-token chunks with
+the same block retrieval, which changes the prefill itself); keys keep their true RoPE positions
+(InfLLM gives all memory tokens one position); local attention scores are a softmax over each query's
+local window only. Blocks formed during decode pick representatives from the attention the tokens got
+at decode steps while in the local window.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvbench.budget import MethodBudgetDefaults
+from kvbench.kv.store import LayerKV
+from kvbench.methods import register
+from kvbench.methods.base import Selection
+from kvbench.methods.retrieval import RetrievalMethod
+from kvbench.methods.selection import topk_sorted
+
+
+def local_attention_received(query: torch.Tensor, keys: torch.Tensor, window: int, scale: float, chunk: int = 256) -> torch.Tensor:
+    """Attention each key receives from the queries within ``window`` positions after it.
+
+    ``query`` ``[H, s, d]``, ``keys`` ``[H, s, d]`` (already expanded to query heads). Every query ``j``
+    takes a softmax over keys ``[j - window, j]``; returns the per-key sums ``[H, s]``. Chunked over
+    queries, so memory is ``O(H · chunk · (chunk + window))``.
+    """
+    h, s, _ = query.shape
+    received = torch.zeros(h, s, dtype=torch.float32, device=query.device)
+    for start in range(0, s, chunk):
+        end = min(start + chunk, s)
+        lo = max(0, start - window)
+        logits = torch.einsum("hqd,hkd->hqk", query[:, start:end].float(), keys[:, lo:end].float()) * scale
+        qpos = torch.arange(start, end, device=query.device)[:, None]
+        kpos = torch.arange(lo, end, device=query.device)[None, :]
+        band = (kpos <= qpos) & (kpos >= qpos - window)
+        probs = torch.softmax(logits.masked_fill(~band, float("-inf")), dim=-1)
+        received[:, lo:end] += probs.sum(dim=1)
+    return received
+
+
+@register
+class InfLLM(RetrievalMethod):
+    name = "infllm"
+    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+    needs_attention_probs = True
+
+    def start(self, ctx: Any) -> None:
+        super().start(ctx)
+        self.block = int(self.cfg.get("block_size", 128))
+        reps = self.cfg.get("reps")
+        self.reps = max(1, min(self.block, int(reps) if reps else round(ctx.budget.comm_ratio * self.block)))
+        self._block_keys: dict[int, torch.Tensor] = {}  # layer -> [H, blocks, d]
+        self._received: dict[int, torch.Tensor] = {}  # layer -> [H, n] local attention received
+
+    def cache_offset(self, ctx: Any) -> int:
+        return ctx.budget.sink
+
+    def _expand(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys.repeat_interleave(self.ctx.spec.group, dim=0)
+
+    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+        if layer in self.dense_layers:
+            return
+        spec = self.ctx.spec
+        window = max(1, self.ctx.budget.local)
+        keys = self._expand(key[0])
+        self._received[layer] = local_attention_received(query[0], keys, window, spec.head_dim**-0.5)
+        self._block_keys[layer] = torch.empty(spec.n_heads, 0, spec.head_dim, device=kv.home)
+
+    def _extend_blocks(self, layer: int, kv: LayerKV, full_blocks: int) -> torch.Tensor:
+        """Representative keys of the first ``full_blocks`` blocks, built as blocks complete."""
+        reps = self._block_keys[layer]
+        done = reps.shape[1]
+        if full_blocks > done:
+            sink = self.ctx.budget.sink
+            start, end = sink + done * self.block, sink + full_blocks * self.block
+            keys = self._expand(kv.keys[:, start:end].float())  # [H, new*block, d]
+            h, _, d = keys.shape
+            keys = keys.view(h, full_blocks - done, self.block, d)
+            score = self._received[layer][:, start:end].view(h, full_blocks - done, self.block).to(keys.device)
+            top = torch.topk(score, self.reps, dim=-1).indices  # [H, new, reps]
+            chosen = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, d)).mean(dim=2)
+            reps = torch.cat([reps, chosen.to(reps.device)], dim=1)
+            self._block_keys[layer] = reps
+            if kv.offload:
+                kv.count_index_bytes((full_blocks - done) * self.reps * kv.n_kv_heads * kv.head_dim * kv.element_bytes)
+        return reps
+
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
+        budget, spec = self.ctx.budget, self.ctx.spec
+        lay = self.layout(kv)
+        full_blocks = max(0, lay.middle) // self.block
+        blocks_end = lay.sink_end + full_blocks * self.block
+        fixed = torch.cat([torch.arange(0, lay.sink_end, device=kv.home), torch.arange(blocks_end, kv.n, device=kv.home)])
+        take = min(math.ceil(budget.select / self.block), full_blocks)
+        if take == 0:
+            return Selection(slots=fixed.expand(spec.n_kv_heads, -1))
+        reps = self._extend_blocks(layer, kv, full_blocks)
+        q = query[0, :, 0, :].to(reps.device).float()  # [H, d]
+        scores = torch.einsum("hd,hbd->b", q, reps) / spec.n_heads
+        chosen = topk_sorted(scores[None], take)[0]
+        selected = (lay.sink_end + chosen[:, None] * self.block + torch.arange(self.block, device=kv.home)).reshape(1, -1)
+        selected = selected.expand(spec.n_kv_heads, -1)
+        slots, _ = torch.sort(torch.cat([fixed.expand(spec.n_kv_heads, -1), selected], dim=1), dim=1)
+        candidates = torch.arange(lay.sink_end, blocks_end, device=kv.home)
+        return Selection(slots=slots, selected=selected, candidates=candidates)
+
+    def after_attention(
+        self, layer: int, query: torch.Tensor, selection: Selection | None, kv: LayerKV, probs: torch.Tensor | None
+    ) -> None:
+        """Accumulate the attention that tokens inside the local window receive (for future blocks)."""
+        if layer not in self._received or probs is None:
+            return
+        received = self._received[layer]
+        if received.shape[1] < kv.n:
+            grow = torch.zeros(received.shape[0], kv.n - received.shape[1], device=received.device)
+            received = self._received[layer] = torch.cat([received, grow], dim=1)
+        slots = selection.slots if selection is not None else torch.arange(kv.n, device=kv.home).expand(kv.n_kv_heads, -1)
+        slots = slots.repeat_interleave(probs.shape[0] // slots.shape[0], dim=0).to(received.device)
+        window_start = kv.n - 1 - self.ctx.budget.local
+        in_window = slots >= window_start
+        received.scatter_add_(1, slots, probs.to(received.device).float() * in_window)
+
+    def telemetry(self) -> dict[str, Any]:
+        if self.ctx is None:
+            return {}
+        return {"reps": self.reps, "block_size": self.block, "comm_ratio_used": self.reps / self.block}

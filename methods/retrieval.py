@@ -1,0 +1,59 @@
+"""What every retrieval method shares: an offloaded store, a block cache, dense layers, the layout.
+
+Retrieval methods keep every token and pick, at each decode step, which middle tokens each head
+attends. They differ only in how they rank; this base class wires the rest the same way for all of
+them, so their bytes, hits, recall and attended counts are comparable in one table:
+
+* ``offload`` (default true): middle tokens live in the host tier; sinks and the local window are
+  device-resident; ``cache_tokens`` > 0 puts a block cache (``cache_block`` tokens per block, LRU/LFU,
+  ``cache_blocks`` blocks admitted per step) between them — PQCache's 4096 tokens / 128 / 32.
+* ``dense_layers``: layers that attend everything (Quest and ClusterKV leave layers 0-1 dense).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.kv.block_cache import BlockCache
+from kvbench.kv.store import LayerKV
+from kvbench.methods.base import KVMethod
+from kvbench.methods.selection import Layout, layout
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
+
+
+class RetrievalMethod(KVMethod):
+    family = "retrieval"
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.cfg.get("offload", True))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return tuple(int(x) for x in self.cfg.get("dense_layers", ()) or ())
+
+    def start(self, ctx: GenerationContext) -> None:
+        super().start(ctx)
+        cache_tokens = int(self.cfg.get("cache_tokens", 0) or 0)
+        block = int(self.cfg.get("cache_block", 128))
+        for layer in ctx.store.layers:
+            layer.set_residency(ctx.budget.sink, ctx.budget.local + 1)
+            if cache_tokens > 0 and self.offload:
+                layer.attach_cache(
+                    BlockCache(
+                        cache_tokens // block,
+                        block_size=block,
+                        policy=str(self.cfg.get("cache_policy", "lfu")),
+                        update_blocks=int(self.cfg.get("cache_blocks", cache_tokens // block)),
+                        offset=self.cache_offset(ctx),
+                    )
+                )
+
+    def cache_offset(self, ctx: GenerationContext) -> int:
+        """Where cache blocks start (InfLLM's blocks start after its initial tokens)."""
+        return 0
+
+    def layout(self, kv: LayerKV) -> Layout:
+        return layout(kv, self.ctx.budget.sink, self.ctx.budget.local)
