@@ -1,0 +1,202 @@
+"""``longbench``: LongBench v1 (and LongBench-E) under the official protocol, with named variants.
+
+The official protocol (THUDM/LongBench ``pred.py`` / ``eval.py``), step by step:
+
+1. ``prompt = dataset2prompt[dataset].format(**sample)``;
+2. **middle truncation** of the raw prompt to ``max_length`` tokens: tokenize (special tokens
+   included), and if too long keep ``decode(ids[:half]) + decode(ids[-half:])`` with
+   ``half = int(max_length / 2)`` — before any chat template;
+3. the model's **chat template**, except for trec, triviaqa, samsum, lsht, lcc and repobench-p;
+4. greedy decoding of ``dataset2maxlen`` tokens; samsum also stops at a newline and generates at least
+   one token (``min_length = context + 1``); stop ids include every end-of-turn token of the model;
+5. scoring with the official metric (``kvbench.tasks.metrics``): first line only for trec, triviaqa,
+   samsum and lsht, max over the reference answers; the dataset score is ``round(100 · mean, 2)``, and
+   the run's score is the unweighted mean over datasets (the papers' "Average").
+
+``task.max_length`` is the truncation limit: an integer, or ``null`` for the protocol's value for
+this model (``task.protocol``: ``official``, ``pqcache``, ``quest``, ``kvcache_factory`` — see
+``LENGTH_LIMITS``) falling back to the model's context minus the longest generation.
+``task.question_position=start`` moves the question of the QA datasets before the context (PQCache
+Table 3): the template's ``Question: {input}`` line goes to the front, everything else stays.
+LongBench-E (``task.e=true``) reads the ``<name>_e`` files and also reports the 0-4k / 4-8k / 8k+
+length buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvbench.errors import ConfigError
+from kvbench.tasks import register
+from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.longbench_protocol import DATASETS, FIRST_LINE, GROUPS, LENGTH_LIMITS, NO_CHAT, QA, Dataset
+from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
+
+WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"
+QUESTION = re.compile(r"(Question: \{input\}|问题：\{input\})\n*")
+
+
+def move_question_first(template: str) -> str:
+    """The template with its question line moved to the front (PQCache's question-first variant)."""
+    match = QUESTION.search(template)
+    if match is None or match.start() < template.index("{context}"):
+        raise ConfigError("this dataset's prompt has no question after the context", "use question_position=end")
+    rest = template[: match.start()] + template[match.end():]
+    return match.group(1) + "\n\n" + rest
+
+
+def middle_truncate(tokenizer: Any, prompt: str, max_length: int) -> tuple[str, bool]:
+    """LongBench's truncation: keep the first and last ``max_length // 2`` tokens of the raw prompt."""
+    ids = tokenizer(prompt, add_special_tokens=True).input_ids
+    if len(ids) <= max_length:
+        return prompt, False
+    half = int(max_length / 2)
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True), True
+
+
+@register
+class LongBench(Task):
+    name = "longbench"
+    defaults = {
+        "subsets": ["multi_news"],
+        "e": False,
+        "protocol": "official",
+        "max_length": None,
+        "config_dir": None,
+        "question_position": "end",
+    }
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        subsets = self.cfg["subsets"]
+        subsets = [subsets] if isinstance(subsets, str) else list(subsets)
+        names: list[str] = []
+        for item in subsets:
+            names += GROUPS[item] if item in GROUPS else [item]
+        unknown = [n for n in names if n not in DATASETS]
+        if unknown:
+            raise ConfigError(
+                f"unknown LongBench subset(s) {', '.join(unknown)}",
+                f"use dataset names ({', '.join(DATASETS)}) or groups ({', '.join(GROUPS)})",
+            )
+        if self.cfg["e"]:
+            missing = [n for n in names if not DATASETS[n].in_e]
+            if missing:
+                raise ConfigError(f"LongBench-E has no {', '.join(missing)}", "use task.subsets=[e] or drop those")
+        if self.cfg["protocol"] not in LENGTH_LIMITS:
+            raise ConfigError(f"unknown task.protocol {self.cfg['protocol']!r}", f"use one of {', '.join(LENGTH_LIMITS)}")
+        if self.cfg["question_position"] not in ("end", "start"):
+            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
+        if self.cfg["question_position"] == "start":
+            others = [n for n in names if n not in QA]
+            if others:
+                raise ConfigError(
+                    f"question_position=start applies to QA datasets only, not {', '.join(others)}",
+                    "use task.subsets=[pqcache_qa] (PQCache Table 3)",
+                )
+        self.names = list(dict.fromkeys(names))
+        self.datasets = self._datasets()
+
+    # ------------------------------------------------------------------ protocol
+    def _datasets(self) -> dict[str, Dataset]:
+        """The protocol constants, from the official JSON files when ``config_dir`` is given."""
+        folder = self.cfg.get("config_dir")
+        if not folder:
+            return {n: DATASETS[n] for n in self.names}
+        prompts = json.loads((Path(folder) / "dataset2prompt.json").read_text(encoding="utf-8"))
+        maxlen = json.loads((Path(folder) / "dataset2maxlen.json").read_text(encoding="utf-8"))
+        return {n: DATASETS[n]._replace(prompt=prompts[n], max_new_tokens=int(maxlen[n])) for n in self.names}
+
+    def limit_for(self, model: Any) -> tuple[int, str]:
+        if self.cfg["max_length"]:
+            return int(self.cfg["max_length"]), "task.max_length"
+        table = LENGTH_LIMITS[self.cfg["protocol"]]
+        if model.spec.name in table:
+            return table[model.spec.name], f"{self.cfg['protocol']} limit for {model.spec.name}"
+        longest = max(d.max_new_tokens for d in self.datasets.values())
+        return model.spec.max_length - longest, "model context minus the longest generation"
+
+    def template(self, dataset: Dataset) -> str:
+        return move_question_first(dataset.prompt) if self.cfg["question_position"] == "start" else dataset.prompt
+
+    def protocol(self) -> dict[str, Any]:
+        return {
+            "task": self.name,
+            "protocol": self.cfg["protocol"],
+            "truncation": "middle, before the chat template",
+            "max_length": self.cfg["max_length"],
+            "chat_template": f"all but {', '.join(NO_CHAT)}",
+            "question_position": self.cfg["question_position"],
+            "max_new_tokens": {n: d.max_new_tokens for n, d in self.datasets.items()},
+            "longbench_e": bool(self.cfg["e"]),
+            "scorer": "LongBench v1 metrics.py semantics",
+        }
+
+    # ------------------------------------------------------------------ data
+    def _rows(self, name: str) -> Iterable[dict[str, Any]]:
+        file = f"{name}_e" if self.cfg["e"] else name
+        folder = data_dir(self.cfg)
+        if folder is not None:
+            path = folder / f"{file}.jsonl"
+            if not path.exists():
+                found = sorted(folder.rglob(f"{file}.jsonl"))
+                if not found:
+                    raise ConfigError(f"{file}.jsonl not found in {folder}", f"get it from {WHERE}")
+                path = found[0]
+            return read_jsonl(path)
+        return hub_rows("THUDM/LongBench", file, "test", WHERE)
+
+    def samples(self, model: Any) -> Iterable[Sample]:
+        limit, source = self.limit_for(model)
+        self._limit_source = (limit, source)
+        for name, dataset in self.datasets.items():
+            template = self.template(dataset)
+            for index, row in enumerate(self.limited(self._rows(name))):
+                prompt = template.format(**row)
+                prompt, truncated = middle_truncate(model.tokenizer, prompt, limit)
+                use_chat = name not in NO_CHAT and model.chat.available
+                yield Sample(
+                    id=f"{name}-{row.get('_id', index)}",
+                    reference={"answers": row["answers"], "all_classes": row.get("all_classes")},
+                    prompt=prompt,
+                    use_template=use_chat,
+                    max_new_tokens=dataset.max_new_tokens,
+                    min_new_tokens=1 if name == "samsum" else 0,
+                    stop_tokens=("\n",) if name == "samsum" else (),
+                    subset=name,
+                    meta={"dataset": name, "length": row.get("length"), "truncated": truncated, "max_length": limit,
+                          "chat_template": use_chat},
+                )
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sample: Sample, prediction: str) -> float:
+        from kvbench.tasks.metrics import score_sample
+
+        ref = sample.reference
+        return 100.0 * score_sample(sample.subset, prediction, ref["answers"], ref.get("all_classes"))
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        per: dict[str, list[float]] = {}
+        for record in records:
+            per.setdefault(str(record["subset"]), []).append(record["score"])
+        per_subset = {name: round(float(np.mean(v)), 2) for name, v in per.items()}
+        metrics: dict[str, Any] = {
+            "score": round(float(np.mean(list(per_subset.values()))), 2) if per_subset else None,
+            "n": len(records),
+            "per_subset": per_subset,
+        }
+        if self.cfg["e"]:
+            buckets: dict[str, dict[str, list[float]]] = {}
+            for record in records:
+                length = record["meta"].get("length") or 0
+                bucket = "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
+                buckets.setdefault(str(record["subset"]), {}).setdefault(bucket, []).append(record["score"])
+            metrics["length_buckets"] = {
+                name: {b: round(float(np.mean(v)), 2) for b, v in sorted(groups.items())} for name, groups in buckets.items()
+            }
+        return metrics

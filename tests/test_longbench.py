@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from kvbench.errors import ConfigError
+from kvbench.tasks import create_task
+from kvbench.tasks.longbench import middle_truncate, move_question_first
+from kvbench.tasks.longbench_protocol import DATASETS, GROUPS
+
+from .conftest import SHARED_DATA
+
+LB = SHARED_DATA / "longbench"
+needs_data = pytest.mark.skipif(not LB.exists(), reason="needs ../shared/data/longbench")
+
+
+@needs_data
+def test_builtin_prompts_and_lengths_are_the_official_files():
+    prompts = json.loads((LB / "config" / "dataset2prompt.json").read_text())
+    maxlen = json.loads((LB / "config" / "dataset2maxlen.json").read_text())
+    assert set(prompts) == set(DATASETS)
+    for name, dataset in DATASETS.items():
+        assert dataset.prompt == prompts[name] and dataset.max_new_tokens == maxlen[name]
+    assert "asconcisely" in DATASETS["narrativeqa"].prompt
+    assert len(GROUPS["pqcache"]) == 14 and len(GROUPS["clusterkv"]) == 8
+
+
+def test_middle_truncation_keeps_both_ends(tiny_llama):
+    tok = tiny_llama.tokenizer
+    text = "HEAD" + "x" * 500 + "TAIL"
+    kept, cut = middle_truncate(tok, text, 100)
+    assert cut and kept.startswith("HEAD") and kept.endswith("TAIL") and len(kept) == 100
+    same, cut = middle_truncate(tok, "short", 100)
+    assert same == "short" and not cut
+
+
+def test_question_first_template():
+    moved = move_question_first(DATASETS["hotpotqa"].prompt)
+    assert moved.startswith("Question: {input}\n\nAnswer the question based on the given passages.")
+    assert moved.endswith("do not output any other words.\n\nAnswer:") and moved.count("{input}") == 1
+    assert move_question_first(DATASETS["multifieldqa_zh"].prompt).startswith("问题：{input}\n\n阅读以下文字")
+    with pytest.raises(ConfigError):
+        move_question_first(DATASETS["gov_report"].prompt)
+
+
+@needs_data
+def test_samples_follow_the_protocol(tiny_llama):
+    task = create_task({"name": "longbench", "subsets": ["multi_news", "passage_retrieval_zh"],
+                        "data_dir": str(LB / "full"), "limit": 2, "max_length": 1500})
+    samples = list(task.samples(tiny_llama))
+    assert [s.subset for s in samples] == ["multi_news"] * 2 + ["passage_retrieval_zh"] * 2
+    first = samples[0]
+    assert first.prompt.startswith("You are given several news passages.") and first.meta["truncated"]
+    assert first.prompt.endswith("Now, write a one-page summary of all the news.\n\nSummary:")
+    assert first.use_template and first.max_new_tokens == 512 and first.stop_tokens == ()
+    assert len(tiny_llama.tokenizer(first.prompt).input_ids) <= 1500 + 4  # decode/re-encode may shift a little
+    assert first.id.startswith("multi_news-") and first.reference["answers"]
+
+
+def test_samsum_stops_at_newline_and_skips_the_template(tiny_llama, tmp_path):
+    row = {"input": "Dialogue: A: hi\nSummary: ", "context": "Dialogue: x\nSummary: y", "answers": ["A greets."],
+           "length": 9, "all_classes": None, "_id": "s1"}
+    (tmp_path / "samsum.jsonl").write_text(json.dumps(row) + "\n")
+    sample = next(iter(create_task({"name": "longbench", "subsets": ["samsum"], "data_dir": str(tmp_path)}).samples(tiny_llama)))
+    assert not sample.use_template and sample.stop_tokens == ("\n",) and sample.min_new_tokens == 1
+    assert sample.prompt == DATASETS["samsum"].prompt.format(**row)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"subsets": ["nope"]}, "unknown LongBench subset"),
+    ({"subsets": ["gov_report"], "question_position": "start"}, "QA datasets only"),
+    ({"subsets": ["musique"], "e": True}, "LongBench-E has no musique"),
+    ({"protocol": "mine"}, "protocol"),
+])
+def test_bad_options(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        create_task({"name": "longbench", **cfg})
