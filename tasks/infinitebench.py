@@ -1,0 +1,318 @@
+"""``infinitebench``: InfiniteBench's 12 tasks, with synthetic generators for the retrieval ones.
+
+Protocol (``task.protocol``, see ``infinitebench_protocol.PROTOCOLS``): ``open`` — the open-model
+completion templates, no chat template, the official generation lengths; ``chat`` — the GPT-4
+instruction templates inside the model's chat template; ``infllm`` — ``chat`` with InfLLM's longer
+generation lengths (PQCache's InfiniteBench pipeline). Every prompt is middle-truncated to
+``task.max_length`` tokens (128K by default) as ``eval_yarn_mistral.py`` does:
+``ids[:L // 2] + ids[-L // 2:]``. Scoring uses the official scorers, with ``task.scorer_version``
+picking the En.Dia / En.MC revision (``kvbench.tasks.metrics_infinitebench``).
+
+Data: ``task.data_dir`` with the official ``<task>.jsonl`` files (book tasks read their text from
+``context``; ``task.file`` names another file, e.g. ``passkey_8192.first5.jsonl``), or the hub's
+``xinrongzhang2022/InfiniteBench``. The synthetic tasks — passkey,
+number_string, kv_retrieval, math_find — can instead be *generated* at any length
+(``task.generate=true``, or automatically without ``data_dir``), following InfiniteBench's construction:
+
+* passkey / number_string: ``N`` copies of the noise line "The grass is green. ... There and back
+  again.\\n" with the needle line inserted after ``round(depth · N)`` of them; a 5-digit pass key, or a
+  10-digit sequence (5 digits with 5 duplicated); ``N`` is sized so the templated prompt has
+  ``task.lengths`` tokens of the model (``length_unit: tokens``), or InfiniteBench's own count
+  ``N = round(L · 1305 / 32768)`` (``length_unit: infinitebench``: L = 8192 gives the 326 lines of the
+  released 8k files, which the tests check);
+* kv_retrieval: a JSON object of random UUID key/value pairs, the asked key at ``depth``;
+* math_find: a list of random integers, asking for the largest, smallest or median one.
+
+``task.question_position=start`` moves ``{input}``/``{question}`` before the context for the tasks that
+have one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import statistics
+import uuid
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvbench.errors import ConfigError
+from kvbench.tasks import register
+from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.infinitebench_protocol import CHAT_TEMPLATES, MAX_NEW_TOKENS, OPEN_TEMPLATES, PROTOCOLS, SYNTHETIC, TASKS
+from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+NEEDLES = {
+    "passkey": ("The pass key is {key}. Remember it. {key} is the pass key.\n", "What is the pass key?"),
+    "number_string": ("The sequence of digits is {key}. Remember it. {key} is the sequence of digits.\n",
+                      "What is the sequence of digits?"),
+}
+FIND_TARGETS = ("largest", "smallest", "median")
+WHERE = "xinrongzhang2022/InfiniteBench on the hub (one <task>.jsonl per task)"
+OPTIONS = "ABCD"
+
+
+def truncate_middle(ids: list[int], max_length: int) -> list[int]:
+    """InfiniteBench's ``truncate_input(..., manner="middle")`` on token ids."""
+    if len(ids) <= max_length:
+        return ids
+    return ids[: max_length // 2] + ids[-max_length // 2:]
+
+
+def labels_for(task: str, row: dict[str, Any]) -> list[str]:
+    """Reference labels as the official ``get_answer``: multiple choice adds the option letter."""
+    answer = row["answer"]
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    if task in ("longbook_choice_eng", "code_debug") and row.get("options"):
+        letters = [OPTIONS[row["options"].index(a)] for a in answers if a in row["options"]]
+        return [answers[0], *letters] if letters else answers
+    return [str(a) for a in answers]
+
+
+def sample_seed(seed: int, task: str, length: int, depth: float) -> int:
+    """A stable per-sample seed (Python's ``hash`` of strings changes between processes)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{task}/{length}/{depth:g}".encode()).digest()[:4], "little")
+
+
+class Generator:
+    """Seeded synthetic samples in InfiniteBench's released format (``context``/``input``/``answer``)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def key(self, task: str) -> str:
+        digits = [str(self.rng.randint(0, 9)) for _ in range(5)]
+        if task == "number_string":
+            for k in range(5):
+                pos = self.rng.randint(0, 5 + k - 1)
+                digits.insert(pos, digits[pos])
+        return "".join(digits)
+
+    def retrieval(self, task: str, units: int, depth: float, key: str | None = None) -> dict[str, Any]:
+        key = key or self.key(task)
+        needle, question = NEEDLES[task]
+        before = round(depth * units)
+        context = NOISE * before + needle.format(key=key) + NOISE * (units - before)
+        return {"context": context, "input": question, "answer": [key], "len": 26 * (units - before)}
+
+    def kv_retrieval(self, units: int, depth: float) -> dict[str, Any]:
+        pairs = [(str(uuid.UUID(int=self.rng.getrandbits(128), version=4)),
+                  str(uuid.UUID(int=self.rng.getrandbits(128), version=4))) for _ in range(max(units, 1))]
+        target = round(depth * (len(pairs) - 1))
+        body = ", ".join(f"\"{k}\": \"{v}\"" for k, v in pairs)
+        return {
+            "context": "JSON data:\n{" + body + "}",
+            "input": f"Key: \"{pairs[target][0]}\"\nThe value associated with the specified key is: ",
+            "answer": [pairs[target][1]],
+        }
+
+    def math_find(self, units: int, depth: float) -> dict[str, Any]:
+        numbers = [self.rng.randint(0, 999) for _ in range(max(units, 1) | 1)]  # odd: a unique median
+        target = FIND_TARGETS[int(depth * len(FIND_TARGETS)) % len(FIND_TARGETS)]
+        value = {"largest": max, "smallest": min, "median": statistics.median}[target](numbers)
+        return {
+            "context": "[" + ", ".join(map(str, numbers)) + "]",
+            "input": f"You should answer with only one number, no other words. The {target} number of the list is: ",
+            "answer": [str(int(value))],
+        }
+
+    def make(self, task: str, units: int, depth: float) -> dict[str, Any]:
+        if task in NEEDLES:
+            return self.retrieval(task, units, depth)
+        return self.kv_retrieval(units, depth) if task == "kv_retrieval" else self.math_find(units, depth)
+
+
+@register
+class InfiniteBench(Task):
+    name = "infinitebench"
+    defaults = {
+        "subsets": ["passkey"],
+        "protocol": "open",
+        "max_length": None,
+        "max_new_tokens": None,
+        "scorer_version": "2024-08",
+        "generate": None,
+        "lengths": [4096],
+        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "length_unit": "tokens",
+        "seed": 0,
+        "file": None,
+        "question_position": "end",
+    }
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        subsets = self.cfg["subsets"]
+        self.names = [subsets] if isinstance(subsets, str) else list(subsets)
+        if "all" in self.names:
+            self.names = list(TASKS)
+        unknown = [n for n in self.names if n not in TASKS]
+        if unknown:
+            raise ConfigError(f"unknown InfiniteBench task(s) {', '.join(unknown)}", f"use {', '.join(TASKS)}")
+        if self.cfg["protocol"] not in PROTOCOLS:
+            raise ConfigError(f"unknown task.protocol {self.cfg['protocol']!r}", f"use {', '.join(PROTOCOLS)}")
+        if self.cfg["length_unit"] not in ("tokens", "infinitebench"):
+            raise ConfigError(f"task.length_unit={self.cfg['length_unit']!r}", "use tokens or infinitebench")
+        if self.cfg["question_position"] not in ("end", "start"):
+            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
+        self.protocol_cfg = PROTOCOLS[self.cfg["protocol"]]
+        self.generating = self.cfg["generate"] if self.cfg["generate"] is not None else not self.cfg.get("data_dir")
+        if self.generating:
+            real = [n for n in self.names if n not in SYNTHETIC]
+            if real:
+                raise ConfigError(
+                    f"{', '.join(real)} cannot be generated", f"pass task.data_dir=<folder> ({WHERE}) or task.generate=false"
+                )
+
+    # ------------------------------------------------------------------ protocol
+    def template(self, task: str) -> str:
+        table = OPEN_TEMPLATES if self.protocol_cfg["templates"] == "open" else CHAT_TEMPLATES
+        text = table[task]
+        if self.cfg["question_position"] == "start":
+            for slot in ("{input}", "{question}"):
+                at = text.find(slot)
+                if at > text.find("{context}"):
+                    text = slot + "\n\n" + text[:at].rstrip("\n") + text[at + len(slot):]
+                    break
+        return text
+
+    def max_new_tokens(self, task: str) -> int:
+        if self.cfg["max_new_tokens"]:
+            return int(self.cfg["max_new_tokens"])
+        return MAX_NEW_TOKENS[self.protocol_cfg["max_new_tokens"]][task]
+
+    def max_length(self) -> int:
+        return int(self.cfg["max_length"] or self.protocol_cfg["max_length"])
+
+    def protocol(self) -> dict[str, Any]:
+        return {
+            "task": self.name,
+            "protocol": self.cfg["protocol"],
+            "templates": self.protocol_cfg["templates"],
+            "chat_template": self.protocol_cfg["chat"],
+            "truncation": f"middle to {self.max_length()} tokens",
+            "max_new_tokens": {n: self.max_new_tokens(n) for n in self.names},
+            "scorer_version": self.cfg["scorer_version"],
+            "question_position": self.cfg["question_position"],
+            "generated": bool(self.generating),
+            "length_unit": self.cfg["length_unit"] if self.generating else None,
+        }
+
+    # ------------------------------------------------------------------ data
+    def _rows(self, task: str) -> Iterable[dict[str, Any]]:
+        folder = data_dir(self.cfg)
+        if folder is not None:
+            path = folder / (self.cfg["file"] or f"{task}.jsonl")
+            if not path.exists():
+                raise ConfigError(f"{task}.jsonl not found in {folder}", f"get it from {WHERE}")
+            return read_jsonl(path)
+        return hub_rows("xinrongzhang2022/InfiniteBench", None, task, WHERE)
+
+    def format_prompt(self, task: str, row: dict[str, Any]) -> str:
+        fields: dict[str, Any] = {"context": row.get("context", ""), "input": row.get("input", ""),
+                                  "question": row.get("input", "")}
+        options = row.get("options") or []
+        for letter, option in zip(OPTIONS, options):
+            fields[f"OPTION_{letter}"] = option
+        if task == "math_find":
+            found = re.findall(r"The \w+ number", row["input"])
+            if not found:
+                raise ConfigError(f"math_find sample without 'The ... number' in its question: {row['input'][:80]!r}",
+                                  "check the data file")
+            fields["prefix"] = f"What is {found[0].lower()} in the following list?"
+        if task == "code_run":
+            fields["func_call"] = re.findall(r"func_[0-9]+\(\-?[0-9]+\)", row["input"])[0]
+            fields["func"] = fields["func_call"].split("(")[0]
+        return self.template(task).format(**fields)
+
+    def _units(self, task: str, length: int, model: Any) -> int:
+        """How many noise lines / records / numbers make a prompt of ``length``."""
+        if self.cfg["length_unit"] == "infinitebench":
+            per_unit = {"passkey": 32768 / 1305, "number_string": 32768 / 1305, "kv_retrieval": 131072 / 1855,
+                        "math_find": 131072 / 45000}[task]
+            return round(length / per_unit)
+        probe = Generator(0)
+        sizes = []
+        for units in (10, 60):
+            ids = self._encode(model, task, probe.make(task, units, 0.5))
+            sizes.append(len(ids))
+        per_unit = (sizes[1] - sizes[0]) / 50
+        fixed = sizes[0] - 10 * per_unit
+        units = int((length - fixed) / per_unit)
+        generator = Generator(1)
+        while units > 1 and len(self._encode(model, task, generator.make(task, units, 0.5))) > length:
+            units -= 1
+        return max(units, 1)
+
+    def _encode(self, model: Any, task: str, row: dict[str, Any]) -> list[int]:
+        prompt = self.format_prompt(task, row)
+        return model.chat.encode(prompt, use_template=self.protocol_cfg["chat"] and model.chat.available)
+
+    def sample_ids(self) -> list[str] | None:
+        if not self.generating:
+            return None
+        ids = [f"{task}-len{int(length)}_depth{float(depth):g}" for task in self.names
+               for length in self.cfg["lengths"] for depth in self.cfg["depths"]]
+        limit = self.cfg.get("limit")
+        if limit is None:
+            return ids
+        per_task = len(ids) // len(self.names)
+        return [i for n, i in enumerate(ids) if n % per_task < int(limit)]
+
+    def samples(self, model: Any) -> Iterable[Sample]:
+        for task in self.names:
+            if self.generating:
+                rows = self._generated(task, model)
+            else:
+                rows = ((str(row.get("id", i)), row, {}) for i, row in enumerate(self.limited(self._rows(task))))
+            for row_id, row, meta in rows:
+                ids = truncate_middle(self._encode(model, task, row), self.max_length())
+                yield Sample(
+                    id=f"{task}-{row_id}",
+                    reference=labels_for(task, row),
+                    input_ids=ids,
+                    max_new_tokens=self.max_new_tokens(task),
+                    subset=task,
+                    meta={"task": task, "prompt_tokens": len(ids), **meta},
+                )
+
+    def _generated(self, task: str, model: Any) -> Iterable[tuple[str, dict[str, Any], dict[str, Any]]]:
+        count = 0
+        for length in (int(x) for x in self.cfg["lengths"]):
+            units = self._units(task, length, model)
+            for depth in (float(x) for x in self.cfg["depths"]):
+                if self.cfg.get("limit") is not None and count >= int(self.cfg["limit"]):
+                    return
+                row = Generator(sample_seed(int(self.cfg["seed"]), task, length, depth)).make(task, units, depth)
+                count += 1
+                yield f"len{length}_depth{depth:g}", row, {"length": length, "depth": depth, "units": units}
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sample: Sample, prediction: str) -> float:
+        from kvbench.tasks.metrics_infinitebench import score_sample
+
+        return 100.0 * score_sample(sample.subset, prediction, sample.reference,
+                                    scorer_version=str(self.cfg["scorer_version"]))
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        per: dict[str, list[float]] = {}
+        for record in records:
+            per.setdefault(str(record["subset"]), []).append(record["score"])
+        per_subset = {k: round(float(np.mean(v)), 2) for k, v in per.items()}
+        metrics: dict[str, Any] = {
+            "score": round(float(np.mean(list(per_subset.values()))), 2) if per_subset else None,
+            "n": len(records),
+            "per_subset": per_subset,
+        }
+        grid: dict[str, dict[str, float]] = {}
+        for record in records:
+            meta = record.get("meta", {})
+            if "length" in meta:
+                grid.setdefault(str(meta["length"]), {})[f"{meta['depth']:g}"] = round(record["score"], 2)
+        if grid and len(self.names) == 1:
+            metrics["grid"] = grid
+        return metrics
+

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from kvbench.errors import ConfigError
+from kvbench.tasks import create_task
+from kvbench.tasks.infinitebench import Generator, labels_for, truncate_middle
+
+from .conftest import SHARED_DATA
+
+ARCHIVE = SHARED_DATA / "infinitebench" / "passkey_lengths_archive"
+
+
+@pytest.mark.skipif(not ARCHIVE.exists(), reason="needs ../shared/data/infinitebench")
+@pytest.mark.parametrize("length", [8192, 16384])
+def test_generator_reproduces_the_released_passkey_files(length):
+    units = round(length / (32768 / 1305))
+    for line in (ARCHIVE / f"passkey_{length}.first5.jsonl").read_text().splitlines():
+        real = json.loads(line)
+        ours = Generator(0).retrieval("passkey", units, 0.0, key=real["answer"])
+        assert ours["context"] == real["context"] and ours["input"] == real["input"]
+        assert ours["len"] == int(real["len"])
+
+
+def test_generated_prompts_hit_the_token_length(tiny_llama):
+    task = create_task({"name": "infinitebench", "subsets": ["passkey", "number_string", "kv_retrieval", "math_find"],
+                        "lengths": [1200], "depths": [0.0, 1.0]})
+    samples = list(task.samples(tiny_llama))
+    assert [s.id for s in samples] == task.sample_ids()
+    for sample in samples:
+        assert 1100 <= len(sample.input_ids) <= 1200, (sample.id, len(sample.input_ids))
+    text = tiny_llama.tokenizer.decode(samples[0].input_ids)
+    key = samples[0].reference[0]
+    assert len(key) == 5 and text.index(f"The pass key is {key}") < 300 and text.endswith("The pass key is")
+    digits = samples[2].reference[0]
+    assert len(digits) == 10 and samples[3].meta["depth"] == 1.0
+    kv = tiny_llama.tokenizer.decode(samples[5].input_ids)
+    assert samples[5].reference[0] in kv and kv.rstrip().endswith("is:")
+    assert samples[6].max_new_tokens == 3
+
+
+def test_generation_is_deterministic(tiny_llama):
+    cfg = {"name": "infinitebench", "subsets": ["passkey"], "lengths": [600], "depths": [0.5]}
+    a = next(iter(create_task(cfg).samples(tiny_llama)))
+    b = next(iter(create_task(cfg).samples(tiny_llama)))
+    assert a.input_ids == b.input_ids and a.reference == b.reference
+
+
+def test_protocols_templates_and_question_first(tiny_llama):
+    chat = create_task({"name": "infinitebench", "protocol": "infllm", "lengths": [600], "depths": [0.5]})
+    sample = next(iter(chat.samples(tiny_llama)))
+    assert tiny_llama.tokenizer.decode(sample.input_ids).startswith("<|im_start|>user") and sample.max_new_tokens == 32
+    start = create_task({"name": "infinitebench", "question_position": "start", "lengths": [600], "depths": [0.5]})
+    text = tiny_llama.tokenizer.decode(next(iter(start.samples(tiny_llama))).input_ids)
+    assert text.startswith("What is the pass key?\n\nThere is an important info") and text.endswith("The pass key is")
+
+
+def test_truncation_and_labels():
+    assert truncate_middle(list(range(10)), 4) == [0, 1, 8, 9]
+    assert truncate_middle(list(range(10)), 5) == [0, 1, 7, 8, 9]  # -5 // 2 == -3, as the official slicing
+    row = {"answer": ["Paris"], "options": ["Rome", "Paris", "Oslo", "Lima"]}
+    assert labels_for("longbook_choice_eng", row) == ["Paris", "B"]
+    assert labels_for("passkey", {"answer": "12345"}) == ["12345"]
+
+
+def test_real_tasks_need_data():
+    with pytest.raises(ConfigError, match="cannot be generated"):
+        create_task({"name": "infinitebench", "subsets": ["longbook_qa_eng"]})
+    with pytest.raises(ConfigError, match="unknown InfiniteBench task"):
+        create_task({"name": "infinitebench", "subsets": ["nope"]})
+
