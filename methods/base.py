@@ -47,12 +47,15 @@ class Selection:
     heads of a group) or query heads (one selection per query head; row ``h`` reads KV head
     ``h // group``). It includes sinks, the local window and the current token.
     ``selected``: ``[rows, k_sel]`` the part the method *chose* among ``candidates`` (for recall of the
-    exact top-k); ``candidates``: 1-D slots it chose from (``None`` when the method did not rank).
+    exact top-k); ``candidates``: 1-D slots it chose from (``None`` when the method did not rank);
+    ``cached``: like ``slots``, true where the method keeps the token on the device itself (a
+    cluster cache), so the store counts a hit instead of a fetch.
     """
 
     slots: torch.Tensor
     selected: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
+    cached: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

@@ -92,3 +92,13 @@ def test_store_aggregates_layers():
         layer.append(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4))
     assert store.held_tokens() == [5, 5, 5]
     assert store.stats().bytes_d2h == 3 * 5 * 2 * 2 * 4 * 4
+
+
+def test_method_cached_slots_count_as_hits():
+    kv, _ = filled(n=100, offload=True)
+    kv.set_residency(sink=4, recent=10)
+    slots = torch.tensor([[40, 41, 42], [50, 51, 52]])
+    cached = torch.tensor([[True, True, False], [False, False, False]])
+    kv.gather(slots, cached=cached)
+    assert kv.stats.cache_lookups == 6 and kv.stats.cache_hits == 2
+    assert kv.stats.bytes_h2d_fetch == 4 * 2 * 4 * 4

@@ -98,7 +98,7 @@ class GenerationContext:
             out = attention.dense(module, query, keys[None], values[None], scaling)
             attended = kv.n
         else:
-            keys, values = kv.gather(selection.slots)
+            keys, values = kv.gather(selection.slots, selection.cached)
             out = attention.selected(query, keys, values, scaling)
             attended = selection.attended
         probs = attention.probabilities(query, keys, scaling) if self.method.needs_attention_probs else None

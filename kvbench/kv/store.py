@@ -182,11 +182,12 @@ class LayerKV:
     def attach_cache(self, cache: BlockCache | None) -> None:
         self.cache = cache
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, slots: torch.Tensor, cached: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` on the compute device, counting what crosses the host→device link.
 
         ``slots`` is ``[kv_heads, k]`` (one selection per KV head) or ``[q_heads, k]`` (one per query
-        head; query head ``h`` reads KV head ``h // group``).
+        head; query head ``h`` reads KV head ``h // group``). ``cached`` (same shape, optional) flags
+        slots a method keeps on the device itself (ClusterKV's cluster cache): they count as hits.
         """
         rows = slots.shape[0]
         if rows % self.n_kv_heads:
@@ -197,16 +198,23 @@ class LayerKV:
         k = self._k[heads[:, None], home_slots]
         v = self._v[heads[:, None], home_slots]
         if self.offload:
-            self._account_fetch(heads, home_slots)
+            self._account_fetch(heads, home_slots, None if cached is None else cached.to(self.home))
         if k.device != self.device:
             k = k.to(self.device, non_blocking=True)
             v = v.to(self.device, non_blocking=True)
         return k, v
 
-    def _account_fetch(self, heads: torch.Tensor, slots: torch.Tensor) -> None:
+    def _account_fetch(self, heads: torch.Tensor, slots: torch.Tensor, cached: torch.Tensor | None) -> None:
         """Count bytes for the non-resident (kv head, slot) pairs; several query heads share a fetch."""
         n = max(self.n, 1)
-        slot = torch.unique(heads[:, None] * n + slots) % n
+        pairs = heads[:, None] * n + slots
+        if cached is not None:
+            held = torch.unique(pairs[cached]) % n
+            held = held[(held >= self.resident_sink) & (held < self.n - self.resident_recent)]
+            self.stats.cache_lookups += int(held.numel())
+            self.stats.cache_hits += int(held.numel())
+            pairs = pairs[~cached]
+        slot = torch.unique(pairs) % n
         middle = (slot >= self.resident_sink) & (slot < self.n - self.resident_recent)
         slot = slot[middle]
         wanted = int(slot.numel())
