@@ -1,0 +1,203 @@
+"""``clusterkv``: recall tokens by semantic clusters of keys (Liu et al., DAC 2025; seed-clusterkv.md §1).
+
+* **prefill** — per KV head, the post-RoPE keys of the prompt (the ``sink`` = 16 first tokens
+  excepted, always attended) are clustered by cosine k-means (random initial keys, plain-mean
+  centroids, up to ``kmeans_iters`` iterations, stopping once no label changes) into
+  ``C0 = round((L - sink) / 80)`` clusters (``clusters`` fixes the count; the authors' accuracy code
+  used 400). The index holds the paper's Fig. 8 arrays: centroids, sizes, prefix sums and the token
+  indices sorted by cluster.
+* **decode** — each query head scores its KV head's centroids by inner product, takes clusters in
+  score order until ``select`` tokens are gathered and trims the last cluster (keeping its
+  lowest-position tokens, as the authors' code does). Tokens generated since the last clustering are
+  always attended; every ``recluster_every`` (320) generated tokens, those tokens are clustered into
+  ``new_clusters`` (4) clusters appended to the index.
+* **cache** — selected clusters stay on the device for ``cache_steps`` (R = 1) steps; tokens of a
+  cluster selected in the previous R steps are hits. The cluster-level hit rate (|current ∩ previous
+  R| / |current|, per head and step) is reported as ``cluster_hit_rate``.
+
+Defaults follow ClusterKV's alignment with Quest: layers 0-1 dense, per-query-head selection
+(``gqa: shared`` ranks once per KV head with the group's summed query). The budget ``B`` counts
+cluster-selected tokens; the 16 sinks and the unclustered recent tokens are extra (the authors'
+accuracy code counts the sinks inside B: their ``B = 256`` is ``budget.tokens=240`` here).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.budget import MethodBudgetDefaults
+from kvbench.kv.store import LayerKV
+from kvbench.methods import register
+from kvbench.methods.base import Selection
+from kvbench.methods.primitives.kmeans import kmeans
+from kvbench.methods.retrieval import RetrievalMethod
+
+
+@dataclass
+class ClusterIndex:
+    """The Fig. 8 arrays of one KV head group: ``[kv_heads, C, d]`` centroids, ``[kv_heads, C]`` sizes and
+    prefix sums, ``[kv_heads, n]`` token slots sorted by cluster label (ties by position)."""
+
+    centroids: torch.Tensor
+    sizes: torch.Tensor
+    prefix: torch.Tensor
+    sorted_slots: torch.Tensor
+    labels: torch.Tensor  # [kv_heads, n] cluster of each clustered token, in token order
+    slots: torch.Tensor  # [n] the clustered slots, ascending
+    clustered_end: int  # slots below this are clustered (or sinks)
+
+    @staticmethod
+    def build(slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> "ClusterIndex":
+        clusters = centroids.shape[1]
+        sizes = torch.zeros(labels.shape[0], clusters, dtype=torch.long, device=labels.device)
+        sizes.scatter_add_(1, labels, torch.ones_like(labels))
+        order = torch.sort(labels, dim=1, stable=True).indices
+        return ClusterIndex(
+            centroids=centroids,
+            sizes=sizes,
+            prefix=torch.cumsum(sizes, dim=1),
+            sorted_slots=slots[order],
+            labels=labels,
+            slots=slots,
+            clustered_end=int(slots[-1]) + 1 if slots.numel() else 0,
+        )
+
+    def append(self, slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> "ClusterIndex":
+        """Add clusters of new tokens (labels relative to the new centroids)."""
+        shifted = labels + self.centroids.shape[1]
+        merged_slots = torch.cat([self.slots, slots])
+        merged_labels = torch.cat([self.labels, shifted], dim=1)
+        return ClusterIndex.build(merged_slots, merged_labels, torch.cat([self.centroids, centroids], dim=1))
+
+
+def select_by_clusters(
+    scores: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Take whole clusters in score order until ``budget`` tokens, trimming the last one.
+
+    ``scores`` ``[rows, C]``, ``labels`` ``[rows, n]`` (cluster of each clustered token, per row),
+    ``slots`` ``[n]``. Returns the selected slots ``[rows, budget]`` (ascending) and a boolean
+    ``[rows, C]`` of the clusters that contributed. Within the cut cluster the lowest positions stay.
+    """
+    rows, clusters = scores.shape
+    n = slots.numel()
+    rank = torch.empty_like(scores, dtype=torch.long)
+    rank.scatter_(1, torch.argsort(scores, dim=1, descending=True, stable=True),
+                  torch.arange(clusters, device=scores.device).expand(rows, -1))
+    token_rank = torch.gather(rank, 1, labels)  # [rows, n]
+    key = token_rank * n + torch.arange(n, device=scores.device)  # cluster order first, then position
+    take = torch.topk(key, budget, dim=1, largest=False, sorted=False).indices
+    chosen_clusters = torch.zeros(rows, clusters, dtype=torch.bool, device=scores.device)
+    chosen_clusters.scatter_(1, torch.gather(labels, 1, take), True)
+    return torch.sort(slots[take], dim=1).values, chosen_clusters
+
+
+@register
+class ClusterKV(RetrievalMethod):
+    name = "clusterkv"
+    budget_defaults = MethodBudgetDefaults(sink=16, local_fraction=0.0)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return tuple(int(x) for x in self.cfg.get("dense_layers", (0, 1)))
+
+    def start(self, ctx: Any) -> None:
+        super().start(ctx)
+        self.index: dict[int, ClusterIndex] = {}
+        self.history: dict[int, deque] = {}
+        self.hits: list[float] = []
+        self.iterations: list[int] = []
+
+    def _cluster(self, keys: torch.Tensor, clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        result = kmeans(
+            keys.float(),
+            max(1, min(clusters, keys.shape[1])),
+            iters=int(self.cfg.get("kmeans_iters", 20)),
+            metric=str(self.cfg.get("metric", "cosine")),
+            seed=int(self.cfg.get("seed", 42)),
+            init=str(self.cfg.get("init", "random")),
+            stop_when_stable=bool(self.cfg.get("until_stable", True)),
+        )
+        self.iterations.append(int(result.iterations))
+        return result.labels, result.centroids
+
+    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+        if layer in self.dense_layers:
+            return
+        sink = self.ctx.budget.sink
+        keys = key[0, :, sink:].to(kv.home)
+        if keys.shape[1] == 0:
+            return
+        count = self.cfg.get("clusters") or max(1, round(keys.shape[1] / 80))
+        labels, centroids = self._cluster(keys, int(count))
+        slots = torch.arange(sink, sink + keys.shape[1], device=kv.home)
+        self.index[layer] = ClusterIndex.build(slots, labels, centroids)
+        self.history[layer] = deque(maxlen=int(self.cfg.get("cache_steps", 1)))
+
+    def _maybe_recluster(self, layer: int, kv: LayerKV) -> ClusterIndex:
+        index = self.index[layer]
+        period = int(self.cfg.get("recluster_every", 320))
+        current = kv.n - 1  # the current token is attended anyway
+        if current - index.clustered_end >= period:
+            start, end = index.clustered_end, index.clustered_end + period
+            labels, centroids = self._cluster(kv.keys[:, start:end], int(self.cfg.get("new_clusters", 4)))
+            index = self.index[layer] = index.append(torch.arange(start, end, device=kv.home), labels, centroids)
+        return index
+
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:
+        if layer not in self.index:
+            return None
+        budget, spec = self.ctx.budget, self.ctx.spec
+        index = self._maybe_recluster(layer, kv)
+        clustered = index.slots.numel()
+        recent = torch.arange(index.clustered_end, kv.n, device=kv.home)
+        sinks = torch.arange(0, min(budget.sink, kv.n), device=kv.home)
+        per_head = str(self.cfg.get("gqa", "per_query_head")) == "per_query_head" and spec.group > 1
+        rows = spec.n_heads if per_head else spec.n_kv_heads
+        fixed = torch.cat([sinks, recent])
+        if budget.select >= clustered:
+            slots = torch.sort(torch.cat([fixed, index.slots])).values
+            return Selection(slots=slots.expand(rows, -1))
+        q = query[0, :, 0, :].to(kv.home).float().view(spec.n_kv_heads, spec.group, -1)
+        scores = torch.einsum("hgd,hcd->hgc", q, index.centroids.float())  # inner product q·μ
+        if per_head:
+            scores = scores.reshape(rows, -1)
+            labels = index.labels.repeat_interleave(spec.group, dim=0)
+        else:
+            scores, labels = scores.sum(dim=1), index.labels
+        selected, clusters = select_by_clusters(scores, labels, index.slots, budget.select)
+        cached = self._cache_step(layer, clusters, labels, selected, index)
+        slots = torch.sort(torch.cat([fixed.expand(rows, -1), selected], dim=1), dim=1).values
+        cached_full = torch.zeros_like(slots, dtype=torch.bool)
+        if cached is not None:
+            position = torch.searchsorted(slots, selected)
+            cached_full.scatter_(1, position, cached)
+        return Selection(slots=slots, selected=selected, candidates=index.slots, cached=cached_full)
+
+    def _cache_step(
+        self, layer: int, clusters: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor, index: ClusterIndex
+    ) -> torch.Tensor | None:
+        """Hit rate of this step's clusters against the last R steps; which selected tokens were cached."""
+        history = self.history[layer]
+        cached = None
+        if history:
+            previous = torch.zeros_like(clusters)
+            for past in history:  # clusters appended since then were not selected then
+                previous[:, : past.shape[1]] |= past
+            hit = (clusters & previous).sum(dim=1).float() / clusters.sum(dim=1).clamp_min(1)
+            self.hits.append(float(hit.mean()))
+            token_cluster = torch.gather(labels, 1, torch.searchsorted(index.slots, selected))
+            cached = torch.gather(previous, 1, token_cluster)
+        history.appendleft(clusters)
+        return cached
+
+    def telemetry(self) -> dict[str, Any]:
+        return {
+            "cluster_hit_rate": float(sum(self.hits) / len(self.hits)) if self.hits else None,
+            "clusters": {str(k): int(v.centroids.shape[1]) for k, v in list(self.index.items())[:1]},
+            "kmeans_iters_mean": float(sum(self.iterations) / len(self.iterations)) if self.iterations else None,
+        }

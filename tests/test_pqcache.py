@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from kvbench.budget import BudgetConfig
+from kvbench.engine.generate import generate
+from kvbench.methods import create_method
+from kvbench.methods.pqcache import default_pq
+from kvbench.profile import Profile
+
+NEW = 16
+
+
+def first_step_selection(loaded, cfg, ids, budget, layer=1):
+    method = create_method(cfg)
+    captured = []
+    original = method.select
+
+    def spy(l, query, kv):
+        sel = original(l, query, kv)
+        if l == layer and not captured:
+            captured.append(sel.selected.clone())
+        return sel
+
+    method.select = spy
+    generate(loaded, method, ids, max_new_tokens=2, budget=budget)
+    return captured[0]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_covering_budget_is_token_identical_to_full(fixture, request, random_ids):
+    loaded = request.getfixturevalue(fixture)
+    ids = random_ids(400, seed=21)
+    full = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=NEW, min_new_tokens=NEW)
+    pq = generate(loaded, create_method({"name": "pqcache"}), ids, max_new_tokens=NEW, min_new_tokens=NEW,
+                  budget=BudgetConfig(tokens=400 + NEW))
+    assert pq.tokens == full.tokens
+
+
+@pytest.mark.parametrize("rule", ["logit_sum", "max"])
+def test_exact_codes_select_what_the_oracle_selects(tiny_llama, random_ids, rule):
+    """m = d_h one-dimensional sub-spaces with more centroids than distinct values: codes are exact."""
+    ids = random_ids(200, seed=22)
+    budget = BudgetConfig(tokens=60)
+    pq = first_step_selection(tiny_llama, {"name": "pqcache", "m": 32, "b": 8, "kmeans_iters": 30,
+                                           "init": "kmeans++", "gqa": rule}, ids, budget)
+    oracle = first_step_selection(tiny_llama, {"name": "oracle", "gqa": rule}, ids, budget)
+    assert torch.equal(pq, oracle)
+    coarse = first_step_selection(tiny_llama, {"name": "pqcache", "m": 2, "b": 2, "gqa": rule}, ids, budget)
+    assert not torch.equal(coarse, oracle)
+
+
+def test_budget_bytes_and_cache(tiny_llama, random_ids):
+    ids = random_ids(1500, seed=23)
+    out = generate(tiny_llama, create_method({"name": "pqcache", "cache_tokens": 512}), ids, max_new_tokens=8,
+                   min_new_tokens=8, budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64), profile=Profile(recall=True))
+    t, b = out.telemetry, out.budget
+    assert all(a == b.total + 1 for a in t["attended_per_layer"])
+    m, bits = t["method"]["m"], t["method"]["b"]
+    assert (m, bits) == default_pq(1 / 64, 32) == (2, 4)
+    assert t["method"]["comm_ratio_used"] == pytest.approx(m * bits / (16 * 32))
+    # codes of the middle tokens move every step: middle * heads * m * b / 8 bytes per layer and step
+    steps = t["decode_steps"]
+    middle_first = 1500 + 1 - 1 - b.local - b.sink
+    per_step = [(middle_first + i) * 2 * m * bits // 8 for i in range(steps)]
+    assert t["bytes_h2d_index"] == sum(per_step) * tiny_llama.spec.n_layers
+    assert t["cache_lookups"] > 0 and t["hit_rate"] is not None and 0 <= t["hit_rate"] <= 1
+    assert 0 < t["recall"] <= 1
+
+
+def test_default_pq_configs():
+    assert default_pq(1 / 128, 128) == (2, 6) and default_pq(1 / 64, 128) == (4, 8)
+    assert default_pq(1 / 128, 64) == (2, 4)
