@@ -57,6 +57,9 @@ def run(resolved: dict[str, Any]) -> RunSummary:
             f"method {method.name} compresses the KV cache and needs a budget",
             "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
         )
+    if method.family == "dense":
+        # a dense method ignores the budget: runs of one sweep share its run directory
+        resolved = {**resolved, "budget": {key: None for key in (resolved.get("budget") or {})}}
     run_dir = RunDir(output_dir / run_id_for(resolved))
     done = run_dir.finished_ids()
     known = task.sample_ids()

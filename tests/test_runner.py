@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from kvbench.cli import conf_dir
@@ -55,7 +56,9 @@ def test_a_run_writes_its_directory_and_resumes(tmp_path, essays):
     first = run(cfg)
     assert first.ran == 4
     run_dir = first.run_dir
-    assert run_dir.name == run_id_for(cfg) and run_dir.name.startswith("niah-full-tiny_llama-")
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert run_dir.name == run_id_for(written) and run_dir.name.startswith("niah-full-tiny_llama-")
+    assert written["budget"]["token_ratio"] is None  # a dense method ignores (and does not hash) the budget
     for name in ("config.yaml", "samples.jsonl", "metrics.json", "env.json", "heatmap.png"):
         assert (run_dir / name).exists(), name
     records = RunDir(run_dir).records()
