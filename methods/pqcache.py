@@ -93,6 +93,11 @@ class PQCache(RetrievalMethod):
         self.m, self.b = int(m), int(b)
         self.layers: dict[int, _Layer] = {}
         self.iters_setting = self.cfg.get("kmeans_iters", 10)
+        self.cost: dict[str, Any] | None = None
+        if self.iters_setting == "adaptive":  # fitted (once per machine) before the generation starts
+            from kvbench.methods.pqcache_cost import load_or_fit
+
+            self.cost = load_or_fit(ctx, self.m, self.b)
         self.timers = {"kmeans_s": 0.0, "wait_kmeans_s": 0.0, "pq_search_s": 0.0, "encode_s": 0.0}
 
     def cache_offset(self, ctx: Any) -> int:
@@ -100,12 +105,11 @@ class PQCache(RetrievalMethod):
 
     # ------------------------------------------------------------------ prefill
     def kmeans_iterations(self, tokens: int) -> int:
-        setting = self.iters_setting
-        if setting == "adaptive":
-            from kvbench.methods.pqcache_cost import adaptive_iterations
+        if self.cost is not None:
+            from kvbench.methods.pqcache_cost import iterations_for
 
-            return adaptive_iterations(self.ctx, tokens, self.m, self.b)
-        return int(setting)
+            return iterations_for(self.cost, tokens)
+        return int(self.iters_setting)
 
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
         if layer in self.dense_layers:

@@ -70,3 +70,19 @@ def test_budget_bytes_and_cache(tiny_llama, random_ids):
 def test_default_pq_configs():
     assert default_pq(1 / 128, 128) == (2, 6) and default_pq(1 / 64, 128) == (4, 8)
     assert default_pq(1 / 128, 64) == (2, 4)
+
+
+def test_adaptive_iterations_follow_the_cost_model(tiny_llama, random_ids, tmp_path, monkeypatch):
+    from kvbench.methods.pqcache_cost import iterations_for
+
+    # t_layer = 1e-6 s^2; base3 = 1e-3 s; per_iter = 1e-4 s  ->  T = (1e-6 s^2 - 1e-3 s) / 1e-4 s + 3 = 0.01 s - 7
+    fitted = {"layer_coefficients": [1e-6, 0, 0], "base3_coefficients": [1e-3, 0], "per_iter_coefficients": [1e-4, 0]}
+    assert iterations_for(fitted, 2000) == 13
+    assert iterations_for(fitted, 100) == 3  # clipped below
+    assert iterations_for(fitted, 10**6) == 300  # clipped above
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
+    out = generate(tiny_llama, create_method({"name": "pqcache", "kmeans_iters": "adaptive"}), random_ids(600, seed=24),
+                   max_new_tokens=3, budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64))
+    used = out.telemetry["method"]["kmeans_iters"]
+    assert 3 <= used <= 300
+    assert list((tmp_path / "cost_models").glob("tiny_llama-cpu-*.json"))
