@@ -1,0 +1,174 @@
+"""Benchmarks of the retrieval methods: index search vs exact scoring, k-means vs faiss, end to end.
+
+Layouts follow Llama-3.1-8B (8 KV heads, 32 query heads, head_dim 128) unless a model is loaded.
+Every comparison is measured in one process on the same inputs; the ratio columns are the figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.bench import BenchOptions, BenchResult, bench_device, benchmark, time_call
+from kvbench.methods.primitives.kmeans import kmeans
+from kvbench.methods.primitives.pq import pq_fit, pq_scores
+from kvbench.methods.selection import topk_sorted
+
+KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
+
+
+def _keys(s: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(KV_HEADS, s, HEAD_DIM, generator=generator).to(device)
+
+
+def _query(device: torch.device) -> torch.Tensor:
+    return torch.randn(KV_HEADS, GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(device)
+
+
+@benchmark("pq_search")
+def pq_search(options: BenchOptions) -> BenchResult:
+    """PQ scoring + top-k vs exact q·Kᵀ + top-k, per layer and decode step (k = s/10)."""
+    device = bench_device(options)
+    lengths = (2048, 8192) if options.quick else (8192, 32768, 131072)
+    rows = []
+    for m, b in ((2, 6), (4, 8)):
+        for s in lengths:
+            keys = _keys(s, device)
+            book = pq_fit(keys[:, : min(s, 4096)], m, b, iters=3)  # codebook quality is irrelevant to speed
+            codes = torch.randint(0, 2**b, (KV_HEADS, s, m), dtype=book.codes.dtype, device=device)
+            q = _query(device)
+            k = s // 10
+
+            def exact() -> torch.Tensor:
+                scores = torch.einsum("hgd,hnd->hgn", q, keys)
+                return topk_sorted(torch.softmax(scores * HEAD_DIM**-0.5, -1).sum(1), k)
+
+            def approx() -> torch.Tensor:
+                scores = pq_scores(q, book.centroids, codes)
+                return topk_sorted(torch.softmax(scores * HEAD_DIM**-0.5, -1).sum(1), k)
+
+            t_exact = time_call(exact, repeats=options.repeats, device=device)
+            t_pq = time_call(approx, repeats=options.repeats, device=device)
+            rows.append({"m×b": f"{m}×{b}", "s": s, "exact_ms": 1e3 * t_exact, "pq_ms": 1e3 * t_pq,
+                         "pq/exact": t_pq / t_exact, "bytes pq/exact": m * b / 8 / (HEAD_DIM * 4)})
+    notes = [f"device {device}; one layer: {KV_HEADS} KV heads × {GROUP} query heads, d_h {HEAD_DIM}, fp32 keys",
+             "bytes pq/exact: code bytes read per token vs fp32 key bytes (what each method must have on the device)"]
+    return BenchResult("pq_search", "PQ search + top-k vs exact scoring + top-k", rows, notes)
+
+
+@benchmark("kmeans_faiss")
+def kmeans_faiss(options: BenchOptions) -> BenchResult:
+    """One layer's PQ construction: kvbench's batched k-means vs faiss-cpu, same keys and iterations."""
+    try:
+        import faiss
+    except ImportError:
+        return BenchResult("kmeans_faiss", "batched k-means vs faiss", [], ["skipped: faiss-cpu is not installed"])
+    device = torch.device("cpu")
+    lengths = (2048,) if options.quick else (8192, 32768)
+    rows = []
+    for m, b, iters in ((2, 6, 10), (4, 8, 10)):
+        for s in lengths:
+            keys = _keys(s, device)
+            sub = HEAD_DIM // m
+            problems = keys.reshape(KV_HEADS, s, m, sub).permute(0, 2, 1, 3).reshape(KV_HEADS * m, s, sub).contiguous()
+            arrays = [p.numpy() for p in problems]
+
+            def ours() -> None:
+                kmeans(problems, 2**b, iters=iters, seed=0)
+
+            def theirs() -> None:
+                for array in arrays:
+                    km = faiss.Kmeans(sub, 2**b, niter=iters, seed=0, verbose=False, min_points_per_centroid=1,
+                                      max_points_per_centroid=10**9)
+                    km.train(array)
+
+            t_ours = time_call(ours, repeats=max(1, options.repeats // 2), device=device)
+            t_faiss = time_call(theirs, repeats=max(1, options.repeats // 2), device=device)
+            rows.append({"m×b": f"{m}×{b}", "s": s, "problems": KV_HEADS * m, "iters": iters,
+                         "kvbench_s": t_ours, "faiss_s": t_faiss, "kvbench/faiss": t_ours / t_faiss})
+    notes = [f"CPU, torch threads {torch.get_num_threads()}, faiss threads {faiss.omp_get_max_threads()}",
+             "faiss clusters the problems one after another (its Kmeans has no batch dimension)"]
+    return BenchResult("kmeans_faiss", "batched k-means vs faiss-cpu (one layer's PQ construction)", rows, notes)
+
+
+@benchmark("clusterkv_select")
+def clusterkv_select(options: BenchOptions) -> BenchResult:
+    """ClusterKV's selection (centroid scores, cluster walk, trim) vs exact top-k, per layer and step."""
+    from kvbench.methods.clusterkv import select_by_clusters
+
+    device = bench_device(options)
+    s = 8192 if options.quick else 32768
+    clusters, budget = 400, 1024
+    keys = _keys(s, device)
+    labels = torch.randint(0, clusters, (KV_HEADS, s), generator=torch.Generator().manual_seed(2)).to(device)
+    centroids = torch.randn(KV_HEADS, clusters, HEAD_DIM, device=device)
+    slots = torch.arange(s, device=device)
+    q = _query(device)
+    per_head_labels = labels.repeat_interleave(GROUP, dim=0)
+
+    def exact() -> torch.Tensor:
+        return topk_sorted(torch.einsum("hgd,hnd->hgn", q, keys).reshape(KV_HEADS * GROUP, s), budget)
+
+    def clustered() -> torch.Tensor:
+        scores = torch.einsum("hgd,hcd->hgc", q, centroids).reshape(KV_HEADS * GROUP, clusters)
+        return select_by_clusters(scores, per_head_labels, slots, budget)[0]
+
+    t_exact = time_call(exact, repeats=options.repeats, device=device)
+    t_cluster = time_call(clustered, repeats=options.repeats, device=device)
+    rows = [{"s": s, "clusters": clusters, "budget": budget, "exact_topk_ms": 1e3 * t_exact,
+             "clusterkv_ms": 1e3 * t_cluster, "clusterkv/exact": t_cluster / t_exact}]
+    return BenchResult("clusterkv_select", "ClusterKV selection vs exact top-k (per query head)", rows,
+                       [f"device {device}; {KV_HEADS * GROUP} query heads, d_h {HEAD_DIM}"])
+
+
+def _e2e(options: BenchOptions, methods: list[tuple[str, dict[str, Any]]], lengths: tuple[int, ...], title: str,
+         name: str) -> BenchResult:
+    """TT2T and TPOT of methods vs full on a real model (SmolLM2; tiny_llama in quick mode)."""
+    from kvbench.budget import BudgetConfig
+    from kvbench.compose import compose
+    from kvbench.engine.generate import generate
+    from kvbench.methods import create_method
+    from kvbench.models.loading import load_model
+    from kvbench.tasks import create_task
+
+    model_name = "tiny_llama" if options.quick else "smollm2_135m"
+    loaded = load_model(compose([f"model={model_name}"])["model"])
+    rows = []
+    for length in lengths:
+        task = create_task({"name": "niah", "lengths": [length], "depths": [0.5]})
+        ids = next(iter(task.samples(loaded))).input_ids
+        results = {}
+        for method, budget in [("full", {})] + methods:
+            runs = []
+            for _ in range(1 if options.quick else 2):
+                out = generate(loaded, create_method({"name": method}), ids, max_new_tokens=32, min_new_tokens=32,
+                               budget=BudgetConfig(**budget))
+                runs.append(out.telemetry)
+            best = min(runs, key=lambda t: t["tt2t_s"])
+            results[method] = (best["tt2t_s"], min(t["tpot_s"] for t in runs))
+        for method, _ in methods:
+            tt2t, tpot = results[method]
+            rows.append({"model": model_name, "prompt": len(ids), "method": method, "tt2t_s": tt2t,
+                         "full_tt2t_s": results["full"][0], "tt2t ratio": tt2t / results["full"][0],
+                         "tpot_ms": 1e3 * tpot, "full_tpot_ms": 1e3 * results["full"][1],
+                         "tpot ratio": tpot / results["full"][1]})
+    notes = ["32 new tokens, best of 2 runs; TPOT = mean of decode steps after the first",
+             f"device {loaded.spec.device}, {loaded.spec.dtype}; on a CPU both KV tiers are host memory"]
+    return BenchResult(name, title, rows, notes)
+
+
+@benchmark("pqcache_e2e")
+def pqcache_e2e(options: BenchOptions) -> BenchResult:
+    lengths = (1024,) if options.quick else (4096, 8000)
+    budget = {"token_ratio": 0.2, "comm_ratio": 1 / 128}
+    return _e2e(options, [("pqcache", budget)], lengths, "TT2T and TPOT: pqcache vs full", "pqcache_e2e")
+
+
+@benchmark("clusterkv_e2e")
+def clusterkv_e2e(options: BenchOptions) -> BenchResult:
+    lengths = (1024,) if options.quick else (8000,)
+    budget = {"tokens": 256 if options.quick else 1024}
+    return _e2e(options, [("clusterkv", budget)], lengths, "decode step: clusterkv vs full", "clusterkv_e2e")
+

@@ -1,0 +1,24 @@
+import json
+import subprocess
+import sys
+
+
+def test_quick_benchmarks_run_and_report_ratios():
+    names = ["pq_search", "kmeans_faiss", "clusterkv_select", "pqcache_e2e", "clusterkv_e2e"]
+    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "--quick", "--repeats", "1", "--json", *names],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    by_name = {r["name"]: r for r in report["results"]}
+    assert set(by_name) == set(names)
+    assert all(row["pq/exact"] > 0 for row in by_name["pq_search"]["rows"])
+    assert all(row["kvbench/faiss"] > 0 for row in by_name["kmeans_faiss"]["rows"])
+    assert by_name["clusterkv_select"]["rows"][0]["clusterkv/exact"] > 0
+    for name in ("pqcache_e2e", "clusterkv_e2e"):
+        row = by_name[name]["rows"][0]
+        assert row["tt2t_s"] > 0 and row["tpot ratio"] > 0
+
+
+def test_unknown_benchmark_is_one_error_line():
+    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "nope"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("kvbench: error: unknown benchmark")
