@@ -69,3 +69,12 @@ def test_real_tasks_need_data():
     with pytest.raises(ConfigError, match="unknown InfiniteBench task"):
         create_task({"name": "infinitebench", "subsets": ["nope"]})
 
+
+
+@pytest.mark.skipif(not ARCHIVE.exists(), reason="needs ../shared/data/infinitebench")
+def test_real_passkey_file(tiny_llama):
+    task = create_task({"name": "infinitebench", "data_dir": str(ARCHIVE), "file": "passkey_8192.first5.jsonl",
+                        "limit": 2})
+    samples = list(task.samples(tiny_llama))
+    assert len(samples) == 2 and samples[0].reference == ["69682"] and samples[0].subset == "passkey"
+    assert task.score(samples[0], "69682.") == 100.0 and task.score(samples[0], "12345") == 0.0

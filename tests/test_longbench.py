@@ -74,3 +74,15 @@ def test_samsum_stops_at_newline_and_skips_the_template(tiny_llama, tmp_path):
 def test_bad_options(cfg, match):
     with pytest.raises(ConfigError, match=match):
         create_task({"name": "longbench", **cfg})
+
+
+def test_scores_through_the_task(tiny_llama, tmp_path):
+    row = {"input": "Which city?", "context": "Paris is nice.", "answers": ["Paris"], "length": 3,
+           "all_classes": None, "_id": "q1"}
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
+    task = create_task({"name": "longbench", "subsets": ["hotpotqa"], "data_dir": str(tmp_path)})
+    sample = next(iter(task.samples(tiny_llama)))
+    assert task.score(sample, "Paris") == 100.0 and task.score(sample, "The city of Paris") == pytest.approx(200 / 3)
+    records = [{"subset": "hotpotqa", "score": 100.0, "meta": {}}, {"subset": "hotpotqa", "score": 0.0, "meta": {}},
+               {"subset": "trec", "score": 50.0, "meta": {}}]
+    assert task.aggregate(records) == {"score": 50.0, "n": 3, "per_subset": {"hotpotqa": 50.0, "trec": 50.0}}
