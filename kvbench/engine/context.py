@@ -141,7 +141,11 @@ class GenerationContext:
         self.telemetry.kv_bytes_after_prefill = self.store.nbytes()
         if self.method.family != "eviction" or not self.budget.compresses:
             return
-        lazy = [layer for layer in self._compressing_layers() if self.store[layer].n >= self.store[layer].seen]
+        lazy = [
+            layer
+            for layer in self._compressing_layers()
+            if self.store[layer].n >= self.store[layer].seen > self.budget.sink + self.budget.layer_budget(layer)
+        ]
         if lazy:
             raise CompressionNotApplied(
                 f"method {self.method.name} was asked to keep {self.budget.total} of {self.budget.context} tokens "
