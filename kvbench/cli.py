@@ -136,8 +136,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kvbench.report import runs_table
+    from kvbench.errors import ConfigError
+    from kvbench.report import protocol_diff, runs_table
 
+    if args.diff:
+        missing = [p for p in args.diff if not (Path(p) / "config.yaml").exists()]
+        if missing:
+            raise ConfigError(f"not a run directory: {missing[0]}", "pass two folders under results/runs")
+        print(protocol_diff(*args.diff))
+        return 0
     print(runs_table(args.paths or ["results/runs"], fmt=args.format))
     return 0
 
@@ -180,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="table of finished runs")
     p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
     p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
+    p_report.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"), help="config/protocol differences of two runs")
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")

@@ -13,6 +13,7 @@ COLUMNS = {
     "protocol.question_position": "question",
     "n": "n",
     "score": "score",
+    "score_ci95": "95% CI",
     "recall": "recall",
     "hit_rate": "hit rate",
     "kv_bytes_ratio": "KV kept",
@@ -58,3 +59,28 @@ def to_markdown(frame) -> str:
     rule = "|" + "|".join("---" for _ in frame.columns) + "|"
     rows = ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
     return "\n".join([header, rule, *rows])
+
+
+def protocol_diff(run_a: str | Path, run_b: str | Path) -> str:
+    """Markdown table of every config and protocol value that differs between two runs."""
+    import json
+
+    import yaml
+
+    def flat(run: Path) -> dict:
+        from kvbench.results import _flatten
+
+        out: dict = {}
+        config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+        _flatten("config", config, out)
+        metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
+        _flatten("protocol", metrics.get("protocol", {}), out)
+        return out
+
+    a, b = flat(Path(run_a)), flat(Path(run_b))
+    rows = [(key, a.get(key, "–"), b.get(key, "–")) for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+    if not rows:
+        return "(the two runs share every config and protocol value)"
+    lines = [f"| key | {Path(run_a).name} | {Path(run_b).name} |", "|---|---|---|"]
+    lines += [f"| {key} | {va} | {vb} |" for key, va, vb in rows]
+    return "\n".join(lines)

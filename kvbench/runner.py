@@ -118,6 +118,7 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
     import numpy as np
 
     metrics = task.aggregate(records)
+    metrics["score_ci95"] = bootstrap_ci([r["score"] for r in records])
     for key in TELEMETRY_MEANS:
         values = [r["telemetry"].get(key) for r in records if r.get("telemetry", {}).get(key) is not None]
         metrics[key] = float(np.mean(values)) if values else None
@@ -131,6 +132,18 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
     metrics["budget"] = {**{k: getattr(budget, k) for k in budget.__dataclass_fields__}, "label": _budget_label(budget, method)}
     metrics["protocol"] = task.protocol()
     return metrics
+
+
+def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% bootstrap interval of the mean sample score (percentile method); None below 2 samples."""
+    import numpy as np
+
+    if len(scores) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    values = np.asarray(scores, dtype=float)
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
 
 
 def _budget_label(budget: BudgetConfig, method: Any) -> str:

@@ -120,3 +120,17 @@ def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
     assert set(frame["n"]) == {2}
     per_sample = load(tmp_path / "runs", samples=True)
     assert len(per_sample) == 6 and "telemetry.ttft_s" in per_sample.columns
+
+
+def test_report_diff_and_confidence_interval(tmp_path, essays):
+    from kvbench.report import protocol_diff
+    from kvbench.runner import bootstrap_ci
+
+    a = run(resolved_config(tmp_path, essays)).run_dir
+    b = run(resolved_config(tmp_path, essays, task__question_position="start")).run_dir
+    diff = protocol_diff(a, b)
+    assert "config.task.question_position | end | start" in diff and "protocol.question_position" in diff
+    assert "config.model.name" not in diff
+    low, high = bootstrap_ci([0.0, 100.0] * 20)
+    assert low < 50 < high and bootstrap_ci([5.0]) is None
+    assert bootstrap_ci([70.0] * 10) == [70.0, 70.0]
