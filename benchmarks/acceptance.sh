@@ -4,10 +4,10 @@
 # Usage: bash benchmarks/acceptance.sh [section ...]   (default: every section)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-K=".venv/bin/kvbench"
+K="${KVBENCH_CMD:-.venv/bin/kvbench}"
 DATA="${KVBENCH_DATA:-../shared/data}"
-RUN="$K run progress=false"
-want() { [ $# -eq 0 ] || [[ " $SECTIONS " == *" $1 "* ]]; }
+RUN="$K run progress=false output_dir=${KVBENCH_OUT:-results/runs}"
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 SECTIONS="${*:-niah_foundation niah_eviction niah_retrieval recall pg19 gsm8k_smollm2 infinitebench longbench gsm8k_qwen question_first}"
 
 if want niah_foundation; then  # full / oracle / streamingllm, the foundation's grid

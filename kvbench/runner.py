@@ -192,6 +192,9 @@ def environment(spec: Any) -> dict[str, Any]:
 
 
 def _git_sha() -> str | None:
+    """The code's commit (``-dirty`` with local changes); ``KVBENCH_GIT_SHA`` names it for installed copies."""
+    if os.environ.get("KVBENCH_GIT_SHA"):
+        return os.environ["KVBENCH_GIT_SHA"]
     root = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
