@@ -29,6 +29,7 @@ and the k-means costs fitted on this machine (``kvbench.methods.pqcache_cost``) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -41,9 +42,9 @@ from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
-from kvbench.methods.primitives.pq import PQCodebook, comm_ratio, pq_encode, pq_fit, pq_scores
+from kvbench.methods.primitives.pq import PQCodebook, comm_ratio, gqa_topk, pq_encode, pq_fit, pq_scores
 from kvbench.methods.retrieval import RetrievalMethod
-from kvbench.methods.selection import aggregate, compose, topk_sorted
+from kvbench.methods.selection import compose
 
 
 def default_pq(comm: float, head_dim: int) -> tuple[int, int]:
@@ -145,7 +146,13 @@ class PQCache(RetrievalMethod):
             codes = book.codes.to(self.ctx.store[layer].home)
             if device.type == "cuda":
                 codes = codes.pin_memory()  # host codes, copied to the device asynchronously
-            state.book = PQCodebook(centroids=book.centroids.to(device), codes=codes)
+            state.book = dataclasses.replace(
+                book,
+                centroids=book.centroids.to(device),
+                codes=codes,
+                phi=None if book.phi is None else book.phi.to(device),
+                extra=None if book.extra is None else book.extra.to(device),
+            )
         return state
 
     def _device_codes(self, layer: int, state: _Layer, middle: int) -> torch.Tensor:
@@ -187,7 +194,8 @@ class PQCache(RetrievalMethod):
         book = state.book
         if lay.middle_end > state.coded_end:  # tokens that left the local window get nearest-centroid codes
             start = time.perf_counter()
-            fresh = pq_encode(kv.keys[:, state.coded_end : lay.middle_end].float().to(book.centroids.device), book.centroids)
+            keys = kv.keys[:, state.coded_end : lay.middle_end].float().to(book.centroids.device)
+            fresh = pq_encode(keys, book.centroids, metric=book.metric, phi=book.phi, extra=book.extra)
             book.codes = torch.cat([book.codes, fresh.to(book.codes.device)], dim=1)
             state.coded_end = lay.middle_end
             self.timers["encode_s"] += time.perf_counter() - start
@@ -198,12 +206,9 @@ class PQCache(RetrievalMethod):
             kv.count_index_bytes(spec.n_kv_heads * math.ceil(lay.middle * self.m * self.b / 8))
         q = query[0, :, 0, :].float().view(spec.n_kv_heads, spec.group, -1).to(book.centroids.device)
         scores = pq_scores(q, book.centroids, codes)  # [kv_heads, group, middle]
+        # softmax over the candidates (the authors' rule), summed over the group; or logit_sum / max
         rule = str(self.cfg.get("gqa", "softmax_sum"))
-        if rule == "softmax_sum":  # softmax over the candidates (the authors' rule), summed over the group
-            combined = torch.softmax(scores * spec.head_dim**-0.5, dim=-1).sum(dim=1)
-        else:
-            combined = aggregate(scores, rule, spec.head_dim**-0.5)
-        chosen = topk_sorted(combined, budget.select).to(kv.home) + lay.sink_end
+        chosen = gqa_topk(scores, budget.select, rule, spec.head_dim**-0.5).to(kv.home) + lay.sink_end
         self.timers["pq_search_s"] += time.perf_counter() - start
         return compose(lay, chosen)
 

@@ -13,8 +13,10 @@ import torch
 
 from kvbench.kv.store import LayerKV
 from kvbench.methods.base import Selection
+from kvbench.methods.primitives.pq import GQA_RULES, group_scores
+from kvbench.methods.primitives.pq import topk_ascending as topk_sorted
 
-GQA_RULES = ("softmax_sum", "logit_sum", "max")
+__all__ = ["GQA_RULES", "Layout", "layout", "compose", "aggregate", "topk_sorted", "group_logits", "exact_topk"]
 
 
 @dataclass(frozen=True)
@@ -62,29 +64,16 @@ def group_logits(query: torch.Tensor, keys: torch.Tensor, group: int) -> torch.T
 
 
 def aggregate(logits: torch.Tensor, rule: str, scale: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-KV-head token scores ``[kv_heads, n_candidates]`` from ``[kv_heads, group, n]`` logits.
+    """Per-KV-head token scores ``[kv_heads, n_candidates]`` from ``[kv_heads, group, n]`` exact logits.
 
-    ``softmax_sum`` (the PQCache authors' rule): per query head softmax over *all* tokens, sliced to
-    the candidates, summed over the group. ``logit_sum``: raw logits summed. ``max``: max over the group.
+    ``softmax_sum`` is the PQCache authors' Oracle: per query head softmax over *all* held tokens, then
+    sliced to the candidates and summed over the group (their approximate path normalises over the
+    candidates only: ``group_scores`` on the candidates' scores). ``logit_sum`` / ``max``: see
+    :func:`~kvbench.methods.primitives.pq.group_scores`.
     """
-    if rule == "softmax_sum":
-        scores = torch.softmax(logits * scale, dim=-1)
-        scores = scores if candidates is None else scores[..., candidates]
-        return scores.sum(dim=1)
-    picked = logits if candidates is None else logits[..., candidates]
-    if rule == "logit_sum":
-        return picked.sum(dim=1)
-    if rule == "max":
-        return picked.max(dim=1).values
-    raise ValueError(f"unknown GQA rule {rule!r}; use one of {GQA_RULES}")
-
-
-def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest scores per row, ascending. Ties go to the lower index."""
-    k = min(k, scores.shape[-1])
-    # A stable descending sort breaks ties by position, so the pick is deterministic.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.sort(order, dim=-1).values
+    if rule == "softmax_sum" and candidates is not None:
+        return torch.softmax(logits * scale, dim=-1)[..., candidates].sum(dim=1)
+    return group_scores(logits if candidates is None else logits[..., candidates], rule, scale)
 
 
 def exact_topk(

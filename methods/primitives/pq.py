@@ -1,82 +1,232 @@
-"""Product quantization of keys and asymmetric PQ search (PQCache §2.4, §2.7).
+"""Product quantization of keys and asymmetric PQ search (PQCache §2.4, §2.7, §2.11).
 
 Per group ``g`` (a KV head, possibly of one layer) the keys ``[n, d]`` split into ``m`` sub-spaces of
 ``d/m`` dimensions, each clustered into ``2**b`` centroids; a token is stored as ``m`` codes. A query
 scores every token without reading its key: the lookup table ``LUT[r, j, c] = <q_r[j], C[j, c]>`` is
 computed once, then ``score[r, t] = Σ_j LUT[r, j, code[t, j]]`` (asymmetric distance computation for
-inner products). Everything is batched over groups and query heads.
+inner products). Everything is batched over groups ``G`` and the ``R`` query heads of a group (GQA).
+
+Codes use the smallest integer dtype that holds ``2**b`` values (``code_dtype``): uint8 up to b = 8,
+int16 up to 15, int32 above. Scores are float32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import Tensor
 
-from kvbench.methods.primitives.kmeans import assign, kmeans
+from kvbench.methods.primitives.kmeans import KMeansResult, assign, kmeans
+
+GQA_RULES = ("softmax_sum", "logit_sum", "max")
 
 
 @dataclass
 class PQCodebook:
-    centroids: torch.Tensor  # [G, m, 2**b, d/m] float
-    codes: torch.Tensor  # [G, n, m] (uint8 for b <= 8)
+    centroids: Tensor  # [G, m, 2**b, d/m] float32
+    codes: Tensor  # [G, n, m], dtype code_dtype(b)
+    iterations: int = 0  # k-means updates run (the same for every sub-space problem)
+    metric: str = "l2"
+    phi: Tensor | None = None  # [G, m] (ip only), see kmeans
+    extra: Tensor | None = None  # [G, m, 2**b] (ip only), see kmeans
 
     @property
     def m(self) -> int:
         return self.centroids.shape[1]
 
+    @property
+    def bits(self) -> int:
+        return max(1, (self.centroids.shape[2] - 1).bit_length())
+
 
 def code_dtype(bits: int) -> torch.dtype:
-    return torch.uint8 if bits <= 8 else torch.int16 if bits <= 15 else torch.int32
+    """Smallest integer dtype holding ``2**bits`` non-negative codes."""
+    if bits <= 8:
+        return torch.uint8
+    if bits <= 15:
+        return torch.int16
+    if bits <= 31:
+        return torch.int32
+    raise ValueError(f"{bits}-bit codes are not supported")
 
 
-def _subspaces(keys: torch.Tensor, m: int) -> torch.Tensor:
-    """``[G, n, d]`` → ``[G * m, n, d / m]`` (problem ``g * m + j`` is group ``g``, sub-space ``j``)."""
+def _subspaces(keys: Tensor, m: int) -> Tensor:
+    """``[G, n, d]`` → ``[G * m, n, d / m]``: problem ``g * m + j`` is group ``g``, sub-space ``j``."""
     groups, n, d = keys.shape
     if d % m:
         raise ValueError(f"head_dim {d} is not divisible into {m} sub-spaces")
     return keys.reshape(groups, n, m, d // m).permute(0, 2, 1, 3).reshape(groups * m, n, d // m)
 
 
+def _codes(labels: Tensor, groups: int, m: int, bits: int) -> Tensor:
+    """``[G * m, n]`` labels → ``[G, n, m]`` codes."""
+    return labels.reshape(groups, m, -1).permute(0, 2, 1).to(code_dtype(bits)).contiguous()
+
+
+def fit_with(
+    kmeans_fn: Callable[..., KMeansResult],
+    keys: Tensor,
+    m: int,
+    b: int,
+    *,
+    iters: int,
+    metric: str = "l2",
+    seed: int = 0,
+    valid: Tensor | None = None,
+    **options,
+) -> PQCodebook:
+    """``pq_fit`` on any k-means with ``kmeans``'s signature (the faiss backend reuses it)."""
+    if keys.dim() != 3:
+        raise ValueError(f"pq_fit expects keys [G, n, d], got {tuple(keys.shape)}")
+    groups, n, d = keys.shape
+    mask = None if valid is None else valid.repeat_interleave(m, dim=0)  # [G, n] → [G * m, n]
+    result = kmeans_fn(_subspaces(keys, m), 2**b, iters=iters, metric=metric, seed=seed, valid=mask, **options)
+    return PQCodebook(
+        centroids=result.centroids.reshape(groups, m, 2**b, d // m),
+        codes=_codes(result.labels, groups, m, b),
+        iterations=result.iterations,
+        metric=metric,
+        phi=None if result.phi is None else result.phi.reshape(groups, m),
+        extra=None if result.extra is None else result.extra.reshape(groups, m, 2**b),
+    )
+
+
 def pq_fit(
-    keys: torch.Tensor, m: int, b: int, *, iters: int, metric: str = "l2", seed: int = 0, init: str = "random"
+    keys: Tensor,
+    m: int,
+    b: int,
+    *,
+    iters: int,
+    metric: str = "l2",
+    seed: int = 0,
+    init: str = "random",
+    shared_init: bool = True,
+    stop_when_stable: bool = False,
+    chunk: int | None = None,
+    valid: Tensor | None = None,
 ) -> PQCodebook:
     """Train ``m`` codebooks of ``2**b`` centroids per group and encode ``keys`` ``[G, n, d]``.
 
-    ``init="random"`` with shared indices is the PQCache authors' initialisation (random points, the
-    same for every group)."""
-    groups, n, d = keys.shape
-    result = kmeans(_subspaces(keys.float(), m), 2**b, iters=iters, metric=metric, seed=seed, init=init, shared_init=True)
-    centroids = result.centroids.reshape(groups, m, 2**b, d // m)
-    codes = result.labels.reshape(groups, m, n).permute(0, 2, 1).to(code_dtype(b)).contiguous()
-    return PQCodebook(centroids=centroids, codes=codes)
+    One batched ``kmeans`` call solves all ``G·m`` sub-space problems. ``init="random"`` with shared
+    indices matches the PQCache authors' initialisation (the same random points for every group).
+    ``valid`` ``[G, n]`` excludes padded tokens from the fit (they still get codes)."""
+    return fit_with(
+        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid,
+        init=init, shared_init=shared_init, stop_when_stable=stop_when_stable, chunk=chunk,
+    )
 
 
-def pq_encode(keys: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest-centroid codes ``[G, n, m]`` of ``keys`` ``[G, n, d]`` (tokens leaving the local window)."""
+def pq_encode(
+    keys: Tensor,
+    centroids: Tensor,
+    *,
+    metric: str = "l2",
+    phi: Tensor | None = None,
+    extra: Tensor | None = None,
+    chunk: int | None = None,
+) -> Tensor:
+    """Nearest-centroid codes ``[G, n, m]`` of ``keys`` ``[G, n, d]`` (tokens leaving the local window).
+
+    ``metric`` is the one the codebook was fitted with; ``ip`` also needs the codebook's ``phi``/``extra``."""
     groups, m, k, sub = centroids.shape
-    n = keys.shape[1]
-    labels = assign(_subspaces(keys.float(), m), centroids.reshape(groups * m, k, sub), "l2")
-    bits = max(1, (k - 1).bit_length())
-    return labels.reshape(groups, m, n).permute(0, 2, 1).to(code_dtype(bits)).contiguous()
+    flat_phi = None if phi is None else phi.reshape(groups * m)
+    flat_extra = None if extra is None else extra.reshape(groups * m, k)
+    labels = assign(_subspaces(keys, m), centroids.reshape(groups * m, k, sub), metric, chunk,
+                    phi=flat_phi, extra=flat_extra)
+    return _codes(labels, groups, m, max(1, (k - 1).bit_length()))
 
 
-def pq_scores(queries: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Approximate ``q·k`` ``[G, R, n]`` for ``queries`` ``[G, R, d]`` (R query heads per group)."""
+def pq_scores(queries: Tensor, centroids: Tensor, codes: Tensor) -> Tensor:
+    """Approximate inner products ``q·k`` ``[G, R, n]`` from ``queries`` ``[G, R, d]`` and the codes.
+
+    The lookup table is ``[G, R, m, 2**b]``; the gather-sum runs one sub-space at a time, so the only
+    token-sized buffers are the ``[G, R, n]`` result and one ``[G, n]`` index."""
     groups, m, k, sub = centroids.shape
     rows = queries.shape[1]
+    if queries.shape[0] != groups or queries.shape[2] != m * sub:
+        raise ValueError(f"queries {tuple(queries.shape)} do not fit centroids {tuple(centroids.shape)}")
+    if codes.dim() != 3 or codes.shape[0] != groups or codes.shape[2] != m:
+        raise ValueError(f"codes {tuple(codes.shape)} do not fit centroids {tuple(centroids.shape)}")
     q = queries.float().reshape(groups, rows, m, sub)
     lut = torch.einsum("grjs,gjcs->grjc", q, centroids.float())  # [G, R, m, 2**b]
-    index = codes.long().permute(0, 2, 1)  # [G, m, n]
-    gathered = torch.gather(lut, 3, index[:, None].expand(-1, rows, -1, -1))  # [G, R, m, n]
-    return gathered.sum(dim=2)
+    n = codes.shape[1]
+    scores = torch.zeros(groups, rows, n, dtype=torch.float32, device=lut.device)
+    for j in range(m):  # sums in sub-space order, like faiss's ADC
+        index = codes[:, :, j].long()[:, None, :].expand(groups, rows, n)
+        scores += torch.gather(lut[:, :, j], 2, index)
+    return scores
 
 
-def exact_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exact ``q·k`` ``[G, R, n]``."""
-    return torch.einsum("grd,gnd->grn", queries.float(), keys.float())
+def exact_scores(queries: Tensor, keys: Tensor) -> Tensor:
+    """Exact inner products ``q·k`` ``[G, R, n]`` (float32)."""
+    return torch.bmm(queries.float(), keys.float().transpose(1, 2))
+
+
+def group_scores(scores: Tensor, rule: str = "softmax_sum", scale: float | None = None) -> Tensor:
+    """One score per KV head and token ``[G, n]`` from the ``[G, R, n]`` scores of its query heads.
+
+    ``softmax_sum`` (the PQCache code's rule): per query head ``softmax(scale · s)`` over the given
+    tokens, summed over the group; needs ``scale`` (``1/sqrt(head_dim)``). ``logit_sum``: raw scores
+    summed. ``max``: the largest over the group."""
+    values = scores.float()
+    if rule == "softmax_sum":
+        if scale is None:
+            raise ValueError("rule 'softmax_sum' needs scale (1/sqrt(head_dim))")
+        return torch.softmax(values * scale, dim=-1).sum(dim=1)
+    if rule == "logit_sum":
+        return values.sum(dim=1)
+    if rule == "max":
+        return values.amax(dim=1)
+    raise ValueError(f"unknown GQA rule {rule!r}; use one of {GQA_RULES}")
+
+
+def topk_ascending(values: Tensor, k: int) -> Tensor:
+    """Indices ``[..., min(k, n)]`` of the ``k`` largest values per row, in ascending order.
+
+    Deterministic ties: among equal values the lower index wins (NaN counts as −inf). ``topk`` only
+    finds the k-th largest value; the pick itself is a mask and a prefix sum, so it is O(n) and needs
+    no host sync."""
+    n = values.shape[-1]
+    k = min(k, n)
+    if k <= 0:
+        return torch.empty(*values.shape[:-1], 0, dtype=torch.long, device=values.device)
+    v = torch.where(torch.isnan(values), torch.full_like(values, float("-inf")), values)
+    kth = v.topk(k, dim=-1).values[..., -1:]
+    above = v > kth
+    tied = v == kth
+    room = k - above.sum(dim=-1, keepdim=True)
+    take = above | (tied & (tied.cumsum(dim=-1) <= room))
+    slot = torch.where(take, take.cumsum(dim=-1) - 1, k)  # slot k collects the rest
+    out = torch.zeros(*values.shape[:-1], k + 1, dtype=torch.long, device=values.device)
+    positions = torch.arange(n, device=values.device).expand_as(slot)
+    return out.scatter_(-1, slot, positions)[..., :k]
+
+
+def gqa_topk(scores: Tensor, k: int, rule: str = "softmax_sum", scale: float | None = None) -> Tensor:
+    """The ``k`` tokens ``[G, min(k, n)]`` (ascending) each KV head fetches, from its query heads'
+    scores ``[G, R, n]`` combined by ``rule`` (see ``group_scores``); ties go to the lower index."""
+    return topk_ascending(group_scores(scores, rule, scale), k)
 
 
 def comm_ratio(m: int, b: int, head_dim: int, key_bits: int = 16) -> float:
-    """Extra communication of PQ codes relative to the keys' bytes (``m·b / (16·d_h)`` at fp16)."""
+    """Extra communication of PQ codes relative to the keys: ``m·b / (key_bits·head_dim)`` (the
+    paper's accounting: b-bit codes against fp16 keys)."""
     return m * b / (key_bits * head_dim)
+
+
+__all__ = [
+    "GQA_RULES",
+    "PQCodebook",
+    "code_dtype",
+    "comm_ratio",
+    "exact_scores",
+    "fit_with",
+    "gqa_topk",
+    "group_scores",
+    "pq_encode",
+    "pq_fit",
+    "pq_scores",
+    "topk_ascending",
+]
