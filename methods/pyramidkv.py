@@ -1,50 +1,95 @@
 """``pyramidkv``: SnapKV's selection with a pyramid of per-layer budgets (Cai et al., 2024).
 
-Lower layers keep more tokens and higher layers fewer, for the same total. With ``B`` the non-window
-budget per layer, the authors' schedule (KVCache-Factory ``PyramidKVCluster``) is
+Lower layers, whose attention is spread out, keep more tokens; higher layers, whose attention is
+concentrated, keep fewer, for the same total. Every layer scores tokens exactly as ``snapkv`` does
+(observation-window votes, pooling, GQA reduction) and keeps its sinks, its window (``local``) and its
+own number of selected tokens ``select_l``.
 
-    min = B // beta,   max = 2B - min   (if max ≥ s - window: max = s - window, min = 2B - max)
-    steps = (max - min) // (layers - 1),   layer l keeps max - l · steps
+The schedule (the authors' ``PyramidKVCluster``): with ``C`` the uniform selected budget of a layer
+(SnapKV's ``select``: the budget minus the window), ``L`` layers and ``A`` the tokens a layer can
+choose from (``s - sink - local``),
 
-with ``beta`` = 20, so the average stays ``B`` (up to the floor division: the layers together may
-keep slightly more than ``layers × B``). As in the authors' code, prompts shorter than ``2B`` keep
-the uniform ``B`` on every layer (``short_prompt_uniform``). Every layer stores its own number of
-tokens; kvbench attends per layer, so no padding or masking tricks are needed and an evicted token can
-never be attended. The per-layer budgets are recorded with every sample (``budget.per_layer``).
+    min = C / beta,   max = 2C - min;   if max >= A: max = A, min = 2C - max
+    select_l = max - l · (max - min) / (L - 1)          (layer l = 0 .. L-1, an arithmetic sequence)
+
+with ``beta`` = 20 (the authors' code). The sequence averages ``C`` exactly, so the layers together
+keep what ``L`` SnapKV layers keep. ``rounding`` turns it into token counts:
+
+* ``exact`` (default): the real-valued sequence rounded by cumulative sums (each layer within one
+  token of its real value, non-increasing), so the total is **exactly** ``L × C``: the same KV bytes
+  as every other method in the comparison.
+* ``authors``: the authors' integer arithmetic, ``min = C // beta`` and a floored step
+  ``(max - min) // (L - 1)``. The floor shortens the step, so the layers together keep
+  ``L·C + L·r/2`` tokens, with ``r = (max - min) mod (L - 1)``: up to ``(L - 2)/2`` extra tokens per
+  layer (about 9 % more KV than SnapKV for SmolLM2's 30 layers at a 1k prompt and a 10 % budget).
+
+As in the authors' code, prompts shorter than ``2C`` keep the uniform budget on every layer
+(``short_prompt_uniform``). The resolved per-layer budgets (``local + select_l``, sinks excluded) are
+``budget.per_layer`` in every sample's record, and the engine checks that each layer kept exactly that.
+
+Layers hold different numbers of tokens. kvbench's store is per layer and decode attends per layer,
+so nothing is padded: an evicted token is gone from its layer's store and cannot be attended (the
+authors' code and kvpress instead pad or mask a shared-length cache).
 """
 
 from __future__ import annotations
+
+import math
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.methods import register
 from kvbench.methods.snapkv import SnapKV
 
+ROUNDINGS = ("exact", "authors")
 
-def pyramid(budget: int, window: int, context: int, layers: int, beta: int) -> list[int]:
-    """Per-layer non-window budgets of the PyramidKV schedule."""
-    low = budget // beta
-    high = 2 * budget - low
-    if high >= context - window:
-        high = context - window
-        low = 2 * budget - high
-    steps = (high - low) // max(layers - 1, 1)
-    return [high - layer * steps for layer in range(layers)]
+
+def pyramid_budgets(select: int, layers: int, available: int, beta: float = 20, rounding: str = "exact") -> list[int]:
+    """Selected tokens per layer (layer 0 first) averaging ``select``, at most ``available`` each."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown pyramid rounding {rounding!r}; use one of {ROUNDINGS}")
+    if layers <= 1:
+        return [min(select, available)] * layers
+    if rounding == "authors":
+        low = int(select // beta)
+        high = 2 * select - low
+        if high >= available:
+            high = available
+            low = 2 * select - high
+        steps = (high - low) // (layers - 1)
+        return [high - layer * steps for layer in range(layers)]
+    low_r = select / beta
+    high_r = 2 * select - low_r
+    if high_r >= available:
+        high_r = float(available)
+        low_r = 2 * select - high_r
+    step = (high_r - low_r) / (layers - 1)
+    values = [high_r - layer * step for layer in range(layers)]
+    # cumulative rounding: sum preserved (the real sum is the integer layers * select), each within 1
+    cumulative = [0] + [math.floor(sum(values[: i + 1]) + 0.5) for i in range(layers)]
+    counts = [cumulative[i + 1] - cumulative[i] for i in range(layers)]
+    return sorted((min(available, max(0, c)) for c in counts), reverse=True)
 
 
 @register
 class PyramidKV(SnapKV):
     name = "pyramidkv"
 
+    def __init__(self, cfg=None) -> None:
+        super().__init__(cfg)
+        self.beta = float(self.cfg.get("beta", 20))
+        self.rounding = str(self.cfg.get("rounding", "exact"))
+        if self.beta <= 0:
+            raise ValueError(f"pyramidkv: beta must be positive, got {self.beta}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"pyramidkv: unknown rounding {self.rounding!r}; use one of {ROUNDINGS}")
+
     def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
         resolved = super().resolve_budget(budget, context, capacity, n_layers)
-        if not resolved.compresses:
-            return resolved
         uniform = resolved.select
+        available = max(0, context - resolved.sink - resolved.local)
         short = bool(self.cfg.get("short_prompt_uniform", True)) and context < 2 * uniform
-        room = context - resolved.sink
-        layers = [uniform] * n_layers if short else pyramid(uniform, resolved.local, room, n_layers, int(self.cfg.get("beta", 20)))
-        return resolved.with_per_layer([resolved.local + max(0, select) for select in layers])
-
-    def layer_select(self, layer: int) -> int:
-        budget = self.ctx.budget
-        return budget.layer_budget(layer) - budget.local
+        if not resolved.compresses or short:
+            selects = [uniform] * n_layers
+        else:
+            selects = pyramid_budgets(uniform, n_layers, available, self.beta, self.rounding)
+        return resolved.with_per_layer([resolved.local + s for s in selects])

@@ -1,12 +1,33 @@
 """``snapkv``: SnapKV (Li et al., 2024): the prompt's last tokens vote for the tokens worth keeping.
 
-At prefill, the last ``window`` (32) prompt tokens form the observation window. Their attention over
-the earlier tokens is summed (per query head), smoothed along the sequence with a pooling kernel
-(``kernel`` 5, ``pooling`` avg — SnapKV's defaults; KVCache-Factory uses 8 / 7 / max), reduced over
-the GQA group (``gqa``: sum | mean | max), and each KV head keeps its top-``select`` tokens plus the
-window. Nothing is evicted during decode. The window is the budget's local part; SnapKV has no sink
-tokens (``sink`` 0; ``budget.sink`` adds them). Because the votes come from the prompt's end, the
-selection depends on where the question sits (PQCache Table 3: ``task.question_position=start``).
+At prefill, after a layer's dense attention, the last ``window`` prompt queries (the observation
+window, 32) take their causal softmax attention over the prompt; the attention they give each
+earlier token is summed into a vote (per query head). Votes are smoothed along the sequence by a 1-D
+pooling (``kernel`` 5, ``pooling: avg``), so a selected token brings its neighbours; the pooled votes
+are reduced over the query heads of each KV head (``gqa``: ``sum`` | ``mean`` | ``max``), and every
+KV head keeps its top-``select`` tokens, the last ``local`` prompt tokens and the sinks. Nothing is
+evicted during decode: generated tokens are appended, so decode step ``t`` attends ``kept + t``
+tokens (SnapKV compresses the prompt only).
+
+Budget (kvbench's shared accounting, ``kvbench/budget.py``): the kept window is the budget's
+``local`` part (``local = min(window, B)``, ``select = B - local``; ``budget.local`` overrides the
+kept window, the observation window stays ``window`` queries); "(C)" compensation applies.
+
+Defaults are SnapKV's authors' (window 32, kernel 5, avg pooling); KVCache-Factory runs SnapKV with
+window 8, kernel 7, max pooling (``window=8 kernel=7 pooling=max``). Choices where the paper is silent:
+
+* ``sink`` 32: the same 32 attention sinks outside the budget as every PQCache-table method, so a
+  comparison keeps the same number of tokens (SnapKV itself has no sinks, and its votes pick the first
+  tokens anyway; ``budget.sink=0`` gives the original, then votes choose among all prefix tokens).
+* Votes cover the prefix before the kept window, ``[0, s - local)``, and are pooled over that range
+  with zero padding at its edges (the authors' code); sinks are then excluded from the ranking.
+* Pooling is per query head, before the GQA reduction (as kvpress); the two orders agree for
+  ``avg`` with ``sum``/``mean``. ``sum`` and ``mean`` always pick the same tokens.
+* Votes are in float32 whatever the model dtype.
+
+Because the votes come from the prompt's end, what SnapKV keeps depends on what sits there: with the
+question before the document (``task.question_position=start``) the window sees only the document's
+end (PQCache Table 3).
 """
 
 from __future__ import annotations
@@ -19,7 +40,7 @@ import torch
 from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.attention_scores import group_reduce, pool1d, window_votes
+from kvbench.methods.attention_scores import GQA_REDUCTIONS, POOLINGS, group_reduce, pool1d, window_votes
 from kvbench.methods.base import KVMethod
 from kvbench.methods.selection import topk_sorted
 
@@ -28,34 +49,52 @@ from kvbench.methods.selection import topk_sorted
 class SnapKV(KVMethod):
     name = "snapkv"
     family = "eviction"
-    budget_defaults = MethodBudgetDefaults(sink=0, local_fraction=0.0, compensable=True)
+    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.0, compensable=True)
 
-    @property
-    def window(self) -> int:
-        return int(self.cfg.get("window", 32))
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        self.window = int(self.cfg.get("window", 32))
+        self.kernel = int(self.cfg.get("kernel", 5))
+        self.pooling = str(self.cfg.get("pooling", "avg"))
+        self.gqa = str(self.cfg.get("gqa", "sum"))
+        if self.window < 1:
+            raise ValueError(f"{self.name}: window must be at least 1, got {self.window}")
+        if self.kernel > 1 and self.kernel % 2 == 0:
+            raise ValueError(f"{self.name}: the pooling kernel must be odd, got {self.kernel}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"{self.name}: unknown pooling {self.pooling!r}; use one of {POOLINGS}")
+        if self.gqa not in GQA_REDUCTIONS:
+            raise ValueError(f"{self.name}: unknown gqa reduction {self.gqa!r}; use one of {GQA_REDUCTIONS}")
 
     def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
-        """The observation window is the local part of the budget (``budget.local`` overrides it)."""
+        """The shared budget with the kept window as its local part (``budget.local`` overrides it)."""
         resolved = super().resolve_budget(budget, context, capacity, n_layers)
-        local = resolved.local if budget.local is not None else min(self.window, resolved.budget)
+        if budget.local is not None:
+            return resolved
+        local = min(self.window, resolved.budget)
         return dataclasses.replace(resolved, local=local, select=resolved.budget - local)
 
     def layer_select(self, layer: int) -> int:
-        """Prefix tokens a layer keeps besides sinks and window (PyramidKV varies it by layer)."""
-        return self.ctx.budget.select
+        """Prefix tokens ``layer`` keeps besides sinks and the window (PyramidKV varies it by layer)."""
+        budget = self.ctx.budget
+        return budget.layer_budget(layer) - budget.local
+
+    def scores(self, query: torch.Tensor, key: torch.Tensor, local: int) -> torch.Tensor:
+        """Pooled, group-reduced votes ``[kv_heads, s - local]`` for the prefix before the kept window."""
+        spec = self.ctx.spec
+        s = key.shape[-2]
+        votes = window_votes(query[0], key[0], self.window, spec.head_dim**-0.5)[:, : s - local]
+        votes = pool1d(votes, self.kernel, self.pooling)
+        return group_reduce(votes, spec.group, self.gqa)
 
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
-        budget, spec = self.ctx.budget, self.ctx.spec
+        budget = self.ctx.budget
         s = kv.n
         select = self.layer_select(layer)
         if budget.sink + budget.local + select >= s:
-            return
-        votes = window_votes(query[0], key[0], budget.local, spec.head_dim**-0.5)  # [H, s - window]
-        votes = pool1d(votes, int(self.cfg.get("kernel", 5)), str(self.cfg.get("pooling", "avg")))
-        votes = group_reduce(votes, spec.group, str(self.cfg.get("gqa", "sum"))).to(kv.home)
+            return  # the budget covers the prompt: keep everything
+        local = budget.local
+        votes = self.scores(query, key, local).to(kv.home)
         chosen = topk_sorted(votes[:, budget.sink :], select) + budget.sink
-        fixed = torch.cat([torch.arange(budget.sink, device=kv.home), torch.arange(s - budget.local, s, device=kv.home)])
+        fixed = torch.cat([torch.arange(budget.sink, device=kv.home), torch.arange(s - local, s, device=kv.home)])
         kv.keep(torch.cat([fixed.expand(kv.n_kv_heads, -1), chosen], dim=1))
-
-    def telemetry(self) -> dict[str, Any]:
-        return {"window": self.window, "kernel": int(self.cfg.get("kernel", 5)), "pooling": self.cfg.get("pooling", "avg")}

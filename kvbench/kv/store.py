@@ -173,6 +173,46 @@ class LayerKV:
         keep = torch.nonzero(mask, as_tuple=False)[:, 1].view(self.n_kv_heads, -1)
         self.keep(keep)
 
+    def swap_remove(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evict ``slots`` (``[kv_heads, r]``, distinct per head) in place, in O(r) copies.
+
+        Unlike :meth:`remove`, slot order is not kept: each evicted slot below ``n - r`` is filled by a
+        surviving slot from the last ``r``, and the capacity stays allocated (no copy of the layer, no
+        re-allocation on the next append). Positions move with their K/V, so position logic (read
+        :attr:`positions`) is unaffected. Returns ``(dst, src)``, ``[kv_heads, r]`` each: slot ``src``
+        moved to slot ``dst``, so a method can move its own per-slot state the same way (pairs with
+        ``dst == src`` are no-ops).
+        """
+        if slots.dim() != 2 or slots.shape[0] != self.n_kv_heads:
+            raise ValueError(f"swap_remove() expects [kv_heads={self.n_kv_heads}, r] slots, got {tuple(slots.shape)}")
+        r = slots.shape[1]
+        n, m = self.n, self.n - slots.shape[1]
+        heads = torch.arange(self.n_kv_heads, device=self.home)[:, None]
+        if r == 0:
+            empty = slots.new_empty(self.n_kv_heads, 0).to(self.home)
+            return empty, empty
+        slots = slots.to(self.home)
+        if r == 1:
+            dst = slots
+            src = torch.full_like(slots, n - 1)
+        else:
+            removed = torch.zeros(self.n_kv_heads, n, dtype=torch.bool, device=self.home)
+            removed.scatter_(1, slots, True)
+            if int(removed.sum()) != self.n_kv_heads * r:
+                raise ValueError("swap_remove() slots must be distinct per head")
+            index = torch.arange(n, device=self.home).expand(self.n_kv_heads, -1)
+            # holes: evicted slots below m; movers: surviving slots at or above m (equally many per head).
+            # Sorting pushes the unused entries (marked n) to the end of both, where they pair up as no-ops.
+            holes = torch.where(removed & (index < m), index, n).sort(dim=1).values[:, :r]
+            movers = torch.where(~removed & (index >= m), index, n).sort(dim=1).values[:, :r]
+            dst = torch.where(holes < n, holes, n - 1)
+            src = torch.where(movers < n, movers, n - 1)
+        self._k[heads, dst] = self._k[heads, src]
+        self._v[heads, dst] = self._v[heads, src]
+        self._pos[heads, dst] = self._pos[heads, src]
+        self.n = m
+        return dst, src
+
     # ------------------------------------------------------------------ reads
     def set_residency(self, sink: int, recent: int) -> None:
         """Slots below ``sink`` and the last ``recent`` slots are device-resident (offload mode)."""
