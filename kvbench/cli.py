@@ -137,7 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from kvbench.errors import ConfigError
-    from kvbench.report import protocol_diff, runs_table
+    from kvbench.report import parse_where, pivot_table, protocol_diff, runs_table
 
     if args.diff:
         missing = [p for p in args.diff if not (Path(p) / "config.yaml").exists()]
@@ -145,7 +145,14 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise ConfigError(f"not a run directory: {missing[0]}", "pass two folders under results/runs")
         print(protocol_diff(*args.diff))
         return 0
-    print(runs_table(args.paths or ["results/runs"], fmt=args.format))
+    paths = args.paths or ["results/runs"]
+    if args.pivot:
+        rows, cols = (part.split(",") if part else [] for part in args.pivot)
+        print(pivot_table(paths, rows, cols, value=args.value, where=parse_where(args.where), fmt=args.format))
+        return 0
+    if args.where:
+        raise ConfigError("--where filters a pivot", "add --pivot ROWS COLS (e.g. --pivot method question)")
+    print(runs_table(paths, fmt=args.format))
     return 0
 
 
@@ -188,6 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
     p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
     p_report.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"), help="config/protocol differences of two runs")
+    p_report.add_argument("--pivot", nargs=2, metavar=("ROWS", "COLS"),
+                          help="one metric as a grid: comma-separated columns down and across, e.g. method question")
+    p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
+    p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
+                          help="keep only runs whose column has this value (repeatable), e.g. task=niah")
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")

@@ -1,4 +1,8 @@
-"""Tables of finished runs (markdown, CSV, LaTeX)."""
+"""Tables of finished runs (markdown, CSV, LaTeX): one row per run, or a pivot of one metric.
+
+A pivot is how the papers print comparisons (methods down, question positions or budgets across);
+``--where`` narrows a folder of many runs to one study (``task=niah``, ``budget=256 tokens``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ COLUMNS = {
     "config.model.name": "model",
     "config.method.name": "method",
     "config.task.name": "task",
+    "config.task.lengths": "lengths",
     "budget.label": "budget",
     "protocol.question_position": "question",
     "n": "n",
@@ -45,6 +50,70 @@ def runs_table(paths: Iterable[str | Path], fmt: str = "md") -> str:
     if fmt == "latex":
         return frame.to_latex(index=False, float_format="%.3g", na_rep="–")
     return to_markdown(frame)
+
+
+def parse_where(items: Iterable[str]) -> dict[str, str]:
+    """``["method=oracle", "budget=256 tokens"]`` → ``{"method": "oracle", "budget": "256 tokens"}``."""
+    from kvbench.errors import ConfigError
+
+    where: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in COLUMNS.values():
+            raise ConfigError(f"bad --where {item!r}", f"use <column>=<value> with a column of: {', '.join(COLUMNS.values())}")
+        where[key] = value
+    return where
+
+
+def filtered(frame, where: dict[str, str]):
+    """Rows of ``frame`` whose columns equal ``where``'s values (compared as text)."""
+    for key, value in where.items():
+        if key not in frame.columns:
+            return frame.iloc[0:0]
+        frame = frame[frame[key].astype(str) == value]
+    return frame
+
+
+def pivot_table(
+    paths: Iterable[str | Path],
+    rows: list[str],
+    cols: list[str],
+    value: str = "score",
+    where: dict[str, str] | None = None,
+    fmt: str = "md",
+) -> str:
+    """One metric of many runs as a grid: ``rows`` keys down, ``cols`` keys across.
+
+    Two runs landing in the same cell is an error (it would hide one of them): add a ``where`` filter
+    or another key.
+    """
+    from kvbench.errors import ConfigError
+
+    frame = filtered(runs_frame(paths), where or {})
+    keys = [*rows, *cols, value]
+    unknown = [k for k in keys if k not in COLUMNS.values()]
+    if unknown:
+        raise ConfigError(f"unknown report column(s) {', '.join(unknown)}", f"use columns of: {', '.join(COLUMNS.values())}")
+    if frame.empty:
+        return "(no finished runs match)"
+    frame = frame.copy()
+    for key in [*rows, *cols]:
+        frame[key] = frame[key].fillna("–").astype(str) if key in frame.columns else "–"
+    if value not in frame.columns:
+        frame[value] = None
+    clash = frame.duplicated(subset=[*rows, *cols], keep=False)
+    if clash.any():
+        first = frame[clash].iloc[0]
+        cell = ", ".join(f"{k}={first[k]}" for k in [*rows, *cols])
+        raise ConfigError(f"several runs share the cell ({cell})", "narrow the runs with --where or add a key to --rows/--cols")
+    grid = frame.pivot(index=rows, columns=cols, values=value) if cols else frame.set_index(rows)[[value]]
+    grid = grid.reset_index()
+    grid.columns = [" · ".join(str(p) for p in c if str(p)) if isinstance(c, tuple) else str(c) for c in grid.columns]
+    if fmt == "csv":
+        return grid.to_csv(index=False)
+    if fmt == "latex":
+        return grid.to_latex(index=False, float_format="%.3g", na_rep="–")
+    return to_markdown(grid)
 
 
 def to_markdown(frame) -> str:

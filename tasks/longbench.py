@@ -34,7 +34,7 @@ import numpy as np
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.longbench_protocol import DATASETS, FIRST_LINE, GROUPS, LENGTH_LIMITS, NO_CHAT, QA, Dataset
+from kvbench.tasks.longbench_protocol import DATASETS, GROUPS, LENGTH_LIMITS, NO_CHAT, QA, Dataset
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"

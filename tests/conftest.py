@@ -52,3 +52,37 @@ def random_ids():
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
 
     return make
+
+
+@pytest.fixture
+def essays(tmp_path):
+    """A small essay folder for NIAH runs on the tiny models."""
+    folder = tmp_path / "essays"
+    folder.mkdir()
+    (folder / "e.txt").write_text(" ".join(f"Essay sentence {i} is about hackers." for i in range(600)))
+    return folder
+
+
+@pytest.fixture
+def niah_config(tmp_path, essays):
+    """``niah_config(method="full", **group__key)``: a resolved run config writing to ``tmp_path/runs``."""
+    return lambda method="full", **extra: niah_run_config(tmp_path / "runs", essays, method, **extra)
+
+
+def niah_run_config(output_dir: Path, essays: Path, method: str = "full", **extra) -> dict:
+    """A resolved run config: tiny_llama, ``method``, a 2 x 2 NIAH grid; ``group__key=value`` overrides."""
+    base = OmegaConf.load(conf_dir() / "config.yaml")
+    cfg = {
+        "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
+        "method": OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / f"{method}.yaml")),
+        "task": OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "niah.yaml")),
+        "budget": OmegaConf.to_container(base.budget),
+        "profile": OmegaConf.to_container(base.profile),
+        "output_dir": str(output_dir),
+        "progress": False,
+    }
+    cfg["task"].update(lengths=[600, 700], depths=[0.0, 1.0], data_dir=str(essays), max_new_tokens=4)
+    for key, value in extra.items():
+        group, _, name = key.partition("__")
+        cfg[group][name] = value
+    return cfg

@@ -14,7 +14,6 @@ from kvbench.engine.generate import generate
 from kvbench.kv.store import LayerKV
 from kvbench.methods import create_method
 from kvbench.methods.attention_scores import accumulated_attention, group_reduce, pool1d, window_votes
-from kvbench.methods.h2o import H2O
 from kvbench.methods.pyramidkv import PyramidKV, pyramid_budgets
 
 METHODS = ["h2o", "snapkv", "pyramidkv"]

@@ -6,43 +6,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
-from omegaconf import OmegaConf
 
-from kvbench.cli import conf_dir
 from kvbench.results import RunDir, load, run_id_for
 from kvbench.runner import run
 
 KVBENCH = [sys.executable, "-m", "kvbench"]
-
-
-@pytest.fixture
-def essays(tmp_path):
-    folder = tmp_path / "essays"
-    folder.mkdir()
-    (folder / "e.txt").write_text(" ".join(f"Essay sentence {i} is about hackers." for i in range(600)))
-    return folder
-
-
-def resolved_config(tmp_path, essays, method="full", **extra):
-    base = OmegaConf.load(conf_dir() / "config.yaml")
-    cfg = {
-        "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
-        "method": OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / f"{method}.yaml")),
-        "task": OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "niah.yaml")),
-        "budget": OmegaConf.to_container(base.budget),
-        "profile": OmegaConf.to_container(base.profile),
-        "output_dir": str(tmp_path / "runs"),
-        "progress": False,
-    }
-    cfg["task"].update(lengths=[600, 700], depths=[0.0, 1.0], data_dir=str(essays), max_new_tokens=4)
-    for key, value in extra.items():
-        group, _, name = key.partition("__")
-        cfg[group][name] = value
-    return cfg
 
 
 def cli_args(tmp_path, essays, *more):
@@ -51,8 +22,8 @@ def cli_args(tmp_path, essays, *more):
             "task.max_new_tokens=4", *more]
 
 
-def test_a_run_writes_its_directory_and_resumes(tmp_path, essays):
-    cfg = resolved_config(tmp_path, essays)
+def test_a_run_writes_its_directory_and_resumes(tmp_path, niah_config):
+    cfg = niah_config()
     first = run(cfg)
     assert first.ran == 4
     run_dir = first.run_dir
@@ -72,8 +43,8 @@ def test_a_run_writes_its_directory_and_resumes(tmp_path, essays):
     assert again.ran == 0 and again.metrics["n"] == 4
 
 
-def test_a_torn_last_line_is_dropped_and_recomputed(tmp_path, essays):
-    cfg = resolved_config(tmp_path, essays)
+def test_a_torn_last_line_is_dropped_and_recomputed(tmp_path, niah_config):
+    cfg = niah_config()
     run_dir = run(cfg).run_dir
     samples = run_dir / "samples.jsonl"
     lines = samples.read_text().splitlines(keepends=True)
@@ -122,15 +93,35 @@ def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
     assert len(per_sample) == 6 and "telemetry.ttft_s" in per_sample.columns
 
 
-def test_report_diff_and_confidence_interval(tmp_path, essays):
+def test_report_diff_and_confidence_interval(tmp_path, niah_config):
     from kvbench.report import protocol_diff
     from kvbench.runner import bootstrap_ci
 
-    a = run(resolved_config(tmp_path, essays)).run_dir
-    b = run(resolved_config(tmp_path, essays, task__question_position="start")).run_dir
+    a = run(niah_config()).run_dir
+    b = run(niah_config(task__question_position="start")).run_dir
     diff = protocol_diff(a, b)
     assert "config.task.question_position | end | start" in diff and "protocol.question_position" in diff
     assert "config.model.name" not in diff
     low, high = bootstrap_ci([0.0, 100.0] * 20)
     assert low < 50 < high and bootstrap_ci([5.0]) is None
     assert bootstrap_ci([70.0] * 10) == [70.0, 70.0]
+
+
+def test_report_pivots_one_metric_and_refuses_hidden_runs(tmp_path, niah_config):
+    from kvbench.errors import ConfigError
+    from kvbench.report import pivot_table
+
+    end = run(niah_config()).metrics
+    start = run(niah_config(task__question_position="start")).metrics
+    oracle = run(niah_config(method="oracle", budget__token_ratio=0.1)).metrics
+    table = pivot_table([tmp_path / "runs"], ["method"], ["question"], value="score")
+    lines = table.splitlines()
+    assert lines[0] == "| method | end | start |"
+    assert lines[2] == f"| full | {end['score']:.4g} | {start['score']:.4g} |"
+    assert lines[3].startswith(f"| oracle | {oracle['score']:.4g} | –")
+    only = pivot_table([tmp_path / "runs"], ["method", "budget"], [], value="attended", where={"method": "oracle"})
+    assert only.splitlines()[2] == f"| oracle | ratio 0.1 | {oracle['attended_tokens']:.4g} |"
+    with pytest.raises(ConfigError, match="several runs share the cell"):
+        pivot_table([tmp_path / "runs"], ["task"], [], value="score")
+    with pytest.raises(ConfigError, match="unknown report column"):
+        pivot_table([tmp_path / "runs"], ["nope"], [], value="score")
