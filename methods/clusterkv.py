@@ -11,6 +11,8 @@
   lowest-position tokens, as the authors' code does). Tokens generated since the last clustering are
   always attended; every ``recluster_every`` (320) generated tokens, those tokens are clustered into
   ``new_clusters`` (4) clusters appended to the index.
+* **tiers** — sinks and the not-yet-clustered recent tokens are device-resident; clustered tokens live
+  in the host tier and only the selected ones are fetched (cached-cluster tokens count as hits).
 * **cache** — selected clusters stay on the device for ``cache_steps`` (R = 1) steps; tokens of a
   cluster selected in the previous R steps are hits. The cluster-level hit rate (|current ∩ previous
   R| / |current|, per head and step) is reported as ``cluster_hit_rate``.
@@ -153,6 +155,8 @@ class ClusterKV(RetrievalMethod):
             return None
         budget, spec = self.ctx.budget, self.ctx.spec
         index = self._maybe_recluster(layer, kv)
+        # tokens generated since the last clustering stay on the device until they are clustered
+        kv.set_residency(budget.sink, kv.n - index.clustered_end)
         clustered = index.slots.numel()
         recent = torch.arange(index.clustered_end, kv.n, device=kv.home)
         sinks = torch.arange(0, min(budget.sink, kv.n), device=kv.home)

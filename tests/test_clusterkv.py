@@ -62,3 +62,26 @@ def test_cluster_count_follows_the_context(tiny_llama, random_ids):
     method = create_method({"name": "clusterkv"})
     generate(tiny_llama, method, random_ids(816, seed=33), max_new_tokens=2, budget=BudgetConfig(tokens=128))
     assert method.index[2].centroids.shape[1] == 10  # (816 - 16) / 80
+
+
+def test_only_selected_clustered_tokens_cross_the_link(tiny_qwen2, random_ids):
+    """Bytes fetched = the distinct (KV head, token) pairs the query heads selected, minus cached
+    clusters; sinks and the unclustered recent tokens never move (they stay on the device)."""
+    method = create_method({"name": "clusterkv", "cache_steps": 0, "recluster_every": 1000})
+    expected = []
+    select = method.select
+
+    def recording(layer, query, kv):
+        selection = select(layer, query, kv)
+        if selection is not None and selection.selected is not None:
+            group = selection.rows // kv.n_kv_heads
+            heads = torch.arange(selection.rows)[:, None] // group
+            expected.append(torch.unique(heads * kv.n + selection.selected).numel() * kv.token_bytes())
+        return selection
+
+    method.select = recording
+    out = generate(tiny_qwen2, method, random_ids(600, seed=34), max_new_tokens=24, min_new_tokens=24,
+                   budget=BudgetConfig(tokens=64))
+    assert len(expected) == 23 * (tiny_qwen2.spec.n_layers - 2)
+    assert out.telemetry["bytes_h2d_fetch"] == sum(expected)
+    assert out.telemetry["cache_hits"] == 0
