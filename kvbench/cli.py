@@ -170,7 +170,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in benches]
     if unknown:
         raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}", f"choose from: {', '.join(sorted(benches))}")
-    options = BenchOptions(quick=args.quick, device=args.device, repeats=args.repeats)
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
+    except ValueError:
+        raise ConfigError(f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536") from None
+    options = BenchOptions(quick=args.quick, device=args.device, repeats=args.repeats, model=args.model,
+                           lengths=lengths, new_tokens=args.new_tokens)
     results = [benches[name](options) for name in names]
     if args.json:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else platform.processor()
@@ -210,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p_bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p_bench.add_argument("--repeats", type=int, default=5)
+    p_bench.add_argument("--model", default=None, help="end-to-end benchmarks: model config (e.g. llama31_8b_shape)")
+    p_bench.add_argument("--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072")
+    p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
     args = parser.parse_args(argv)
     handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench, "check": cmd_check}
     try:

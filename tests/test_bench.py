@@ -22,3 +22,16 @@ def test_quick_benchmarks_run_and_report_ratios():
 def test_unknown_benchmark_is_one_error_line():
     out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "nope"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("kvbench: error: unknown benchmark")
+
+
+def test_end_to_end_settings_can_be_chosen():
+    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--quick", "--json", "--model",
+                          "tiny_qwen2", "--lengths", "700,900", "--new-tokens", "4"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["results"][0]["rows"]
+    assert [r["model"] for r in rows] == ["tiny_qwen2"] * 2
+    assert 690 < rows[0]["prompt"] <= 700 and 890 < rows[1]["prompt"] <= 900
+    bad = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--lengths" in bad.stderr and "Traceback" not in bad.stderr

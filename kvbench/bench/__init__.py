@@ -30,6 +30,13 @@ class BenchOptions:
     quick: bool = False  # smaller sizes, for smoke tests
     device: str = "auto"
     repeats: int = 5
+    model: str | None = None  # end-to-end benchmarks: a model config name (e.g. llama31_8b_shape on a GPU)
+    lengths: tuple[int, ...] | None = None  # end-to-end benchmarks: prompt lengths in tokens
+    new_tokens: int | None = None  # end-to-end benchmarks: tokens generated per run
+
+    def e2e(self, model: str, lengths: tuple[int, ...], new_tokens: int = 32) -> tuple[str, tuple[int, ...], int]:
+        """The end-to-end settings: the user's where given, else the benchmark's defaults."""
+        return self.model or model, self.lengths or lengths, self.new_tokens or new_tokens
 
 
 Bench = Callable[[BenchOptions], BenchResult]

@@ -59,8 +59,8 @@ print(json.dumps({"before": before, "peak": high, "prompt": len(ids), "ttft_s": 
 
 @benchmark("prefill_memory")
 def prefill_memory(options: BenchOptions) -> BenchResult:
-    model = "tiny_llama" if options.quick else "smollm2_135m"
-    length = 1024 if options.quick else 8000
+    model, lengths, _ = options.e2e("tiny_llama" if options.quick else "smollm2_135m", (1024 if options.quick else 8000,))
+    length = lengths[0]
     budget = {"token_ratio": 0.1}
     rows = []
     results = {}
