@@ -26,7 +26,8 @@ from kvbench.results import RunDir, run_id_for
 
 TELEMETRY_MEANS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "prefill_s", "decode_s", "recall",
                    "kv_bytes_ratio", "kv_bytes_after_prefill", "kv_bytes_full", "bytes_h2d", "bytes_h2d_fetch",
-                   "bytes_h2d_index", "bytes_h2d_cache_fill", "prompt_tokens", "new_tokens")
+                   "bytes_h2d_index", "bytes_h2d_cache_fill", "bytes_h2d_index_per_step", "bytes_h2d_kv_per_step",
+                   "select_s", "fetch_s", "compute_s", "prompt_tokens", "new_tokens")
 
 
 @dataclass

@@ -12,6 +12,12 @@ Definitions (shared by every method so that tables compare like with like):
 * ``recall`` — ``|selected ∩ exact top-k| / k`` over the method's ranked part, averaged over layers,
   heads and steps (only with ``profile.recall=true``: it costs an exact pass, excluded from the
   step times).
+* ``select_s`` / ``fetch_s`` / ``compute_s`` — the decode time split into the method's selection
+  (index search, e.g. PQ scoring), the store's gather of the selected K/V (host→device fetch) and the
+  rest (the model's layers and attention). Host-side clocks: on CUDA, asynchronous kernels are
+  counted where they are waited for.
+* ``bytes_h2d_index_per_step`` / ``bytes_h2d_kv_per_step`` — host→device bytes per decode step of the
+  index data (PQ codes, key slices, block representatives) and of K/V (fetches and cache fills).
 
 On CUDA the clock synchronises the device before reading ``perf_counter``; on CPU it reads it directly.
 """
@@ -53,6 +59,8 @@ class Telemetry:
         self.prefill_s: float | None = None
         self.step_s: list[float] = []
         self.excluded_s = 0.0  # profiling time inside a step, removed from its duration
+        self.select_s = 0.0  # decode time in the method's select()
+        self.fetch_s = 0.0  # decode time in the store's gather()
 
     def record_decode(self, layer: int, attended: int, available: int, recall: float | None = None) -> None:
         self.attended[layer].append(int(attended))
@@ -73,6 +81,9 @@ class Telemetry:
             "tpot_p90_s": float(np.percentile(later, 90)) if later else None,
             "prefill_s": self.prefill_s,
             "decode_s": float(sum(steps)) if steps else 0.0,
+            "select_s": self.select_s,
+            "fetch_s": self.fetch_s,
+            "compute_s": max(0.0, float(sum(steps)) - self.select_s - self.fetch_s) if steps else 0.0,
             "decode_steps": len(steps),
             "attended_per_layer": [_mean(a) for a in self.attended],
             "attended_first_step": [a[0] if a else None for a in self.attended],

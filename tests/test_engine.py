@@ -152,6 +152,8 @@ def test_timings_are_recorded(tiny_llama, random_ids):
     t = out.telemetry
     assert t["ttft_s"] > 0 and t["tt2t_s"] > t["ttft_s"] and t["tpot_s"] > 0
     assert t["decode_steps"] == 5 and t["new_tokens"] == 6
+    assert t["fetch_s"] == 0 and t["bytes_h2d_kv_per_step"] == 0  # full neither selects nor fetches
+    assert 0 < t["compute_s"] <= t["decode_s"]
 
 
 def test_stop_texts_cut_the_output_and_change_nothing_before(tiny_llama, random_ids):

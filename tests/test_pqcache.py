@@ -63,6 +63,11 @@ def test_budget_bytes_and_cache(tiny_llama, random_ids):
     middle_first = 1500 + 1 - 1 - b.local - b.sink
     per_step = [(middle_first + i) * 2 * m * bits // 8 for i in range(steps)]
     assert t["bytes_h2d_index"] == sum(per_step) * tiny_llama.spec.n_layers
+    assert t["bytes_h2d_index_per_step"] == pytest.approx(t["bytes_h2d_index"] / steps)
+    assert t["bytes_h2d_kv_per_step"] == pytest.approx((t["bytes_h2d_fetch"] + t["bytes_h2d_cache_fill"]) / steps)
+    # the decode time splits into selection (PQ search), fetch and the rest
+    assert t["select_s"] >= t["method"]["pq_search_s"] > 0 and t["fetch_s"] > 0 and t["compute_s"] > 0
+    assert t["select_s"] + t["fetch_s"] + t["compute_s"] == pytest.approx(t["decode_s"])
     assert t["cache_lookups"] > 0 and t["hit_rate"] is not None and 0 <= t["hit_rate"] <= 1
     assert 0 < t["recall"] <= 1
 

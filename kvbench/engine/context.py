@@ -8,6 +8,7 @@ store and records what was attended.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,7 +92,11 @@ class GenerationContext:
         return self._decode(module, layer, query, kv, scaling)
 
     def _decode(self, module: torch.nn.Module, layer: int, query: torch.Tensor, kv, scaling: float) -> torch.Tensor:
+        # host-side timers (no device sync, so they never serialise a CUDA pipeline)
+        started = time.perf_counter()
         selection = None if layer in self.method.dense_layers else self.method.select(layer, query, kv)
+        selected_at = time.perf_counter()
+        self.telemetry.select_s += selected_at - started
         if selection is None or selection.attended == kv.n:
             # Nothing left out (slots are unique): the dense path, bit-identical to ``full``.
             keys, values = kv.keys, kv.values
@@ -99,6 +104,7 @@ class GenerationContext:
             attended = kv.n
         else:
             keys, values = kv.gather(selection.slots, selection.cached)
+            self.telemetry.fetch_s += time.perf_counter() - selected_at
             out = attention.selected(query, keys, values, scaling)
             attended = selection.attended
         probs = attention.probabilities(query, keys, scaling) if self.method.needs_attention_probs else None

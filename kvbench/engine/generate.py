@@ -195,6 +195,7 @@ def _telemetry(ctx: GenerationContext, method: KVMethod, new_tokens: int) -> dic
     element = next(ctx.model.parameters()).element_size()
     full_bytes = ctx.budget.context * ctx.spec.kv_bytes_per_token(element)
     summary = ctx.telemetry.summary()
+    steps = summary["decode_steps"]
     summary.update(
         {
             "prompt_tokens": ctx.budget.context,
@@ -202,6 +203,8 @@ def _telemetry(ctx: GenerationContext, method: KVMethod, new_tokens: int) -> dic
             "kv_bytes_full": full_bytes,
             "kv_bytes_ratio": (summary["kv_bytes_after_prefill"] / full_bytes) if full_bytes else None,
             **{key: value for key, value in stats.to_dict().items()},
+            "bytes_h2d_index_per_step": stats.bytes_h2d_index / steps if steps else None,
+            "bytes_h2d_kv_per_step": (stats.bytes_h2d_fetch + stats.bytes_h2d_cache_fill) / steps if steps else None,
             "method": method.telemetry(),
         }
     )
