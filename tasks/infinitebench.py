@@ -4,7 +4,8 @@ Protocol (``task.protocol``, see ``infinitebench_protocol.PROTOCOLS``): ``open``
 completion templates, no chat template, the official generation lengths; ``chat`` — the GPT-4
 instruction templates inside the model's chat template; ``infllm`` — ``chat`` with InfLLM's longer
 generation lengths (PQCache's InfiniteBench pipeline). Every prompt is middle-truncated to
-``task.max_length`` tokens (128K by default) as ``eval_yarn_mistral.py`` does:
+``task.max_length`` tokens (128K by default, or the model's context minus the generation length when
+that is smaller) as ``eval_yarn_mistral.py`` does:
 ``ids[:L // 2] + ids[-L // 2:]``. Scoring uses the official scorers, with ``task.scorer_version``
 picking the En.Dia / En.MC revision (``kvbench.tasks.metrics_infinitebench``).
 
@@ -187,13 +188,21 @@ class InfiniteBench(Task):
     def max_length(self) -> int:
         return int(self.cfg["max_length"] or self.protocol_cfg["max_length"])
 
+    def length_limit(self, model: Any, task: str) -> int:
+        """Truncation limit of one task's prompts: ``task.max_length`` when set, else the protocol's
+        (128K) or, for a shorter model, its context minus the task's generation length."""
+        if self.cfg["max_length"]:
+            return int(self.cfg["max_length"])
+        return min(self.max_length(), model.spec.max_length - self.max_new_tokens(task))
+
     def protocol(self) -> dict[str, Any]:
         return {
             "task": self.name,
             "protocol": self.cfg["protocol"],
             "templates": self.protocol_cfg["templates"],
             "chat_template": self.protocol_cfg["chat"],
-            "truncation": f"middle to {self.max_length()} tokens",
+            "truncation": f"middle to {self.max_length()} tokens"
+            + ("" if self.cfg["max_length"] else " or the model's context minus the generation, if smaller"),
             "max_new_tokens": {n: self.max_new_tokens(n) for n in self.names},
             "scorer_version": self.cfg["scorer_version"],
             "question_position": self.cfg["question_position"],
@@ -269,7 +278,10 @@ class InfiniteBench(Task):
             else:
                 rows = ((str(row.get("id", i)), row, {}) for i, row in enumerate(self.limited(self._rows(task))))
             for row_id, row, meta in rows:
-                ids = truncate_middle(self._encode(model, task, row), self.max_length())
+                encoded = self._encode(model, task, row)
+                ids = truncate_middle(encoded, self.length_limit(model, task))
+                if len(ids) < len(encoded):
+                    meta = {**meta, "truncated_from": len(encoded)}
                 yield Sample(
                     id=f"{task}-{row_id}",
                     reference=labels_for(task, row),

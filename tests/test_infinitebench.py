@@ -63,6 +63,17 @@ def test_truncation_and_labels():
     assert labels_for("passkey", {"answer": "12345"}) == ["12345"]
 
 
+def test_prompts_longer_than_the_model_are_cut_to_its_context(tiny_llama, tmp_path):
+    row = {"id": 0, "context": "The grass is green. " * 1000, "input": "", "answer": "12345"}
+    (tmp_path / "passkey.jsonl").write_text(json.dumps(row) + "\n")
+    task = create_task({"name": "infinitebench", "data_dir": str(tmp_path)})
+    sample = next(iter(task.samples(tiny_llama)))
+    assert len(sample.input_ids) == tiny_llama.spec.max_length - sample.max_new_tokens
+    assert sample.meta["truncated_from"] > 20000
+    explicit = create_task({"name": "infinitebench", "data_dir": str(tmp_path), "max_length": 1000})
+    assert len(next(iter(explicit.samples(tiny_llama))).input_ids) == 1000
+
+
 def test_real_tasks_need_data():
     with pytest.raises(ConfigError, match="cannot be generated"):
         create_task({"name": "infinitebench", "subsets": ["longbook_qa_eng"]})
