@@ -148,9 +148,14 @@ def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> l
 
 
 def _budget_label(budget: BudgetConfig, method: Any) -> str:
+    """``ratio 0.1``, ``256 tokens``; ``, comm 1/128`` with an extra-communication budget; `` (C)`` when a
+    dropping method was compensated for it."""
     if method.family == "dense":
         return "full cache"
     size = f"{budget.tokens} tokens" if budget.tokens is not None else f"ratio {budget.token_ratio:g}"
+    if budget.comm_ratio:
+        inverse = 1 / float(budget.comm_ratio)
+        size += f", comm 1/{round(inverse)}" if abs(inverse - round(inverse)) < 1e-6 else f", comm {budget.comm_ratio:g}"
     return size + (" (C)" if budget.compensate and method.defaults().compensable else "")
 
 
