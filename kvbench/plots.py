@@ -10,24 +10,24 @@ from typing import Any
 NIAH_COLORS = ("#F0496E", "#EBB839", "#0CD79F")
 
 
-def niah_heatmap(records: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
-    """Depth (rows, 0 = top of the document) × length (columns) heatmap of scores, 0–100."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _niah_grid(records: list[dict[str, Any]]):
     import numpy as np
-    from matplotlib.colors import LinearSegmentedColormap
 
     lengths = sorted({int(r["meta"]["length"]) for r in records})
     depths = sorted({float(r["meta"]["depth"]) for r in records})
     grid = np.full((len(depths), len(lengths)), np.nan)
     for record in records:
-        row = depths.index(float(record["meta"]["depth"]))
-        col = lengths.index(int(record["meta"]["length"]))
-        grid[row, col] = record["score"]
+        grid[depths.index(float(record["meta"]["depth"])), lengths.index(int(record["meta"]["length"]))] = record["score"]
+    return lengths, depths, grid
+
+
+def _draw_niah(ax: Any, records: list[dict[str, Any]], title: str, *, labels: bool = True) -> Any:
+    """One depth (rows, 0 = top) × length (columns) heatmap on ``ax``; returns the image."""
+    import numpy as np
+    from matplotlib.colors import LinearSegmentedColormap
+
+    lengths, depths, grid = _niah_grid(records)
     cmap = LinearSegmentedColormap.from_list("niah", NIAH_COLORS)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.55 * len(depths)), dpi=120)
     image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=100, aspect="auto")
     for row in range(len(depths)):
         for col in range(len(lengths)):
@@ -35,16 +35,64 @@ def niah_heatmap(records: list[dict[str, Any]], path: Path, *, title: str = "") 
                 ax.text(col, row, f"{grid[row, col]:.0f}", ha="center", va="center", fontsize=8, color="black")
     ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
     ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
+    if labels:
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label="score")
-    fig.tight_layout()
+    return image
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def niah_heatmap(records: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
+    """Depth (rows, 0 = top of the document) × length (columns) heatmap of scores, 0–100."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths, depths, _ = _niah_grid(records)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.55 * len(depths)), dpi=120)
+    image = _draw_niah(ax, records, title)
+    fig.colorbar(image, ax=ax, label="score")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, columns: int = 4) -> Path:
+    """Several runs' NIAH heatmaps side by side, one titled panel each (PQCache Fig. 9)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = max(1, min(columns, len(panels)))
+    rows = -(-len(panels) // columns)
+    lengths, depths, _ = _niah_grid(panels[0][1])
+    width, height = 0.6 + 0.75 * len(lengths), 0.8 + 0.4 * len(depths)
+    fig, axes = plt.subplots(rows, columns, figsize=(width * columns + 1.2, height * rows + 0.4), dpi=120,
+                             squeeze=False, layout="constrained")
+    image = None
+    for index, ax in enumerate(axes.flat):
+        if index >= len(panels):
+            ax.axis("off")
+            continue
+        title, records = panels[index]
+        image = _draw_niah(ax, records, title, labels=False)
+        if index % columns:
+            ax.tick_params(labelleft=False)
+    fig.supxlabel("context length (tokens)", fontsize=9)
+    fig.supylabel("needle depth", fontsize=9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="score", shrink=0.8)
+    return _save(fig, path)
 
 
 def perplexity_curves(curves: dict[str, list[list[float]]], path: Path, *, title: str = "") -> Path:
@@ -65,8 +113,4 @@ def perplexity_curves(curves: dict[str, list[list[float]]], path: Path, *, title
     if len(curves) > 1:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return _save(fig, path)

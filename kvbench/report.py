@@ -116,6 +116,31 @@ def pivot_table(
     return to_markdown(grid)
 
 
+def niah_figure(paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None, columns: int = 4) -> Path:
+    """The NIAH heatmaps of the matching runs in one figure, a panel per run titled by what differs."""
+    from kvbench.errors import ConfigError
+    from kvbench.plots import niah_panels
+    from kvbench.results import RunDir, load
+
+    frame = load(list(paths))
+    if not frame.empty:
+        frame = filtered(frame.rename(columns=COLUMNS), {"task": "niah", **(where or {})})
+    if frame.empty:
+        raise ConfigError("no finished NIAH runs match", "check the folder and the --where filters")
+    frame = frame.sort_values([c for c in ("model", "question", "budget", "method") if c in frame.columns])
+    shown = [c for c in ("model", "method", "budget", "question") if c in frame.columns and frame[c].nunique() > 1]
+    shown = shown or ["method"]
+    panels = []
+    for _, row in frame.iterrows():
+        title = " · ".join(str(row[c]) for c in shown)
+        if "score" in row and row["score"] == row["score"]:
+            title += f"  ({row['score']:.1f})"
+        panels.append((title, RunDir(Path(row["run_dir"])).records()))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return niah_panels(panels, out, columns=columns)
+
+
 def to_markdown(frame) -> str:
     def cell(value) -> str:
         if value is None or (isinstance(value, float) and value != value):
