@@ -137,7 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from kvbench.errors import ConfigError
-    from kvbench.report import niah_figure, parse_where, pivot_table, protocol_diff, runs_table
+    from kvbench.report import comparison_figure, parse_where, pivot_table, protocol_diff, runs_table
 
     if args.diff:
         missing = [p for p in args.diff if not (Path(p) / "config.yaml").exists()]
@@ -146,15 +146,15 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(protocol_diff(*args.diff))
         return 0
     paths = args.paths or ["results/runs"]
-    if args.heatmaps:
-        print(niah_figure(paths, Path(args.heatmaps), where=parse_where(args.where), columns=args.columns))
+    if args.figure:
+        print(comparison_figure(paths, Path(args.figure), where=parse_where(args.where)))
         return 0
     if args.pivot:
         rows, cols = (part.split(",") if part else [] for part in args.pivot)
         print(pivot_table(paths, rows, cols, value=args.value, where=parse_where(args.where), fmt=args.format))
         return 0
     if args.where:
-        raise ConfigError("--where filters a pivot or a figure", "add --pivot ROWS COLS or --heatmaps FILE.png")
+        raise ConfigError("--where filters a pivot or a figure", "add --pivot ROWS COLS or --figure FILE.png")
     print(runs_table(paths, fmt=args.format))
     return 0
 
@@ -206,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument("--pivot", nargs=2, metavar=("ROWS", "COLS"),
                           help="one metric as a grid: comma-separated columns down and across, e.g. method question")
     p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
-    p_report.add_argument("--heatmaps", metavar="FILE.png", help="the matching NIAH runs' heatmaps in one figure")
-    p_report.add_argument("--columns", type=int, default=4, help="panels per row of --heatmaps")
+    p_report.add_argument("--figure", metavar="FILE.png",
+                          help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves)")
     p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
                           help="keep only runs whose column has this value (repeatable), e.g. task=niah")
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")

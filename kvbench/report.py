@@ -116,29 +116,33 @@ def pivot_table(
     return to_markdown(grid)
 
 
-def niah_figure(paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None, columns: int = 4) -> Path:
-    """The NIAH heatmaps of the matching runs in one figure, a panel per run titled by what differs."""
+def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None) -> Path:
+    """The matching runs (all of one task) in the task's comparison figure: NIAH heatmaps side by side,
+    PG19 perplexity curves overlaid. Each run is titled by the columns that differ between them."""
     from kvbench.errors import ConfigError
-    from kvbench.plots import niah_panels
     from kvbench.results import RunDir, load
+    from kvbench.tasks import REGISTRY
 
     frame = load(list(paths))
     if not frame.empty:
-        frame = filtered(frame.rename(columns=COLUMNS), {"task": "niah", **(where or {})})
+        frame = filtered(frame.rename(columns=COLUMNS), where or {})
     if frame.empty:
-        raise ConfigError("no finished NIAH runs match", "check the folder and the --where filters")
+        raise ConfigError("no finished runs match", "check the folder and the --where filters")
+    tasks = sorted(frame["task"].unique())
+    if len(tasks) > 1:
+        raise ConfigError(f"the matching runs span several tasks ({', '.join(tasks)})", "add --where task=<name>")
     frame = frame.sort_values([c for c in ("model", "question", "budget", "method") if c in frame.columns])
-    shown = [c for c in ("model", "method", "budget", "question") if c in frame.columns and frame[c].nunique() > 1]
-    shown = shown or ["method"]
-    panels = []
+    shown = [c for c in ("model", "method", "budget", "question", "lengths") if c in frame.columns
+             and frame[c].astype(str).nunique() > 1] or ["method"]
+    runs = []
     for _, row in frame.iterrows():
         title = " · ".join(str(row[c]) for c in shown)
-        if "score" in row and row["score"] == row["score"]:
+        if row.get("score") == row.get("score") and row.get("score") is not None:
             title += f"  ({row['score']:.1f})"
-        panels.append((title, RunDir(Path(row["run_dir"])).records()))
+        runs.append((title, RunDir(Path(row["run_dir"])).records()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return niah_panels(panels, out, columns=columns)
+    return REGISTRY.get(tasks[0]).comparison_figure(runs, out)
 
 
 def to_markdown(frame) -> str:

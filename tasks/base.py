@@ -166,3 +166,9 @@ class Task:
     def artifacts(self, records: list[dict[str, Any]], run_dir: Path, title: str) -> list[Path]:
         """Files (plots) the task writes next to the results; none by default."""
         return []
+
+    @classmethod
+    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+        """One figure comparing several runs of this task (``(title, records)`` each), for ``kvbench
+        report --figure``; tasks with a natural picture override it."""
+        raise ConfigError(f"task {cls.name} has no comparison figure", "use kvbench report --pivot for a table")

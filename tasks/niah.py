@@ -175,6 +175,14 @@ class NeedleInAHaystack(Task):
         return [path]
 
 
+    @classmethod
+    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+        """The runs' heatmaps side by side (PQCache Fig. 9)."""
+        from kvbench.plots import niah_panels
+
+        return niah_panels(runs, path)
+
+
 def _insert(context: list[int], needle: list[int], depth: float, periods: frozenset[int]) -> list[int]:
     """Put ``needle`` at ``depth`` of ``context``, backing up to the previous sentence end."""
     if depth >= 1.0:

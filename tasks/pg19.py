@@ -171,6 +171,16 @@ class PG19(Task):
         return [path]
 
 
+    @classmethod
+    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+        """Every run's cumulative-perplexity curves on one plot (ClusterKV Fig. 10)."""
+        from kvbench.plots import perplexity_curves
+
+        curves = {f"{title} · {r['id']}" if len(records) > 1 else title: r["prediction"]["curve"]
+                  for title, records in runs for r in records}
+        return perplexity_curves(curves, path, title="cumulative perplexity")
+
+
 def cumulative_curve(positions: list[int], nll: list[float], every: int) -> list[list[float]]:
     """``[position, exp(mean NLL so far)]`` every ``every`` scored tokens, and at the last one."""
     curve, total = [], 0.0

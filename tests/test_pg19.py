@@ -79,3 +79,15 @@ def test_book_10146_on_smollm2(smollm2):
     expected = model_nll(smollm2, sample.input_ids, 1)
     assert torch.allclose(torch.tensor(result.prediction["nll"]), expected, atol=2e-3)
     assert 2 < result.score < 100
+
+
+def test_comparison_figure_overlays_the_runs_curves(tmp_path):
+    from kvbench.errors import ConfigError
+    from kvbench.tasks import REGISTRY
+
+    record = {"id": "book-len64", "prediction": {"curve": [[16, 30.0], [32, 25.0], [63, 22.0]]}}
+    slower = {"id": "book-len64", "prediction": {"curve": [[16, 30.0], [32, 40.0], [63, 45.0]]}}
+    out = REGISTRY.get("pg19").comparison_figure([("full", [record]), ("streamingllm", [slower])], tmp_path / "c.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ConfigError, match="no comparison figure"):
+        REGISTRY.get("gsm8k_cot").comparison_figure([("full", [])], tmp_path / "g.png")

@@ -127,14 +127,14 @@ def test_report_pivots_one_metric_and_refuses_hidden_runs(tmp_path, niah_config)
         pivot_table([tmp_path / "runs"], ["nope"], [], value="score")
 
 
-def test_report_draws_the_matching_niah_runs_in_one_figure(tmp_path, niah_config):
+def test_report_draws_the_matching_runs_in_their_tasks_figure(tmp_path, niah_config):
     from kvbench.errors import ConfigError
-    from kvbench.report import niah_figure
+    from kvbench.report import comparison_figure
 
     run(niah_config())
     run(niah_config(method="streamingllm", budget__token_ratio=0.1))
-    out = niah_figure([tmp_path / "runs"], tmp_path / "fig" / "niah.png")
+    out = comparison_figure([tmp_path / "runs"], tmp_path / "fig" / "niah.png")
     assert out.exists() and out.read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ConfigError, match="no finished NIAH runs match"):
-        niah_figure([tmp_path / "runs"], tmp_path / "none.png", where={"method": "h2o"})
+    with pytest.raises(ConfigError, match="no finished runs match"):
+        comparison_figure([tmp_path / "runs"], tmp_path / "none.png", where={"method": "h2o"})
     assert not (tmp_path / "none.png").exists()
