@@ -29,14 +29,20 @@ COLUMNS = {
 }
 
 
-def runs_frame(paths: Iterable[str | Path]):
+#: besides the short names, any flattened key of a run works: ``config.method.metric``, ``bytes_h2d``, ...
+KEY_HINT = f"a column of: {', '.join(COLUMNS.values())}; or any flattened key such as config.method.metric"
+
+
+def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False):
+    """Runs as a DataFrame with the short column names; ``every_column`` keeps the other keys too."""
     from kvbench.results import load
 
     frame = load(list(paths))
     if frame.empty:
         return frame
-    present = [c for c in COLUMNS if c in frame.columns]
-    return frame[present].rename(columns=COLUMNS)
+    if not every_column:
+        frame = frame[[c for c in COLUMNS if c in frame.columns]]
+    return frame.rename(columns=COLUMNS)
 
 
 def runs_table(paths: Iterable[str | Path], fmt: str = "md") -> str:
@@ -59,8 +65,8 @@ def parse_where(items: Iterable[str]) -> dict[str, str]:
     where: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in COLUMNS.values():
-            raise ConfigError(f"bad --where {item!r}", f"use <column>=<value> with a column of: {', '.join(COLUMNS.values())}")
+        if not sep or not key:
+            raise ConfigError(f"bad --where {item!r}", f"use <column>=<value> with {KEY_HINT}")
         where[key] = value
     return where
 
@@ -89,11 +95,14 @@ def pivot_table(
     """
     from kvbench.errors import ConfigError
 
-    frame = filtered(runs_frame(paths), where or {})
+    frame = runs_frame(paths, every_column=True)
+    rows, cols, value = [COLUMNS.get(k, k) for k in rows], [COLUMNS.get(k, k) for k in cols], COLUMNS.get(value, value)
+    where = {COLUMNS.get(k, k): v for k, v in (where or {}).items()}
     keys = [*rows, *cols, value]
-    unknown = [k for k in keys if k not in COLUMNS.values()]
+    unknown = [k for k in keys if k not in COLUMNS.values() and k not in frame.columns]
     if unknown:
-        raise ConfigError(f"unknown report column(s) {', '.join(unknown)}", f"use columns of: {', '.join(COLUMNS.values())}")
+        raise ConfigError(f"unknown report column(s) {', '.join(unknown)}", f"use {KEY_HINT}")
+    frame = filtered(frame, where)
     if frame.empty:
         return "(no finished runs match)"
     frame = frame.copy()
@@ -120,12 +129,10 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     """The matching runs (all of one task) in the task's comparison figure: NIAH heatmaps side by side,
     PG19 perplexity curves overlaid. Each run is titled by the columns that differ between them."""
     from kvbench.errors import ConfigError
-    from kvbench.results import RunDir, load
+    from kvbench.results import RunDir
     from kvbench.tasks import REGISTRY
 
-    frame = load(list(paths))
-    if not frame.empty:
-        frame = filtered(frame.rename(columns=COLUMNS), where or {})
+    frame = filtered(runs_frame(paths, every_column=True), {COLUMNS.get(k, k): v for k, v in (where or {}).items()})
     if frame.empty:
         raise ConfigError("no finished runs match", "check the folder and the --where filters")
     tasks = sorted(frame["task"].unique())

@@ -125,6 +125,10 @@ def test_report_pivots_one_metric_and_refuses_hidden_runs(tmp_path, niah_config)
         pivot_table([tmp_path / "runs"], ["task"], [], value="score")
     with pytest.raises(ConfigError, match="unknown report column"):
         pivot_table([tmp_path / "runs"], ["nope"], [], value="score")
+    # any flattened key of a run works as a column or a filter
+    by_window = pivot_table([tmp_path / "runs"], ["config.method.name"], ["protocol.question_position"],
+                            value="kv_bytes_ratio", where={"config.method.name": "full"})
+    assert by_window.splitlines()[2] == "| full | 1 | 1 |"
 
 
 def test_report_draws_the_matching_runs_in_their_tasks_figure(tmp_path, niah_config):
