@@ -72,11 +72,15 @@ def parse_where(items: Iterable[str]) -> dict[str, str]:
 
 
 def filtered(frame, where: dict[str, str]):
-    """Rows of ``frame`` whose columns equal ``where``'s values (compared as text)."""
+    """Rows of ``frame`` whose columns equal ``where``'s values (compared as text; ``None`` or ``null``
+    matches a missing value)."""
     for key, value in where.items():
         if key not in frame.columns:
             return frame.iloc[0:0]
-        frame = frame[frame[key].astype(str) == value]
+        if value in ("None", "null"):
+            frame = frame[frame[key].isna()]
+        else:
+            frame = frame[frame[key].astype(str) == value]
     return frame
 
 

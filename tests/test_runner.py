@@ -129,6 +129,8 @@ def test_report_pivots_one_metric_and_refuses_hidden_runs(tmp_path, niah_config)
     by_window = pivot_table([tmp_path / "runs"], ["config.method.name"], ["protocol.question_position"],
                             value="kv_bytes_ratio", where={"config.method.name": "full"})
     assert by_window.splitlines()[2] == "| full | 1 | 1 |"
+    dense = pivot_table([tmp_path / "runs"], ["method", "question"], [], where={"config.budget.token_ratio": "None"})
+    assert [line.split(" | ")[0] for line in dense.splitlines()[2:]] == ["| full", "| full"]
 
 
 def test_report_draws_the_matching_runs_in_their_tasks_figure(tmp_path, niah_config):

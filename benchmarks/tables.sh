@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The tables and figures of benchmarks/RESULTS.md, rendered from the runs that benchmarks/acceptance.sh
+# made (nothing is computed here). Usage: bash benchmarks/tables.sh > /tmp/tables.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+K="${KVBENCH_CMD:-.venv/bin/kvbench}"
+RUNS="${KVBENCH_OUT:-results/runs}"
+FIGURES="${KVBENCH_FIGURES:-benchmarks/figures}"
+R="$K report $RUNS"
+GRID='lengths=[1024, 2048, 4096]'
+mkdir -p "$FIGURES"
+
+section() { printf '\n### %s\n\n' "$1"; }
+figure() { local out="$1"; shift; $R --figure "$out" "$@" >/dev/null || echo "(no runs for $out yet)"; }
+
+section "NIAH on SmolLM2, 3 lengths x 5 depths: score (0-100) by method, budget and question position"
+$R --pivot method,budget question --where task=niah --where model=smollm2_135m --where "$GRID"
+for value in recall "hit rate" "KV kept" attended; do
+  section "NIAH on SmolLM2: $value"
+  $R --pivot method,budget question --value "$value" --where task=niah --where model=smollm2_135m --where "$GRID"
+done
+for position in end start; do
+  figure "$FIGURES/niah_ratio0.1_$position.png" --where task=niah --where model=smollm2_135m --where "$GRID" \
+    --where question=$position --where config.budget.tokens=None
+done
+figure "$FIGURES/niah_tokens_end.png" --where task=niah --where model=smollm2_135m --where "$GRID" \
+  --where question=end --where config.budget.token_ratio=None
+
+for model in smollm2_135m qwen25_05b; do
+  section "Recall of the exact top-B, one ~4k-token essay prompt, $model"
+  $R --pivot method,config.method.metric budget --value recall --where task=niah --where model=$model \
+    --where 'lengths=[4096]'
+done
+
+section "PG19 book 10146 (4096 tokens, decode mode): perplexity"
+$R --pivot method,budget "" --where task=pg19
+figure "$FIGURES/pg19_curves.png" --where task=pg19
+
+section "GSM8k chain-of-thought, first 50 test problems: accuracy and prompt tokens"
+$R --pivot model,question "" --where task=gsm8k_cot
+$R --pivot model,question "" --value prompt_tokens --where task=gsm8k_cot
+
+section "InfiniteBench passkey: generated prompts and the released 8k file"
+$R --pivot model,config.task.file lengths --where task=infinitebench --where question=end
+$R --pivot model,config.task.file lengths --where task=infinitebench --where question=start
+
+section "LongBench (first 20 samples, truncation 7500 tokens): score"
+$R --pivot model,config.task.subsets question --where task=longbench
