@@ -57,3 +57,9 @@ if want question_first; then  # the question before the context, where a task ha
   $RUN model=smollm2_135m task=gsm8k_cot task.data_dir=$DATA/gsm8k task.limit=50 task.question_position=start
   $RUN model=smollm2_135m task=infinitebench 'task.lengths=[4096,8192]' task.question_position=start
 fi
+if want pq_config; then  # PQCache's PQ configuration: 1/64 communication (2x6 at d_h 64), and recall over m x b
+  $RUN -m method=pqcache task.question_position=end,start budget.token_ratio=0.1 budget.comm_ratio=0.015625 \
+    profile.recall=true
+  $RUN -m method=pqcache method.m=2,4,8 method.b=4,6,8 budget.tokens=512 'task.lengths=[4096]' 'task.depths=[0.5]' \
+    task.max_new_tokens=16 profile.recall=true
+fi

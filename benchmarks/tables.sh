@@ -27,10 +27,17 @@ figure "$FIGURES/niah_tokens_end.png" --where task=niah --where model=smollm2_13
   --where question=end --where config.budget.token_ratio=None
 
 for model in smollm2_135m qwen25_05b; do
-  section "Recall of the exact top-B, one ~4k-token essay prompt, $model"
-  $R --pivot method,config.method.metric budget --value recall --where task=niah --where model=$model \
-    --where 'lengths=[4096]'
+  section "Recall of the exact top-B by budget B (tokens), one ~4k-token essay prompt, $model"
+  $R --pivot method config.budget.tokens --value recall --where task=niah --where model=$model \
+    --where 'lengths=[4096]' --where config.budget.comm_ratio=0.0078125
+  section "ClusterKV recall by k-means metric, $model"
+  $R --pivot config.method.metric config.budget.tokens --value recall --where task=niah --where model=$model \
+    --where 'lengths=[4096]' --where config.budget.comm_ratio=0.0 --where method=clusterkv
 done
+
+section "PQCache: recall by PQ configuration (m sub-spaces x b bits), B = 512, SmolLM2 4k essay prompt"
+$R --pivot config.method.m config.method.b --value recall --where task=niah --where method=pqcache \
+  --where 'lengths=[4096]' --where config.budget.tokens=512 --where config.budget.comm_ratio=0.0
 
 section "PG19 book 10146 (4096 tokens, decode mode): perplexity"
 $R --pivot method,budget "" --where task=pg19

@@ -111,7 +111,7 @@ def pivot_table(
         return "(no finished runs match)"
     frame = frame.copy()
     for key in [*rows, *cols]:
-        frame[key] = frame[key].fillna("–").astype(str) if key in frame.columns else "–"
+        frame[key] = frame[key].map(_label) if key in frame.columns else "–"
     if value not in frame.columns:
         frame[value] = None
     clash = frame.duplicated(subset=[*rows, *cols], keep=False)
@@ -120,6 +120,9 @@ def pivot_table(
         cell = ", ".join(f"{k}={first[k]}" for k in [*rows, *cols])
         raise ConfigError(f"several runs share the cell ({cell})", "narrow the runs with --where or add a key to --rows/--cols")
     grid = frame.pivot(index=rows, columns=cols, values=value) if cols else frame.set_index(rows)[[value]]
+    grid = grid.sort_index(key=_natural_order)
+    if cols:
+        grid = grid.sort_index(axis=1, key=_natural_order)
     grid = grid.reset_index()
     grid.columns = [" · ".join(str(p) for p in c if str(p)) if isinstance(c, tuple) else str(c) for c in grid.columns]
     if fmt == "csv":
@@ -154,6 +157,28 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return REGISTRY.get(tasks[0]).comparison_figure(runs, out)
+
+
+def _label(value) -> str:
+    """A cell key as text: ``256`` rather than ``256.0``, ``–`` for missing."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "–"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _natural_order(index):
+    """Sort keys numerically where they are numbers (256 before 1024), as text otherwise."""
+    import pandas as pd
+
+    def key(text: str):
+        try:
+            return (0, float(text), "")
+        except ValueError:
+            return (1, 0.0, text)
+
+    return pd.Index([key(str(v)) for v in index], tupleize_cols=False)
 
 
 def to_markdown(frame) -> str:

@@ -144,3 +144,13 @@ def test_report_draws_the_matching_runs_in_their_tasks_figure(tmp_path, niah_con
     with pytest.raises(ConfigError, match="no finished runs match"):
         comparison_figure([tmp_path / "runs"], tmp_path / "none.png", where={"method": "h2o"})
     assert not (tmp_path / "none.png").exists()
+
+
+def test_pivot_keys_read_as_numbers_sort_as_numbers():
+    import pandas as pd
+
+    from kvbench.report import _label, _natural_order
+
+    assert [_label(v) for v in (256.0, 1024, float("nan"), None, "ratio 0.1")] == ["256", "1024", "–", "–", "ratio 0.1"]
+    frame = pd.DataFrame({"x": [1, 2, 3, 4]}, index=["512", "1024", "256", "b"])
+    assert list(frame.sort_index(key=_natural_order).index) == ["256", "512", "1024", "b"]
