@@ -77,7 +77,7 @@ def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, c
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
     lengths, depths, _ = _niah_grid(panels[0][1])
-    width, height = 0.6 + 0.75 * len(lengths), 0.8 + 0.4 * len(depths)
+    width, height = 0.8 + 0.8 * len(lengths), 1.0 + 0.4 * len(depths)
     fig, axes = plt.subplots(rows, columns, figsize=(width * columns + 1.2, height * rows + 0.4), dpi=120,
                              squeeze=False, layout="constrained")
     image = None

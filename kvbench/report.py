@@ -145,14 +145,19 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     tasks = sorted(frame["task"].unique())
     if len(tasks) > 1:
         raise ConfigError(f"the matching runs span several tasks ({', '.join(tasks)})", "add --where task=<name>")
-    frame = frame.sort_values([c for c in ("model", "question", "budget", "method") if c in frame.columns])
+    frame = frame.assign(_dense=frame.get("budget", "") != "full cache")  # the uncompressed reference first
+    frame = frame.sort_values([c for c in ("model", "question", "_dense", "budget", "method") if c in frame.columns])
     shown = [c for c in ("model", "method", "budget", "question", "lengths") if c in frame.columns
              and frame[c].astype(str).nunique() > 1] or ["method"]
     runs = []
     for _, row in frame.iterrows():
-        title = " · ".join(str(row[c]) for c in shown)
+        # first line: the method (or what else differs); second line: the rest, and the run's score
+        head, rest = shown[:1], shown[1:]
+        title = " · ".join(str(row[c]) for c in head)
+        second = " · ".join(str(row[c]) for c in rest)
         if row.get("score") == row.get("score") and row.get("score") is not None:
-            title += f"  ({row['score']:.1f})"
+            second += f"  ({row['score']:.1f})"
+        title = f"{title}\n{second.strip()}" if second.strip() else title
         runs.append((title, RunDir(Path(row["run_dir"])).records()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
