@@ -13,11 +13,16 @@ mkdir -p "$FIGURES"
 section() { printf '\n### %s\n\n' "$1"; }
 figure() { local out="$1"; shift; $R --figure "$out" "$@" >/dev/null || echo "(no runs for $out yet)"; }
 
-section "NIAH on SmolLM2, 3 lengths x 5 depths: score (0-100) by method, budget and question position"
-$R --pivot method,budget question --where task=niah --where model=smollm2_135m --where "$GRID"
-for value in recall "hit rate" "KV kept" attended; do
-  section "NIAH on SmolLM2: $value"
-  $R --pivot method,budget question --value "$value" --where task=niah --where model=smollm2_135m --where "$GRID"
+NIAH=(--where task=niah --where model=smollm2_135m --where "$GRID")
+RATIO=(--where config.budget.tokens=None)
+TOKENS=(--where config.budget.token_ratio=None --where question=end)
+for value in score recall "KV kept" attended; do
+  section "NIAH on SmolLM2, 3 lengths x 5 depths, token ratio 0.1: $value by question position"
+  $R --pivot method,budget question --value "$value" "${NIAH[@]}" "${RATIO[@]}"
+done
+for value in score recall "hit rate" attended bytes_h2d_index_per_step bytes_h2d_kv_per_step; do
+  section "NIAH on SmolLM2, 3 lengths x 5 depths, token budgets (question at the end): $value"
+  $R --pivot method config.budget.tokens --value "$value" "${NIAH[@]}" "${TOKENS[@]}"
 done
 for position in end start; do
   figure "$FIGURES/niah_ratio0.1_$position.png" --where task=niah --where model=smollm2_135m --where "$GRID" \
