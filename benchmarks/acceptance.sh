@@ -63,3 +63,11 @@ if want pq_config; then  # PQCache's PQ configuration: 1/64 communication (2x6 a
   $RUN -m method=pqcache method.m=2,4,8 method.b=4,6,8 budget.tokens=512 'task.lengths=[4096]' 'task.depths=[0.5]' \
     task.max_new_tokens=16 profile.recall=true
 fi
+if want question_first_more; then  # the rest of the question-first protocol runs
+  $RUN model=qwen25_05b task=infinitebench 'task.lengths=[4096,8192]' task.question_position=start
+  for model in smollm2_135m qwen25_05b; do
+    $RUN model=$model task=infinitebench task.data_dir=$DATA/infinitebench/passkey_lengths_archive \
+      task.file=passkey_8192.first5.jsonl task.question_position=start
+  done
+  $RUN model=qwen25_05b task=gsm8k_cot task.data_dir=$DATA/gsm8k task.limit=50 task.question_position=start
+fi
