@@ -8,7 +8,7 @@ K="${KVBENCH_CMD:-.venv/bin/kvbench}"
 DATA="${KVBENCH_DATA:-../shared/data}"
 RUN="$K run progress=false output_dir=${KVBENCH_OUT:-results/runs}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
-SECTIONS="${*:-niah_foundation niah_eviction niah_retrieval recall pg19 gsm8k_smollm2 infinitebench longbench gsm8k_qwen question_first}"
+SECTIONS="${*:-niah_foundation niah_eviction niah_retrieval recall pg19 gsm8k_smollm2 infinitebench longbench gsm8k_qwen question_first pq_config question_first_more bench}"
 
 if want niah_foundation; then  # full / oracle / streamingllm, the foundation's grid
   $RUN -m method=full,oracle,streamingllm budget.token_ratio=0.1 profile.recall=true
@@ -70,4 +70,7 @@ if want question_first_more; then  # the rest of the question-first protocol run
       task.file=passkey_8192.first5.jsonl task.question_position=start
   done
   $RUN model=qwen25_05b task=gsm8k_cot task.data_dir=$DATA/gsm8k task.limit=50 task.question_position=start
+fi
+if want bench; then  # the micro and end-to-end benchmarks (run on an otherwise idle machine)
+  $K bench --save benchmarks/bench-cpu.json
 fi

@@ -161,7 +161,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
-    import platform
+    import os
 
     import torch
 
@@ -180,11 +180,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = BenchOptions(quick=args.quick, device=args.device, repeats=args.repeats, model=args.model,
                            lengths=lengths, new_tokens=args.new_tokens)
     results = [benches[name](options) for name in names]
-    if args.json:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else platform.processor()
-        print(json.dumps({"device": device, "results": [r.__dict__ for r in results]}, indent=2, default=str))
-    else:
-        print("\n\n".join(render(r) for r in results))
+    from kvbench.runner import device_name
+
+    device = device_name("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    record = json.dumps({"device": device, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "results": [r.__dict__ for r in results]},
+                        indent=2, default=str)
+    if args.save:
+        from kvbench.results import write_atomic
+
+        write_atomic(Path(args.save), record + "\n")
+    print(record if args.json else "\n\n".join(render(r) for r in results))
     return 0
 
 
@@ -217,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="performance micro-benchmarks (ratios measured side by side)")
     p_bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")
+    p_bench.add_argument("--save", metavar="FILE.json", help="also write the machine-readable record to FILE.json")
     p_bench.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p_bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p_bench.add_argument("--repeats", type=int, default=5)

@@ -170,6 +170,21 @@ def _check_writable(path: Path) -> None:
                           "set output_dir=<a writable folder>")
 
 
+def device_name(device: str) -> str:
+    """A human name for the device timings were taken on (the CPU model, not just the architecture)."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(spec: Any) -> dict[str, Any]:
     import torch
     import transformers
@@ -177,10 +192,6 @@ def environment(spec: Any) -> dict[str, Any]:
     import kvbench
 
     device = spec.device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        device_name = platform.processor() or platform.machine()
     return {
         "kvbench": kvbench.__version__,
         "git_sha": _git_sha(),
@@ -189,7 +200,7 @@ def environment(spec: Any) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "device": device,
-        "device_name": device_name,
+        "device_name": device_name(device),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "model": spec.to_dict(),

@@ -24,12 +24,16 @@ def test_unknown_benchmark_is_one_error_line():
     assert out.returncode == 2 and out.stderr.startswith("kvbench: error: unknown benchmark")
 
 
-def test_end_to_end_settings_can_be_chosen():
-    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--quick", "--json", "--model",
-                          "tiny_qwen2", "--lengths", "700,900", "--new-tokens", "4"],
+def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
+    saved = tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--quick", "--save", str(saved),
+                          "--model", "tiny_qwen2", "--lengths", "700,900", "--new-tokens", "4"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)["results"][0]["rows"]
+    assert out.stdout.startswith("## pqcache_e2e")  # the table is printed, the record goes to the file
+    record = json.loads(saved.read_text())
+    assert record["cpus"] >= 1 and record["torch"]
+    rows = record["results"][0]["rows"]
     assert [r["model"] for r in rows] == ["tiny_qwen2"] * 2
     assert 690 < rows[0]["prompt"] <= 700 and 890 < rows[1]["prompt"] <= 900
     bad = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
