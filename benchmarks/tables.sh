@@ -53,8 +53,22 @@ $R --pivot model,question "" --where task=gsm8k_cot
 $R --pivot model,question "" --value prompt_tokens --where task=gsm8k_cot
 
 section "InfiniteBench passkey: generated prompts and the released 8k file"
-$R --pivot model,config.task.file lengths --where task=infinitebench --where question=end
-$R --pivot model,config.task.file lengths --where task=infinitebench --where question=start
+$R --pivot model,config.task.file question --where task=infinitebench
+section "InfiniteBench passkey, generated prompts: score by length and needle depth"
+"${PYTHON:-.venv/bin/python}" - "$RUNS" <<'PY'
+import json, sys
+from pathlib import Path
+print("| model | question | length | " + " | ".join(f"depth {d}" for d in ("0", "0.25", "0.5", "0.75", "1")) + " |")
+print("|---|---|---|---|---|---|---|---|")
+for run in sorted(Path(sys.argv[1]).glob("infinitebench-*/metrics.json")):
+    metrics = json.loads(run.read_text())
+    if not metrics.get("grid"):
+        continue
+    model = json.loads((run.parent / "env.json").read_text())["model"]["name"]
+    for length, row in metrics["grid"].items():
+        cells = " | ".join(f"{row.get(d, float('nan')):.0f}" for d in ("0", "0.25", "0.5", "0.75", "1"))
+        print(f"| {model} | {metrics['protocol']['question_position']} | {length} | {cells} |")
+PY
 
 section "LongBench (first 20 samples, truncation 7500 tokens): score"
 $R --pivot model,config.task.subsets question --where task=longbench
