@@ -50,6 +50,7 @@ figure "$FIGURES/pg19_curves.png" --where task=pg19
 
 section "GSM8k chain-of-thought, first 50 test problems: accuracy and prompt tokens"
 $R --pivot model,question "" --where task=gsm8k_cot
+echo
 $R --pivot model,question "" --value prompt_tokens --where task=gsm8k_cot
 
 section "InfiniteBench passkey: generated prompts and the released 8k file"

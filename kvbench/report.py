@@ -72,15 +72,23 @@ def parse_where(items: Iterable[str]) -> dict[str, str]:
 
 
 def filtered(frame, where: dict[str, str]):
-    """Rows of ``frame`` whose columns equal ``where``'s values (compared as text; ``None`` or ``null``
-    matches a missing value)."""
+    """Rows of ``frame`` whose columns equal ``where``'s values (compared as text, or as numbers when the
+    value is one: ``512`` matches a column pandas holds as ``512.0``; ``None`` or ``null`` matches a
+    missing value)."""
+    import pandas as pd
+
     for key, value in where.items():
         if key not in frame.columns:
             return frame.iloc[0:0]
         if value in ("None", "null"):
             frame = frame[frame[key].isna()]
-        else:
-            frame = frame[frame[key].astype(str) == value]
+            continue
+        equal = frame[key].astype(str) == value
+        try:
+            equal |= pd.to_numeric(frame[key], errors="coerce") == float(value)
+        except ValueError:
+            pass
+        frame = frame[equal]
     return frame
 
 

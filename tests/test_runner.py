@@ -131,6 +131,9 @@ def test_report_pivots_one_metric_and_refuses_hidden_runs(tmp_path, niah_config)
     assert by_window.splitlines()[2] == "| full | 1 | 1 |"
     dense = pivot_table([tmp_path / "runs"], ["method", "question"], [], where={"config.budget.token_ratio": "None"})
     assert [line.split(" | ")[0] for line in dense.splitlines()[2:]] == ["| full", "| full"]
+    # numbers match numbers even where a missing value made pandas hold the column as floats (0.1 vs None)
+    ratio = pivot_table([tmp_path / "runs"], ["method"], [], where={"config.budget.token_ratio": "0.10"})
+    assert [line.split(" | ")[0] for line in ratio.splitlines()[2:]] == ["| oracle"]
 
 
 def test_report_draws_the_matching_runs_in_their_tasks_figure(tmp_path, niah_config):
