@@ -59,15 +59,16 @@ section "InfiniteBench passkey, generated prompts: score by length and needle de
 "${PYTHON:-.venv/bin/python}" - "$RUNS" <<'PY'
 import json, sys
 from pathlib import Path
-print("| model | question | length | " + " | ".join(f"depth {d}" for d in ("0", "0.25", "0.5", "0.75", "1")) + " |")
-print("|---|---|---|---|---|---|---|---|")
+DEPTHS = ("0", "0.25", "0.5", "0.75", "1")
+print("| model | question | length | " + " | ".join(f"depth {d}" for d in DEPTHS) + " |")
+print("|---|---|---|" + "---|" * len(DEPTHS))
 for run in sorted(Path(sys.argv[1]).glob("infinitebench-*/metrics.json")):
     metrics = json.loads(run.read_text())
     if not metrics.get("grid"):
         continue
     model = json.loads((run.parent / "env.json").read_text())["model"]["name"]
     for length, row in metrics["grid"].items():
-        cells = " | ".join(f"{row.get(d, float('nan')):.0f}" for d in ("0", "0.25", "0.5", "0.75", "1"))
+        cells = " | ".join(f"{row.get(d, float('nan')):.0f}" for d in DEPTHS)
         print(f"| {model} | {metrics['protocol']['question_position']} | {length} | {cells} |")
 PY
 

@@ -183,8 +183,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvbench.runner import device_name
 
     device = device_name("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
-    record = json.dumps({"device": device, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "results": [r.__dict__ for r in results]},
-                        indent=2, default=str)
+    record = json.dumps({"device": device, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                         "torch": torch.__version__, "results": [r.__dict__ for r in results]}, indent=2, default=str)
     if args.save:
         from kvbench.results import write_atomic
 

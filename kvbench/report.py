@@ -172,9 +172,13 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     return REGISTRY.get(tasks[0]).comparison_figure(runs, out)
 
 
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and value != value)
+
+
 def _label(value) -> str:
     """A cell key as text: ``256`` rather than ``256.0``, ``–`` for missing."""
-    if value is None or (isinstance(value, float) and value != value):
+    if _missing(value):
         return "–"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
@@ -196,7 +200,7 @@ def _natural_order(index):
 
 def to_markdown(frame) -> str:
     def cell(value) -> str:
-        if value is None or (isinstance(value, float) and value != value):
+        if _missing(value):
             return "–"
         if isinstance(value, float):
             return f"{value:.4g}"
