@@ -100,7 +100,7 @@ def _run_samples(
         for sample in task.samples(model):
             if sample.id in done:
                 continue
-            result = task.run_sample(sample, model, method, budget, profile)
+            result = run_sample(task, sample, model, method, budget, profile)
             record = result.to_record()
             record["protocol"] = task.protocol()
             if ran == 0:
@@ -112,6 +112,14 @@ def _run_samples(
     finally:
         bar.close()
     return ran
+
+
+def run_sample(task: Any, sample: Any, model: Any, method: Any, budget: BudgetConfig, profile: Profile) -> Any:
+    """Execute the sample's requests with the engine and let the task score the outputs."""
+    from kvbench.engine import execute
+
+    outputs = [execute(model, method, request, budget, profile) for request in task.requests(sample, model)]
+    return task.result(sample, outputs)
 
 
 def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The task interface: samples, prompts under a named protocol, scoring, aggregation.
+"""The task interface: samples, the requests they make, scoring, aggregation.
 
-A task turns its data into :class:`Sample` objects (prompt text or prebuilt token ids, references,
-generation settings), scores a prediction on a 0–100 scale with the benchmark's official metric, and
-aggregates per-sample scores. Running a sample (generate, then score) is shared; tasks that measure
-something else (perplexity) override :meth:`Task.run_sample`. Every protocol choice a task makes is
-returned by :meth:`Task.protocol` and recorded with the run.
+A task turns its data into :class:`Sample` objects (prompt text, prebuilt token ids or ordered
+segments, references, generation settings), describes what each sample asks of the engine as
+requests (:meth:`Task.requests`; see :mod:`kvbench.requests`), and turns the engine's outputs into a
+scored :class:`SampleResult` (:meth:`Task.result`) on a 0–100 scale with the benchmark's official
+metric. Tasks never drive the model: the runner executes the requests. Aggregation over samples and
+subsets lives in :meth:`Task.aggregate`. Every protocol choice a task makes is returned by
+:meth:`Task.protocol` and recorded with the run.
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
 import numpy as np
 
 from kvbench.errors import ConfigError
+from kvbench.requests import GenerateRequest, Output, Request, Segment, join_segments
 
 if TYPE_CHECKING:
-    from kvbench.budget import BudgetConfig
-    from kvbench.profile import Profile
-    from kvbench.methods.base import KVMethod
     from kvbench.models.loading import LoadedModel
 
 
@@ -32,6 +32,7 @@ class Sample:
     reference: Any
     prompt: str | None = None  # the user message (or raw text when ``use_template`` is false)
     input_ids: list[int] | None = None  # prebuilt ids (take precedence over ``prompt``)
+    segments: list[Segment] | None = None  # the prompt as prefix / chunks / query (take precedence)
     use_template: bool = True
     assistant_prefix: str = ""
     max_new_tokens: int = 64
@@ -113,32 +114,31 @@ class Task:
     def score(self, sample: Sample, prediction: str) -> float:
         raise NotImplementedError
 
-    def run_sample(
-        self,
-        sample: Sample,
-        model: LoadedModel,
-        method: KVMethod,
-        budget: BudgetConfig,
-        profile: Profile,
-    ) -> SampleResult:
-        """Generate greedily for ``sample`` and score the prediction."""
-        from kvbench.engine.generate import generate
+    def prompt_ids(self, sample: Sample, model: LoadedModel) -> list[int]:
+        """The sample's prompt as token ids (segments, prebuilt ids, or the prompt under the chat format)."""
+        if sample.segments is not None:
+            return join_segments(sample.segments)
+        if sample.input_ids is not None:
+            return list(sample.input_ids)
+        return model.chat.encode(sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix)
 
-        ids = sample.input_ids
-        if ids is None:
-            ids = model.chat.encode(sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix)
-        stop_ids = [model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_tokens]
-        out = generate(
-            model,
-            method,
-            ids,
-            max_new_tokens=sample.max_new_tokens,
-            min_new_tokens=sample.min_new_tokens,
-            stop_ids=stop_ids,
-            stop_texts=sample.stop_texts,
-            budget=budget,
-            profile=profile,
-        )
+    def requests(self, sample: Sample, model: LoadedModel) -> list[Request]:
+        """What the sample asks of the engine: by default one greedy generation of its prompt."""
+        stop_ids = tuple(model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_tokens)
+        return [
+            GenerateRequest(
+                input_ids=self.prompt_ids(sample, model),
+                max_new_tokens=sample.max_new_tokens,
+                min_new_tokens=sample.min_new_tokens,
+                stop_ids=stop_ids,
+                stop_texts=tuple(sample.stop_texts),
+                segments=tuple(sample.segments) if sample.segments is not None else None,
+            )
+        ]
+
+    def result(self, sample: Sample, outputs: list[Output]) -> SampleResult:
+        """The scored record of a sample from its requests' outputs (by default: score the generation)."""
+        out = outputs[0]
         return SampleResult(
             id=sample.id,
             prediction=out.text,
@@ -147,7 +147,7 @@ class Task:
             subset=sample.subset,
             meta={**sample.meta, "stop_reason": out.stop_reason},
             telemetry=out.telemetry,
-            budget=out.budget.to_dict(),
+            budget=out.budget,
         )
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
+from kvbench.requests import Output, Request, ScoreRequest
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.sources import data_dir, hub_rows
 
@@ -117,22 +118,26 @@ class PG19(Task):
         return {"task": self.name, **{k: self.cfg[k] for k in keys}, "line_endings": "\\n", "special_tokens": True}
 
     # ------------------------------------------------------------------ measurement
-    def run_sample(self, sample: Sample, model: Any, method: Any, budget: Any, profile: Any) -> SampleResult:
-        from kvbench.engine.generate import teacher_force
-
+    def requests(self, sample: Sample, model: Any) -> list[Request]:
+        """``sweep``: one teacher-forced pass over the whole text; ``fresh_prefill``: one two-token
+        scoring per sampled position (its own prefill of ``tokens[:idx]``)."""
         ids = sample.input_ids or []
         prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
         if self.cfg["mode"] == "sweep":
-            scoring = teacher_force(model, method, ids[:prefix], ids[prefix:], budget=budget, profile=profile)
-            nll, positions = scoring.nll, list(range(prefix, len(ids)))
+            return [ScoreRequest(ids[:prefix], ids[prefix:])]
+        return [ScoreRequest(ids[:idx], ids[idx : idx + 2]) for idx in range(prefix, len(ids) - 1, every)]
+
+    def result(self, sample: Sample, outputs: list[Output]) -> SampleResult:
+        ids = sample.input_ids or []
+        prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
+        if self.cfg["mode"] == "sweep":
+            nll, positions = list(outputs[0].nll or []), list(range(prefix, len(ids)))
         else:
-            nll, positions = [], []
-            for idx in range(prefix, len(ids) - 1, every):
-                scoring = teacher_force(model, method, ids[:idx], ids[idx : idx + 2], budget=budget, profile=profile)
-                nll.append(scoring.nll[1])
-                positions.append(idx + 1)
+            nll = [(out.nll or [])[1] for out in outputs]
+            positions = [idx + 1 for idx in range(prefix, len(ids) - 1, every)]
         curve = cumulative_curve(positions, nll, every if self.cfg["mode"] == "sweep" else 1)
         ppl = math.exp(float(np.mean(nll)))
+        last = outputs[-1]
         return SampleResult(
             id=sample.id,
             prediction={"ppl": ppl, "nll": [round(x, 5) for x in nll], "positions": [positions[0], positions[-1]], "curve": curve},
@@ -140,12 +145,12 @@ class PG19(Task):
             score=ppl,
             subset=sample.subset,
             meta={**sample.meta, "scored_tokens": len(nll)},
-            telemetry=scoring.telemetry,
-            budget=scoring.budget.to_dict(),
+            telemetry=last.telemetry,
+            budget=last.budget,
         )
 
     def score(self, sample: Sample, prediction: str) -> float:
-        raise NotImplementedError("pg19 scores perplexity in run_sample")
+        raise NotImplementedError("pg19 scores perplexity in result()")
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Perplexity over every scored token of the run, and per length."""

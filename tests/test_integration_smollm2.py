@@ -6,6 +6,7 @@ import torch
 from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate
 from kvbench.methods import create_method
+from kvbench.runner import run_sample
 from kvbench.tasks import create_task
 
 pytestmark = pytest.mark.integration
@@ -42,6 +43,6 @@ def test_needle_at_2k_is_found(smollm2):
     sample = next(iter(task.samples(smollm2)))
     from kvbench.profile import Profile
 
-    result = task.run_sample(sample, smollm2, create_method({"name": "full"}), BudgetConfig(), Profile())
+    result = run_sample(task, sample, smollm2, create_method({"name": "full"}), BudgetConfig(), Profile())
     assert result.score == 100.0
     assert result.telemetry["prompt_tokens"] == 2048

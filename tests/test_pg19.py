@@ -7,6 +7,7 @@ from kvbench.budget import BudgetConfig
 from kvbench.errors import ConfigError
 from kvbench.methods import create_method
 from kvbench.profile import Profile
+from kvbench.runner import run_sample
 from kvbench.tasks import create_task
 from kvbench.tasks.pg19 import cumulative_curve
 
@@ -28,7 +29,7 @@ def model_nll(loaded, ids, start):
 def test_sweep_full_perplexity_is_the_models_own_loss(tiny_llama, books):
     task = create_task({"name": "pg19", "data_dir": str(books), "lengths": [300], "prefix": 40, "eval_every": 50})
     sample = next(iter(task.samples(tiny_llama)))
-    result = task.run_sample(sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
+    result = run_sample(task, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
     expected = model_nll(tiny_llama, sample.input_ids, 40)
     assert len(result.prediction["nll"]) == 260
     assert torch.allclose(torch.tensor(result.prediction["nll"]), expected, atol=1e-3)
@@ -41,15 +42,15 @@ def test_a_budget_changes_perplexity_and_fresh_prefill_samples_positions(tiny_ll
     cfg = {"name": "pg19", "data_dir": str(books), "lengths": [400], "prefix": 20}
     task = create_task(cfg)
     sample = next(iter(task.samples(tiny_llama)))
-    full = task.run_sample(sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
-    stream = task.run_sample(sample, tiny_llama, create_method({"name": "streamingllm"}), BudgetConfig(tokens=64), Profile())
+    full = run_sample(task, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
+    stream = run_sample(task, sample, tiny_llama, create_method({"name": "streamingllm"}), BudgetConfig(tokens=64), Profile())
     assert stream.score != full.score
     # sink 4 + window 64 = 68 held tokens: decode step i attends the prefix (20) + i tokens, all of them
     # until step 50, the first after an eviction
     assert stream.prediction["nll"][:50] == full.prediction["nll"][:50]
     assert stream.prediction["nll"][50] != full.prediction["nll"][50]
     fresh = create_task({**cfg, "mode": "fresh_prefill", "eval_every": 100})
-    out = fresh.run_sample(sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
+    out = run_sample(fresh, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
     assert out.meta["scored_tokens"] == 4  # positions 20, 120, 220, 320
     expected = model_nll(tiny_llama, sample.input_ids, 1)
     assert out.prediction["nll"] == pytest.approx([expected[i - 1].item() for i in (21, 121, 221, 321)], abs=1e-3)
@@ -75,7 +76,7 @@ def test_bad_options():
 def test_book_10146_on_smollm2(smollm2):
     task = create_task({"name": "pg19", "data_dir": str(SHARED_DATA / "pg19"), "lengths": [256], "prefix": 1})
     sample = next(iter(task.samples(smollm2)))
-    result = task.run_sample(sample, smollm2, create_method({"name": "full"}), BudgetConfig(), Profile())
+    result = run_sample(task, sample, smollm2, create_method({"name": "full"}), BudgetConfig(), Profile())
     expected = model_nll(smollm2, sample.input_ids, 1)
     assert torch.allclose(torch.tensor(result.prediction["nll"]), expected, atol=2e-3)
     assert 2 < result.score < 100

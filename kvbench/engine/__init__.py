@@ -1,0 +1,43 @@
+"""The engine: the only code that drives a model (prefill, decode, teacher forcing).
+
+:func:`execute` runs one request of a task (:mod:`kvbench.requests`) with a KV method and returns its
+:class:`~kvbench.requests.Output`; :mod:`kvbench.engine.generate` holds the loops.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.requests import GenerateRequest, Output, Request, ScoreRequest
+
+if TYPE_CHECKING:
+    from kvbench.budget import BudgetConfig
+    from kvbench.methods.base import KVMethod
+    from kvbench.models.loading import LoadedModel
+    from kvbench.profile import Profile
+
+
+def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: BudgetConfig, profile: Profile) -> Output:
+    """Run ``request`` with ``method`` managing the KV cache."""
+    from kvbench.engine.generate import generate, teacher_force
+
+    if isinstance(request, GenerateRequest):
+        out = generate(
+            loaded,
+            method,
+            request.input_ids,
+            max_new_tokens=request.max_new_tokens,
+            min_new_tokens=request.min_new_tokens,
+            stop_ids=request.stop_ids,
+            stop_texts=request.stop_texts,
+            segments=request.segments,
+            budget=budget,
+            profile=profile,
+        )
+        return Output(text=out.text, tokens=out.tokens, stop_reason=out.stop_reason, prompt_tokens=out.prompt_tokens,
+                      budget=out.budget.to_dict(), telemetry=out.telemetry)
+    if isinstance(request, ScoreRequest):
+        scoring = teacher_force(loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile)
+        return Output(nll=scoring.nll, prompt_tokens=len(request.prefix_ids), budget=scoring.budget.to_dict(),
+                      telemetry=scoring.telemetry)
+    raise TypeError(f"unknown request type {type(request).__name__}")

@@ -19,6 +19,7 @@ from kvbench.profile import Profile
 from kvbench.errors import ContextTooLongError
 from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
+from kvbench.requests import Segment
 
 
 @dataclass
@@ -68,6 +69,7 @@ def generate(
     stop_ids: Sequence[int] = (),
     stop_texts: Sequence[str] = (),
     min_new_tokens: int = 0,
+    segments: Sequence[Segment] | None = None,
     profile: Profile | None = None,
 ) -> Generation:
     """Greedy generation of up to ``max_new_tokens`` tokens with ``method`` managing the KV cache.

@@ -1,0 +1,107 @@
+"""What a task asks the engine to do, and what comes back (lm-eval's shape).
+
+Tasks never drive the model: they turn a sample into one or more *requests*, the runner hands each
+request to the engine (:func:`kvbench.engine.execute`), and the task turns the outputs into a scored
+result. Two kinds of request cover every task kvbench runs:
+
+* :class:`GenerateRequest` — greedy generation after a prompt. The prompt is token ids, optionally
+  described as ordered :class:`Segment` s: a fixed ``prefix`` (system prompt, instruction, chat
+  template head), reusable document ``chunk`` s (RAG passages, whose KV a reuse method may take from
+  its chunk store) and the ``query`` suffix (always computed). Dense, eviction and retrieval methods
+  see only the concatenated ids; reuse methods need the segments and refuse prompts without them.
+* :class:`ScoreRequest` — teacher forcing: prefill ``prefix_ids``, then predict every token of
+  ``continuation_ids`` by one decode step each (PG19 perplexity in decode mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+SEGMENT_ROLES = ("prefix", "chunk", "query")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous piece of a chunked prompt.
+
+    ``role``: ``prefix`` (an exact prefix shared by every request of a protocol: chat template head,
+    instruction), ``chunk`` (a reusable document whose KV may be precomputed alone and stored), or
+    ``query`` (the request-specific suffix: question and template tail, always recomputed).
+    """
+
+    ids: tuple[int, ...]
+    role: str = "chunk"
+
+    def __post_init__(self) -> None:
+        if self.role not in SEGMENT_ROLES:
+            raise ValueError(f"segment role {self.role!r} is not one of {SEGMENT_ROLES}")
+        object.__setattr__(self, "ids", tuple(int(i) for i in self.ids))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def join_segments(segments: Sequence[Segment]) -> list[int]:
+    """The prompt's token ids: the segments' ids in order."""
+    return [i for segment in segments for i in segment.ids]
+
+
+def segment_spans(segments: Sequence[Segment]) -> list[tuple[int, int]]:
+    """``(start, end)`` token offsets of every segment in the joined prompt."""
+    spans, start = [], 0
+    for segment in segments:
+        spans.append((start, start + len(segment)))
+        start += len(segment)
+    return spans
+
+
+@dataclass
+class GenerateRequest:
+    """Greedy generation of up to ``max_new_tokens`` after ``input_ids``.
+
+    ``segments`` (optional) describe the same ids as ordered prefix / chunks / query; when given,
+    ``join_segments(segments) == input_ids``.
+    """
+
+    input_ids: list[int]
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop_texts: tuple[str, ...] = ()
+    segments: tuple[Segment, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.segments is not None:
+            self.segments = tuple(self.segments)
+            if join_segments(self.segments) != list(self.input_ids):
+                raise ValueError("a request's segments must join to its input_ids")
+
+
+@dataclass
+class ScoreRequest:
+    """Teacher-forced negative log-likelihood of ``continuation_ids`` after ``prefix_ids``."""
+
+    prefix_ids: list[int]
+    continuation_ids: list[int]
+
+
+Request = Union[GenerateRequest, ScoreRequest]
+
+
+@dataclass
+class Output:
+    """What the engine returns for one request.
+
+    For a generation: ``text`` (decoded, stop token excluded), ``tokens`` and ``stop_reason``; for a
+    scoring: ``nll`` (one value per continuation token). Both carry ``budget`` (the resolved budget
+    as a dict) and ``telemetry``.
+    """
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    nll: list[float] | None = None
+    prompt_tokens: int = 0
+    budget: dict[str, Any] = field(default_factory=dict)
+    telemetry: dict[str, Any] = field(default_factory=dict)
