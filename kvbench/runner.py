@@ -53,13 +53,13 @@ def run(resolved: dict[str, Any]) -> RunSummary:
     method = create_method(resolved["method"])
     budget = BudgetConfig.from_mapping(resolved.get("budget"))
     profile = Profile(**(resolved.get("profile") or {}))
-    if method.family != "dense" and not budget.is_set:
+    if method.needs_budget and not budget.is_set:
         raise BudgetError(
             f"method {method.name} compresses the KV cache and needs a budget",
             "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
         )
-    if method.family == "dense":
-        # a dense method ignores the budget: runs of one sweep share its run directory
+    if not method.needs_budget:
+        # a method that does not compress ignores the budget: runs of one sweep share its run directory
         resolved = {**resolved, "budget": {key: None for key in (resolved.get("budget") or {})}}
     run_dir = RunDir(output_dir / run_id_for(resolved))
     done = run_dir.finished_ids()
@@ -75,7 +75,7 @@ def run(resolved: dict[str, Any]) -> RunSummary:
         raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
     metrics = summarise(task, method, budget, records)
     run_dir.write_metrics(metrics)
-    title = f"{resolved['model']['name']} · {method.name} · {_budget_label(budget, method)}"
+    title = f"{resolved['model']['name']} · {method.name} · {method.budget_label(budget)}"
     metrics["artifacts"] = [p.name for p in task.artifacts(records, run_dir.path, title)]
     run_dir.write_metrics(metrics)
     return RunSummary(run_dir=run_dir.path, metrics=metrics, ran=ran, seconds=time.perf_counter() - started)
@@ -138,7 +138,7 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
                 for r in records if any(a is not None for a in r["telemetry"].get("attended_per_layer", []))]
     metrics["attended_tokens"] = float(np.mean(attended)) if attended else None
     metrics["method"] = method.describe()
-    metrics["budget"] = {**{k: getattr(budget, k) for k in budget.__dataclass_fields__}, "label": _budget_label(budget, method)}
+    metrics["budget"] = {**{k: getattr(budget, k) for k in budget.__dataclass_fields__}, "label": method.budget_label(budget)}
     metrics["protocol"] = task.protocol()
     return metrics
 
@@ -153,18 +153,6 @@ def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> l
     values = np.asarray(scores, dtype=float)
     means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
     return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
-
-
-def _budget_label(budget: BudgetConfig, method: Any) -> str:
-    """``ratio 0.1``, ``256 tokens``; ``, comm 1/128`` with an extra-communication budget; `` (C)`` when a
-    dropping method was compensated for it."""
-    if method.family == "dense":
-        return "full cache"
-    size = f"{budget.tokens} tokens" if budget.tokens is not None else f"ratio {budget.token_ratio:g}"
-    if budget.comm_ratio:
-        inverse = 1 / float(budget.comm_ratio)
-        size += f", comm 1/{round(inverse)}" if abs(inverse - round(inverse)) < 1e-6 else f", comm {budget.comm_ratio:g}"
-    return size + (" (C)" if budget.compensate and method.defaults().compensable else "")
 
 
 def _check_writable(path: Path) -> None:

@@ -61,6 +61,8 @@ class Telemetry:
         self.excluded_s = 0.0  # profiling time inside a step, removed from its duration
         self.select_s = 0.0  # decode time in the method's select()
         self.fetch_s = 0.0  # decode time in the store's gather()
+        self.prepared: dict[str, Any] = {}  # work before the clock (reuse: chunk precomputation)
+        self.prefill_plan: dict[str, Any] = {}  # the prefill plan's own figures (reuse: recompute, loads)
 
     def record_decode(self, layer: int, attended: int, available: int, recall: float | None = None) -> None:
         self.attended[layer].append(int(attended))
@@ -92,4 +94,6 @@ class Telemetry:
             "kv_bytes_after_prefill": self.kv_bytes_after_prefill,
             "recall": _mean(recall_all),
             "recall_per_layer": recall_layers if recall_all else None,
+            **({"prepared": self.prepared} if self.prepared else {}),
+            **({"prefill": self.prefill_plan} if self.prefill_plan else {}),
         }

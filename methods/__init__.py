@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from kvbench.methods.base import KVMethod, Selection
 from kvbench.registry import Registry
 
-REGISTRY: Registry[KVMethod] = Registry("method", __name__, exclude={"base", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost"})
+REGISTRY: Registry[KVMethod] = Registry("method", __name__, exclude={"base", "eviction", "reuse", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost"})
 register = REGISTRY.register
 
 

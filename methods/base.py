@@ -12,14 +12,23 @@ tokens live, not in how attention is computed:
    :class:`Selection` per head from :meth:`KVMethod.select`; the store fetches those tokens,
    through its host tier and block cache when the method offloads.
 3. **reuse** (CacheBlend, full KV reuse, prefix caching) builds the prefill cache from stored
-   per-chunk caches instead of a dense prefill: it overrides :meth:`KVMethod.prefill`, fills the
-   store layer by layer with re-rotated keys and recomputes a chosen subset of tokens, using the same
-   engine primitives (``ctx.forward``) and the same store.
+   per-chunk caches instead of a dense prefill: :meth:`KVMethod.prepare` makes sure the chunks' K/V
+   exist (precomputed outside the measured TTFT), and :meth:`KVMethod.prefill_plan` returns a
+   :class:`~kvbench.engine.prefill.PrefillPlan` that installs re-rotated cached K/V layer by layer and
+   recomputes a chosen subset of rows, in the same engine and the same store.
 
-The engine (``kvbench.engine``) is the only code that drives the model. It calls these hooks from an
-attention function registered with transformers' ``AttentionInterface`` and bound to the active
-generation, so any Llama/Mistral/Qwen/GLM-family model works unchanged. A method never moves K/V
-bytes itself (the store counts them) and never times itself (telemetry does).
+The engine (``kvbench.engine``) is the only code that drives the model: it runs the decoder layers
+itself with explicit positions and calls these hooks from an attention function registered with
+transformers' ``AttentionInterface`` and bound to the active generation, so any
+Llama/Mistral/Qwen/GLM-family model works unchanged. A method never moves K/V bytes itself (the store
+counts them) and never times itself (telemetry does).
+
+Each family carries its own rules as class attributes and methods, so the engine never compares
+family names: whether it needs a budget (:attr:`KVMethod.needs_budget`), how its budget reads in a
+table (:meth:`KVMethod.budget_label`), whether it can extend a held cache by several tokens at once
+(:attr:`KVMethod.extends_with_many_tokens`), and its silent-failure guard
+(:meth:`KVMethod.check_after_prefill`, :meth:`KVMethod.check_after_first_step`): a method asked to
+compress that kept or attended everything fails the run.
 
 Per-sample state lives on the method object between :meth:`KVMethod.start` and the end of the
 sample; the engine calls ``start`` before every prompt.
@@ -32,11 +41,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import torch
 
-from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget, resolve_budget
+from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget, full_budget, resolve_budget
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
+    from kvbench.engine.prefill import PrefillPlan
     from kvbench.kv.store import LayerKV
+    from kvbench.requests import Segment
 
 
 @dataclass
@@ -70,7 +81,11 @@ class KVMethod:
     """Base class: a method that attends everything (``full``). Subclasses override hooks."""
 
     name: ClassVar[str] = ""
-    family: ClassVar[str] = "dense"  # dense | eviction | retrieval | reuse
+    family: ClassVar[str] = "dense"  # dense | eviction | retrieval | reuse (a label; rules live in the class)
+    #: the method compresses and needs ``budget.token_ratio`` or ``budget.tokens``
+    needs_budget: ClassVar[bool] = False
+    #: a prefilled cache may be extended by several tokens in one pass (causal by position)
+    extends_with_many_tokens: ClassVar[bool] = True
     #: default sink size, local-window share and "(C)" eligibility; config keys ``sink`` and
     #: ``local_fraction`` override them, ``budget.sink`` / ``budget.local`` override those.
     budget_defaults: ClassVar[MethodBudgetDefaults] = MethodBudgetDefaults()
@@ -99,8 +114,21 @@ class KVMethod:
 
     def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
         """Concrete token counts for a prompt of ``context`` tokens in a cache of at most ``capacity``
-        (PyramidKV adds per-layer budgets)."""
+        (PyramidKV adds per-layer budgets). A method that does not compress keeps everything."""
+        if not self.needs_budget:
+            return full_budget(context)
         return resolve_budget(budget, context, self.defaults(), self.name, capacity)
+
+    def budget_label(self, budget: BudgetConfig) -> str:
+        """How this run's budget reads in a table: ``ratio 0.1``, ``256 tokens``, ``, comm 1/128`` with
+        an extra-communication budget, `` (C)`` when a dropping method was compensated for it."""
+        if not self.needs_budget:
+            return "full cache"
+        size = f"{budget.tokens} tokens" if budget.tokens is not None else f"ratio {budget.token_ratio:g}"
+        if budget.comm_ratio:
+            inverse = 1 / float(budget.comm_ratio)
+            size += f", comm 1/{round(inverse)}" if abs(inverse - round(inverse)) < 1e-6 else f", comm {budget.comm_ratio:g}"
+        return size + (" (C)" if budget.compensate and self.defaults().compensable else "")
 
     def describe(self) -> dict[str, Any]:
         """The method's effective settings, recorded with every sample."""
@@ -111,9 +139,20 @@ class KVMethod:
         """Reset per-sample state; ``ctx.budget`` and ``ctx.store`` are ready."""
         self.ctx = ctx
 
-    def prefill(self, ctx: GenerationContext, input_ids: torch.Tensor) -> torch.Tensor:
-        """Process the prompt and return the last position's logits. Reuse methods override."""
-        return ctx.forward(input_ids, start=0)
+    def prepare(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> dict[str, Any]:
+        """Work done before the request's clock starts (reuse: precompute missing chunk caches, as a
+        store would hold them from earlier requests); returns figures recorded apart from TTFT."""
+        return {}
+
+    def prefill_plan(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> PrefillPlan:
+        """How the prompt ``input_ids`` ``[n]`` is prefilled: a dense prefill unless a reuse method says
+        otherwise (called inside the measured TTFT)."""
+        from kvbench.engine.prefill import DensePrefill
+
+        return DensePrefill(ctx, input_ids, torch.arange(input_ids.numel()))
+
+    def after_request(self, ctx: GenerationContext, segments: tuple[Segment, ...] | None) -> None:
+        """After the request is answered, outside any measured time (prefix caching may store the prompt)."""
 
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
         """After the dense prefill attention of ``layer``: build an index or evict.
@@ -136,3 +175,10 @@ class KVMethod:
     def telemetry(self) -> dict[str, Any]:
         """Method-specific per-sample figures (e.g. K-means iterations used)."""
         return {}
+
+    # ------------------------------------------------------------------ silent-failure guards
+    def check_after_prefill(self, ctx: GenerationContext) -> None:
+        """Fail the run if the prefill did not do what the method was asked (eviction: kept everything)."""
+
+    def check_after_first_step(self, ctx: GenerationContext) -> None:
+        """Fail the run if the first decode step did not do what was asked (retrieval: attended everything)."""

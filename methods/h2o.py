@@ -43,7 +43,8 @@ from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import GQA_REDUCTIONS, MAX_CHUNK_ELEMENTS, accumulated_attention, group_reduce
-from kvbench.methods.base import KVMethod, Selection
+from kvbench.methods.base import Selection
+from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.selection import topk_sorted
 
 if TYPE_CHECKING:
@@ -51,9 +52,8 @@ if TYPE_CHECKING:
 
 
 @register
-class H2O(KVMethod):
+class H2O(EvictionMethod):
     name = "h2o"
-    family = "eviction"
     budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5, compensable=True)
     needs_attention_probs = True
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvbench.errors import CompressionNotApplied
 from kvbench.kv.block_cache import BlockCache
 from kvbench.kv.store import LayerKV
 from kvbench.methods.base import KVMethod
@@ -24,7 +25,13 @@ if TYPE_CHECKING:
 
 
 class RetrievalMethod(KVMethod):
+    """Family rules: a budget; no multi-token extension of a held cache (selection is per decode
+    step); the first decode step must attend fewer tokens than the layer holds on every compressing
+    layer (:meth:`check_after_first_step`)."""
+
     family = "retrieval"
+    needs_budget = True
+    extends_with_many_tokens = False
 
     @property
     def offload(self) -> bool:
@@ -57,3 +64,19 @@ class RetrievalMethod(KVMethod):
 
     def layout(self, kv: LayerKV) -> Layout:
         return layout(kv, self.ctx.budget.sink, self.ctx.budget.local)
+
+    def check_after_first_step(self, ctx: GenerationContext) -> None:
+        budget, tele = ctx.budget, ctx.telemetry
+        if not budget.compresses:
+            return
+        lazy = [
+            layer
+            for layer in ctx.compressing_layers()
+            if tele.attended[layer] and tele.attended[layer][0] >= tele.available[layer][0]
+        ]
+        if lazy:
+            raise CompressionNotApplied(
+                f"method {self.name} was asked to attend {budget.total} of {budget.context} prompt "
+                f"tokens but layer(s) {lazy[:5]} attended all of them",
+                "this is a bug in the method; report it with the run's config.yaml",
+            )

@@ -41,14 +41,13 @@ from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import GQA_REDUCTIONS, POOLINGS, group_reduce, pool1d, window_votes
-from kvbench.methods.base import KVMethod
+from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.selection import topk_sorted
 
 
 @register
-class SnapKV(KVMethod):
+class SnapKV(EvictionMethod):
     name = "snapkv"
-    family = "eviction"
     budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.0, compensable=True)
 
     def __init__(self, cfg: Any = None) -> None:

@@ -15,13 +15,13 @@ import torch
 from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import KVMethod, Selection
+from kvbench.methods.base import Selection
+from kvbench.methods.eviction import EvictionMethod
 
 
 @register
-class StreamingLLM(KVMethod):
+class StreamingLLM(EvictionMethod):
     name = "streamingllm"
-    family = "eviction"
     budget_defaults = MethodBudgetDefaults(sink=4, local_fraction=1.0, compensable=True)
 
     def _limit(self) -> int:

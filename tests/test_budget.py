@@ -71,13 +71,12 @@ def test_full_budget_does_not_compress():
 
 def test_budget_labels_name_every_setting_that_changes_results():
     from kvbench.methods import create_method
-    from kvbench.runner import _budget_label
 
     h2o, oracle, full = (create_method({"name": n}) for n in ("h2o", "oracle", "full"))
-    assert _budget_label(BudgetConfig(token_ratio=0.1), oracle) == "ratio 0.1"
-    assert _budget_label(BudgetConfig(tokens=256, comm_ratio=1 / 128), oracle) == "256 tokens, comm 1/128"
+    assert oracle.budget_label(BudgetConfig(token_ratio=0.1)) == "ratio 0.1"
+    assert oracle.budget_label(BudgetConfig(tokens=256, comm_ratio=1 / 128)) == "256 tokens, comm 1/128"
     compensated = BudgetConfig(token_ratio=0.1, comm_ratio=1 / 64, compensate=True)
-    assert _budget_label(compensated, h2o) == "ratio 0.1, comm 1/64 (C)"
-    assert _budget_label(compensated, oracle) == "ratio 0.1, comm 1/64"
-    assert _budget_label(BudgetConfig(token_ratio=0.2, comm_ratio=0.003), oracle) == "ratio 0.2, comm 0.003"
-    assert _budget_label(compensated, full) == "full cache"
+    assert h2o.budget_label(compensated) == "ratio 0.1, comm 1/64 (C)"
+    assert oracle.budget_label(compensated) == "ratio 0.1, comm 1/64"
+    assert oracle.budget_label(BudgetConfig(token_ratio=0.2, comm_ratio=0.003)) == "ratio 0.2, comm 0.003"
+    assert full.budget_label(compensated) == "full cache"

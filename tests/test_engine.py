@@ -7,7 +7,9 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate, teacher_force
 from kvbench.errors import CompressionNotApplied, ContextTooLongError
 from kvbench.methods import create_method, register
-from kvbench.methods.base import KVMethod, Selection
+from kvbench.methods.base import Selection
+from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.profile import Profile
 
 NEW = 24
@@ -96,19 +98,19 @@ def test_oracle_selects_the_exact_top_k_of_a_planted_pattern(tiny_llama, random_
     assert all(row == planted for row in chosen.tolist())
 
 
-class _Lazy(KVMethod):
+class _Lazy(RetrievalMethod):
     """A broken retrieval method that attends everything while asked to compress."""
 
     name = "_lazy_for_test"
-    family = "retrieval"
 
     def select(self, layer, query, kv):
         return Selection(slots=torch.arange(kv.n).expand(kv.n_kv_heads, -1))
 
 
-class _LazyEvictor(KVMethod):
+class _LazyEvictor(EvictionMethod):
+    """A broken eviction method that keeps everything."""
+
     name = "_lazy_evictor_for_test"
-    family = "eviction"
 
 
 def test_silent_compression_failures_are_loud(tiny_llama, random_ids):

@@ -1,9 +1,12 @@
 """The state of one generation: model, method, store, budget and telemetry.
 
-:meth:`GenerationContext.attend` is called by the registered attention function for every layer of
-every forward pass. It appends the new K/V to the store, runs dense attention at prefill (and lets
-the method evict or index), and at decode asks the method for a selection, gathers it through the
-store and records what was attended.
+The context drives the model layer by layer (:class:`~kvbench.engine.driver.ModelDriver`) with
+explicit positions: :meth:`GenerationContext.run_prefill` runs a prompt under a
+:class:`~kvbench.engine.prefill.PrefillPlan`, :meth:`GenerationContext.forward` runs new tokens
+(decode steps). :meth:`GenerationContext.attend` is called by the registered attention function for
+every layer of every pass: during a prefill it hands the layer's Q/K/V to the plan; at a decode step
+it appends the new K/V, asks the method for a selection, gathers it through the store and records
+what was attended.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import torch
 
 from kvbench.budget import ResolvedBudget
 from kvbench.engine import attention
-from kvbench.errors import CompressionNotApplied, ConfigError
+from kvbench.engine.driver import ModelDriver
+from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
 from kvbench.profile import Profile
 from kvbench.methods.selection import exact_topk
 from kvbench.telemetry import Clock, Telemetry
 
 if TYPE_CHECKING:
+    from kvbench.engine.prefill import PrefillPlan
     from kvbench.methods.base import KVMethod, Selection
     from kvbench.models.loading import LoadedModel
 
@@ -55,16 +60,48 @@ class GenerationContext:
             offload=method.offload,
             capacity=capacity,
         )
+        self.driver = ModelDriver(self.model)
+        self.plan: PrefillPlan | None = None
+        self._positions: torch.Tensor | None = None  # positions of the rows in the running layer
 
     # ------------------------------------------------------------------ model
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, after_layer=None) -> torch.Tensor:
+        """Run every decoder layer on ``hidden`` (rows at ``positions``); ``after_layer(i)`` may return
+        indices of the rows that stay active."""
+        rotary = self.driver.rotary(hidden, positions.to(hidden.device))
+        for layer in range(self.driver.n_layers):
+            self._positions = positions
+            if self.plan is not None:
+                self.plan.active = positions
+                self.plan.before_layer(layer)
+            hidden = self.driver.layer(layer, hidden, rotary, positions.to(hidden.device))
+            keep = after_layer(layer) if after_layer is not None else None
+            if keep is not None:
+                keep = keep.to(hidden.device)
+                hidden = hidden.index_select(1, keep)
+                positions = positions[keep.to(positions.device)]
+                rotary = tuple(part.index_select(1, keep) for part in rotary)  # type: ignore[assignment]
+        self._positions = None
+        return hidden
+
+    def run_prefill(self, plan: PrefillPlan) -> torch.Tensor:
+        """Prefill under ``plan``; returns the logits ``[1, vocab]`` of the prompt's last token."""
+        self.plan = plan
+        try:
+            hidden = self.driver.embed(plan.input_ids.view(1, -1).to(self.driver.model.device))
+            hidden = self._layers(hidden, plan.positions, after_layer=plan.after_layer)
+        finally:
+            self.plan = None
+        return self.driver.logits(hidden)
+
     def forward(self, input_ids: torch.Tensor, *, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[1, vocab]`` of the last of ``input_ids`` (``[1, t]``), placed at positions
-        ``start..start+t-1`` or at explicit ``positions`` (``[t]``; reuse methods recompute scattered tokens)."""
+        """Logits ``[1, vocab]`` of the last of ``input_ids`` (``[1, t]``) appended to the held cache,
+        placed at positions ``start..start+t-1`` or at explicit ``positions`` (``[t]``)."""
         t = input_ids.shape[1]
         if positions is None:
-            positions = torch.arange(start, start + t, device=input_ids.device)
-        out = self.model(input_ids=input_ids, position_ids=positions.view(1, t), use_cache=False, logits_to_keep=1)
-        return out.logits[:, -1, :]
+            positions = torch.arange(start, start + t)
+        hidden = self.driver.embed(input_ids)
+        return self.driver.logits(self._layers(hidden, positions.cpu()))
 
     # ------------------------------------------------------------------ attention
     def attend(
@@ -73,22 +110,21 @@ class GenerationContext:
         if query.shape[0] != 1:
             raise ConfigError("kvbench generates with batch size 1", "run one prompt at a time")
         layer = module.layer_idx
+        if self.plan is not None:
+            return self.plan.attend(layer, module, query, key, value, scaling)
         kv = self.store[layer]
-        past = kv.n
+        positions = self._positions
         t = query.shape[2]
-        kv.append(key[0], value[0])
-        if past == 0:
-            out = attention.dense(module, query, key, value, scaling)
-            self.method.on_prefill(layer, query, key, value, kv)
-            return out
+        if kv.n == 0:
+            raise RuntimeError("a decode step ran before any prefill")
+        kv.append(key[0], value[0], positions)
         if t > 1:
-            if self.method.family not in ("dense", "reuse"):
+            if not self.method.extends_with_many_tokens:
                 raise ConfigError(
                     f"method {self.method.name} does not support extending a prefilled cache with several tokens",
                     "feed extra prompt tokens one at a time (decode steps)",
                 )
-            query_positions = torch.arange(kv.seen - t, kv.seen)
-            return attention.with_past(query, kv.keys, kv.values, kv.positions, query_positions, scaling)
+            return attention.with_past(query, kv.keys, kv.values, kv.positions, positions, scaling)
         return self._decode(module, layer, query, kv, scaling)
 
     def _decode(self, module: torch.nn.Module, layer: int, query: torch.Tensor, kv, scaling: float) -> torch.Tensor:
@@ -138,38 +174,15 @@ class GenerationContext:
         return value
 
     # ------------------------------------------------------------------ silent-failure guard
-    def _compressing_layers(self) -> list[int]:
+    def compressing_layers(self) -> list[int]:
+        """Layers the method is asked to compress (all but its dense layers)."""
         dense = set(self.method.dense_layers)
         return [layer for layer in range(self.spec.n_layers) if layer not in dense]
 
     def check_after_prefill(self) -> None:
         self.telemetry.kept_after_prefill = self.store.held_tokens()
         self.telemetry.kv_bytes_after_prefill = self.store.nbytes()
-        if self.method.family != "eviction" or not self.budget.compresses:
-            return
-        lazy = [
-            layer
-            for layer in self._compressing_layers()
-            if self.store[layer].n >= self.store[layer].seen > self.budget.sink + self.budget.layer_budget(layer)
-        ]
-        if lazy:
-            raise CompressionNotApplied(
-                f"method {self.method.name} was asked to keep {self.budget.total} of {self.budget.context} tokens "
-                f"but layer(s) {lazy[:5]} kept all of them",
-                "this is a bug in the method; report it with the run's config.yaml",
-            )
+        self.method.check_after_prefill(self)
 
     def check_after_first_step(self) -> None:
-        if self.method.family != "retrieval" or not self.budget.compresses:
-            return
-        lazy = [
-            layer
-            for layer in self._compressing_layers()
-            if self.telemetry.attended[layer] and self.telemetry.attended[layer][0] >= self.telemetry.available[layer][0]
-        ]
-        if lazy:
-            raise CompressionNotApplied(
-                f"method {self.method.name} was asked to attend {self.budget.total} of {self.budget.context} prompt "
-                f"tokens but layer(s) {lazy[:5]} attended all of them",
-                "this is a bug in the method; report it with the run's config.yaml",
-            )
+        self.method.check_after_first_step(self)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvbench.budget import BudgetConfig, ResolvedBudget, full_budget
+from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
 from kvbench.profile import Profile
@@ -34,12 +34,6 @@ class Generation:
     telemetry: dict[str, Any] = field(default_factory=dict)
 
 
-def _budget_for(method: KVMethod, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
-    if method.family == "dense":
-        return full_budget(context)
-    return method.resolve_budget(budget, context, capacity, n_layers)
-
-
 def _check_length(loaded: LoadedModel, total: int) -> None:
     if total > loaded.spec.max_length:
         raise ContextTooLongError(
@@ -53,7 +47,7 @@ def _new_context(
     loaded: LoadedModel, method: KVMethod, budget: BudgetConfig, prompt_len: int, extra: int, profile: Profile
 ) -> GenerationContext:
     _check_length(loaded, prompt_len + extra)
-    resolved = _budget_for(method, budget, prompt_len, prompt_len + extra, loaded.spec.n_layers)
+    resolved = method.resolve_budget(budget, prompt_len, prompt_len + extra, loaded.spec.n_layers)
     ctx = GenerationContext(loaded, method, resolved, profile=profile, capacity=prompt_len + extra)
     method.start(ctx)
     return ctx
@@ -97,12 +91,16 @@ def generate(
     clock, tele = ctx.clock, ctx.telemetry
     tokens: list[int] = []
     stop_reason = "length"
+    ids = torch.tensor(list(input_ids), dtype=torch.long)
+    with torch.inference_mode():
+        tele.prepared = method.prepare(ctx, ids, tuple(segments) if segments is not None else None)
     with torch.inference_mode(), activate(ctx):
-        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)
         start = clock.now()
-        logits = method.prefill(ctx, ids)
+        plan = method.prefill_plan(ctx, ids, tuple(segments) if segments is not None else None)
+        logits = ctx.run_prefill(plan)
         token = pick(logits, 0)
         tele.prefill_s = clock.now() - start
+        tele.prefill_plan = plan.telemetry()
         ctx.check_after_prefill()
         tokens.append(token)
         while True:
@@ -122,6 +120,7 @@ def generate(
             if stop_texts and _find_stop(loaded.tokenizer.decode(tokens, skip_special_tokens=True), stop_texts) >= 0:
                 stop_reason = "stop_text"
                 break
+        method.after_request(ctx, tuple(segments) if segments is not None else None)
     body = tokens[:-1] if stop_reason == "stop" else tokens
     text = loaded.tokenizer.decode(body, skip_special_tokens=True)
     cut = _find_stop(text, stop_texts)
@@ -174,10 +173,15 @@ def teacher_force(
     ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile)
     device = torch.device(loaded.spec.device)
     nll: list[float] = []
+    ids = torch.tensor(list(prefix_ids), dtype=torch.long)
+    with torch.inference_mode():
+        ctx.telemetry.prepared = method.prepare(ctx, ids, None)
     with torch.inference_mode(), activate(ctx):
         start = ctx.clock.now()
-        logits = method.prefill(ctx, torch.tensor([list(prefix_ids)], dtype=torch.long, device=device))
+        plan = method.prefill_plan(ctx, ids, None)
+        logits = ctx.run_prefill(plan)
         ctx.telemetry.prefill_s = ctx.clock.now() - start
+        ctx.telemetry.prefill_plan = plan.telemetry()
         ctx.check_after_prefill()
         for i, target in enumerate(targets):
             nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
@@ -215,3 +219,19 @@ def _telemetry(ctx: GenerationContext, method: KVMethod, new_tokens: int) -> dic
 
 def perplexity(nll: Sequence[float]) -> float:
     return math.exp(sum(nll) / len(nll)) if nll else float("nan")
+
+
+def prefill_kv(loaded: LoadedModel, input_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K (post-RoPE, at positions ``0..n-1``) and V of every layer after a dense prefill of
+    ``input_ids``, exactly as ``full`` computes them (``[kv_heads, n, head_dim]`` each).
+
+    Reuse methods precompute chunk caches with it, outside any measured time.
+    """
+    from kvbench.engine.prefill import DensePrefill
+    from kvbench.methods import create_method
+
+    ids = torch.tensor(list(input_ids), dtype=torch.long)
+    ctx = _new_context(loaded, create_method({"name": "full"}), BudgetConfig(), len(ids), 0, Profile())
+    with torch.inference_mode(), activate(ctx):
+        ctx.run_prefill(DensePrefill(ctx, ids, torch.arange(len(ids))))
+    return [layer.keys.clone() for layer in ctx.store.layers], [layer.values.clone() for layer in ctx.store.layers]

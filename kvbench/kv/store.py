@@ -135,18 +135,41 @@ class LayerKV:
         return self.n * self.n_kv_heads * self.token_bytes()
 
     # ------------------------------------------------------------------ writes
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append new tokens ``[kv_heads, t, head_dim]`` at the next positions."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Append new tokens ``[kv_heads, t, head_dim]`` at ``positions`` ``[t]`` (default: the next ones)."""
         t = keys.shape[1]
         self.reserve(t)
         blocking = not self._pin
         self._k[:, self.n : self.n + t].copy_(keys, non_blocking=not blocking)
         self._v[:, self.n : self.n + t].copy_(values, non_blocking=not blocking)
-        self._pos[:, self.n : self.n + t] = torch.arange(self.seen, self.seen + t, device=self.home)
+        if positions is None:
+            self._pos[:, self.n : self.n + t] = torch.arange(self.seen, self.seen + t, device=self.home)
+            self.seen += t
+        else:
+            self._pos[:, self.n : self.n + t] = positions.to(self.home).view(1, t)
+            self.seen = max(self.seen, int(positions.max()) + 1) if t else self.seen
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
         self.n += t
-        self.seen += t
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Put K/V ``[kv_heads, t, head_dim]`` at ``slots`` ``[t]`` (the same for every head), with their
+        absolute ``positions`` ``[t]``; slots beyond the held ones extend the layer (a reuse prefill
+        installs cached chunks, then overwrites the rows it recomputes)."""
+        t = int(slots.numel())
+        if t == 0:
+            return
+        slots = slots.to(self.home)
+        top = int(slots.max()) + 1
+        if top > self.n:
+            self.reserve(top - self.n)
+            self.n = top
+        self._k[:, slots] = keys.to(self.home, self.dtype)
+        self._v[:, slots] = values.to(self.home, self.dtype)
+        self._pos[:, slots] = positions.to(self.home).view(1, t)
+        self.seen = max(self.seen, int(positions.max()) + 1)
+        if self.offload:
+            self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
 
     def keep(self, slots: torch.Tensor) -> None:
         """Evict every slot not in ``slots`` (``[kv_heads, m]``, same m per head); keeps slot order."""

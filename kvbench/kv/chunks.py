@@ -1,0 +1,343 @@
+"""A store of precomputed chunk KV caches that outlives one generation (CacheBlend §6, its "KV store").
+
+Reuse methods take most of a prompt's K/V from caches computed earlier: each document chunk prefilled
+alone (CacheBlend, full KV reuse), or an exact token prefix (prefix caching). This store keeps them
+between requests and runs, in two tiers with a byte capacity each and least-recently-used eviction:
+
+* ``ram`` — tensors in host memory (on a GPU machine, the tier above the device);
+* ``disk`` — one safetensors file per entry under ``$KVBENCH_HOME/chunk_kv/<model>/`` (or
+  ``store.dir``), tensors per layer (``k.<layer>``, ``v.<layer>``) so a layer can be read alone.
+
+An entry is keyed by the model (name, architecture hash, dtype), the chunk's token ids, and *how* it
+was prefilled (``mode``): ``alone`` (the chunk by itself at positions 0..n-1), ``bos`` (after the
+tokenizer's BOS, at positions 1..n, as CacheBlend's scripts do) or ``prefix`` (an exact prompt prefix
+at its real positions). Keys are stored post-RoPE at those positions (:attr:`ChunkKV.start` is the
+first one); a reuse method re-rotates them to where the chunk sits in the new prompt
+(:func:`kvbench.engine.rope.rerotate`).
+
+Every read is accounted per tier: hits, misses, bytes and the measured load time. ``store.tier``
+picks where entries are served from (``ram``: kept in RAM; ``disk``: written to disk only, every load
+reads the file). Disk reads drop the file from the OS page cache first (``posix_fadvise``
+``DONTNEED``, ``store.cold_reads``), so a disk load really reads the disk instead of the page cache;
+``store.read_mbps`` throttles disk reads to emulate a slower SSD or an HDD (an emulation: the read
+is padded with sleep to the given throughput, documented as such in the run's records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kvbench.errors import ConfigError
+
+TIERS = ("ram", "disk")
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Identity of a cached chunk: model, token ids and how it was prefilled."""
+
+    model: str
+    ids: tuple[int, ...]
+    mode: str  # alone | bos | prefix
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps([self.model, self.mode, list(self.ids)]).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+
+@dataclass
+class ChunkKV:
+    """Per-layer K (post-RoPE at positions ``start..start+n-1``) and V of one chunk.
+
+    ``keys[layer]`` / ``values[layer]`` are ``[kv_heads, n, head_dim]``.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    start: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    load_s: float = 0.0
+    evictions: int = 0
+    bytes_written: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class StoreConfig:
+    """The ``store.*`` config keys (see ``conf/config.yaml``)."""
+
+    tier: str = "ram"
+    ram_gb: float = 2.0
+    disk_gb: float = 10.0
+    dir: str | None = None
+    read_mbps: float | None = None
+    cold_reads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ConfigError(f"store.tier={self.tier!r} is not one of {', '.join(TIERS)}", "use store.tier=ram or store.tier=disk")
+        for key in ("ram_gb", "disk_gb"):
+            if float(getattr(self, key)) < 0:
+                raise ConfigError(f"store.{key}={getattr(self, key)} is negative", f"set store.{key} to a size in GB")
+        if self.read_mbps is not None and float(self.read_mbps) <= 0:
+            raise ConfigError(f"store.read_mbps={self.read_mbps} must be positive", "e.g. store.read_mbps=500, or null for no throttle")
+
+    @classmethod
+    def from_mapping(cls, cfg: Any) -> StoreConfig:
+        data = dict(cfg or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown store key(s): {', '.join(unknown)}", f"use only store.{{{', '.join(sorted(known))}}}")
+        return cls(**data)
+
+
+class ChunkStore:
+    """Two LRU tiers of :class:`ChunkKV` entries with byte capacities and per-tier accounting."""
+
+    def __init__(self, config: StoreConfig | None = None) -> None:
+        self.config = config or StoreConfig()
+        self.ram_capacity = int(float(self.config.ram_gb) * 2**30)
+        self.disk_capacity = int(float(self.config.disk_gb) * 2**30)
+        self._ram: OrderedDict[ChunkKey, ChunkKV] = OrderedDict()
+        self._ram_bytes = 0
+        self._disk: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, LRU order
+        self._disk_bytes = 0
+        self._disk_scanned: set[Path] = set()
+        self.stats = {tier: TierStats() for tier in TIERS}
+        self.precompute_s = 0.0
+        self.precomputed = 0
+
+    # ------------------------------------------------------------------ disk layout
+    def folder(self, model: str) -> Path:
+        from kvbench.assets import kvbench_home
+
+        root = Path(self.config.dir).expanduser() if self.config.dir else kvbench_home() / "chunk_kv"
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+        folder = root / safe
+        if folder not in self._disk_scanned:
+            folder.mkdir(parents=True, exist_ok=True)
+            files = sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+            for path in files:
+                if path.stem not in self._disk:
+                    size = path.stat().st_size
+                    self._disk[path.stem] = size
+                    self._disk_bytes += size
+            self._disk_scanned.add(folder)
+        return folder
+
+    def _path(self, key: ChunkKey) -> Path:
+        return self.folder(key.model) / f"{key.digest}.safetensors"
+
+    # ------------------------------------------------------------------ lookups
+    def contains(self, key: ChunkKey) -> str | None:
+        """The tier that holds ``key`` (``ram`` first), or ``None``; no accounting."""
+        if key in self._ram:
+            return "ram"
+        if self.disk_capacity and self._path(key).exists():
+            return "disk"
+        return None
+
+    def open(self, key: ChunkKey) -> ChunkReader | None:
+        """A reader of the entry (a hit in the tier that holds it), or ``None`` (a miss)."""
+        tier = self.contains(key)
+        if tier is None:
+            self.stats[self.config.tier].misses += 1
+            return None
+        self.stats[tier].hits += 1
+        if tier == "ram":
+            self._ram.move_to_end(key)
+            entry = self._ram[key]
+            return ChunkReader(self, tier, entry.start, entry.n_tokens, entry.n_layers, entry=entry)
+        path = self._path(key)
+        if key.digest in self._disk:
+            self._disk.move_to_end(key.digest)
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+        return ChunkReader(self, tier, int(meta["start"]), int(meta["tokens"]), int(meta["layers"]), path=path)
+
+    def get(self, key: ChunkKey) -> ChunkKV | None:
+        """The whole entry, loaded from the tier that holds it (timed and counted); ``None`` on a miss."""
+        reader = self.open(key)
+        if reader is None:
+            return None
+        with reader:
+            layers = [reader.layer(i) for i in range(reader.layers)]
+        return ChunkKV([k for k, _ in layers], [v for _, v in layers], reader.start)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: ChunkKey, entry: ChunkKV) -> None:
+        """Store ``entry`` in the configured tier (``ram``: RAM; ``disk``: a file), evicting LRU entries."""
+        if self.config.tier == "ram":
+            self._put_ram(key, entry)
+        else:
+            self._put_disk(key, entry)
+
+    def _put_ram(self, key: ChunkKey, entry: ChunkKV) -> None:
+        size = entry.nbytes()
+        if size > self.ram_capacity:
+            return
+        if key in self._ram:
+            self._ram_bytes -= self._ram.pop(key).nbytes()
+        while self._ram and self._ram_bytes + size > self.ram_capacity:
+            _, old = self._ram.popitem(last=False)
+            self._ram_bytes -= old.nbytes()
+            self.stats["ram"].evictions += 1
+        self._ram[key] = entry
+        self._ram_bytes += size
+        self.stats["ram"].bytes_written += size
+
+    def _put_disk(self, key: ChunkKey, entry: ChunkKV) -> None:
+        from safetensors.torch import save_file
+
+        path = self._path(key)
+        tensors = {f"k.{i}": k.contiguous() for i, k in enumerate(entry.keys)}
+        tensors.update({f"v.{i}": v.contiguous() for i, v in enumerate(entry.values)})
+        metadata = {"layers": str(entry.n_layers), "start": str(entry.start), "model": key.model, "mode": key.mode,
+                    "tokens": str(entry.n_tokens)}
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+        size = path.stat().st_size
+        if key.digest in self._disk:
+            self._disk_bytes -= self._disk.pop(key.digest)
+        self._disk[key.digest] = size
+        self._disk_bytes += size
+        self.stats["disk"].bytes_written += size
+        folder = path.parent
+        while self._disk_bytes > self.disk_capacity and len(self._disk) > 1:
+            digest, old = self._disk.popitem(last=False)
+            (folder / f"{digest}.safetensors").unlink(missing_ok=True)
+            self._disk_bytes -= old
+            self.stats["disk"].evictions += 1
+
+    def _drop_page_cache(self, path: Path) -> None:
+        if not self.config.cold_reads or not hasattr(os, "posix_fadvise"):
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def _throttle(self, nbytes: int, spent: float) -> None:
+        if not self.config.read_mbps:
+            return
+        wanted = nbytes / (float(self.config.read_mbps) * 1e6)
+        if wanted > spent:
+            time.sleep(wanted - spent)
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tier": self.config.tier,
+            "read_mbps": self.config.read_mbps,
+            "cold_reads": self.config.cold_reads,
+            "ram_bytes": self._ram_bytes,
+            "disk_bytes": self._disk_bytes,
+            **{f"{tier}_{k}": v for tier in TIERS for k, v in self.stats[tier].to_dict().items()},
+        }
+
+
+def model_fingerprint(loaded: Any) -> str:
+    """A stable name for a loaded model's K/V: its config name, a hash of its architecture, its dtype."""
+    config = loaded.model.config.to_dict()
+    keep = {k: config.get(k) for k in sorted(config) if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+    digest = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
+    first = next(loaded.model.parameters()).detach().float().flatten()[:4096].cpu().numpy().tobytes()
+    weights = hashlib.sha256(first).hexdigest()[:8]  # tells seeds of a random-weight model apart
+    return f"{loaded.spec.name}-{digest}-{dtype}-{weights}"
+
+
+class ChunkReader:
+    """One entry opened for reading: :attr:`start`, :attr:`tokens`, and its (K, V) layer by layer.
+
+    :meth:`layer` reads one layer when asked for it (from RAM: the stored tensors; from disk: that
+    layer's two tensors of the open file), so a prefill plan reads layer ``i`` just before layer ``i``
+    runs and a pipelined loader can read layer ``i + 1`` while layer ``i`` computes. Bytes and load time
+    are added to the tier's statistics as layers are read. Close the reader when done (or use ``with``).
+    """
+
+    def __init__(self, store: ChunkStore, tier: str, start: int, tokens: int, layers: int, *,
+                 entry: ChunkKV | None = None, path: Path | None = None) -> None:
+        self.store = store
+        self.tier = tier
+        self.start = start
+        self.tokens = tokens
+        self.layers = layers
+        self._entry = entry
+        self._path = path
+        self._handle: Any = None
+        self._file: Any = None
+
+    def _open(self) -> Any:
+        if self._handle is None:
+            from safetensors import safe_open
+
+            assert self._path is not None
+            started = time.perf_counter()
+            self.store._drop_page_cache(self._path)
+            self._file = safe_open(str(self._path), framework="pt")
+            self._handle = self._file.__enter__()
+            self.store.stats[self.tier].load_s += time.perf_counter() - started
+        return self._handle
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of layer ``index``, each ``[kv_heads, tokens, head_dim]``."""
+        stats = self.store.stats[self.tier]
+        if self._entry is not None:
+            k, v = self._entry.keys[index], self._entry.values[index]
+            stats.bytes_loaded += 2 * k.numel() * k.element_size()
+            return k, v
+        handle = self._open()
+        started = time.perf_counter()
+        k = handle.get_tensor(f"k.{index}")
+        v = handle.get_tensor(f"v.{index}")
+        nbytes = 2 * k.numel() * k.element_size()
+        self.store._throttle(nbytes, time.perf_counter() - started)
+        stats.bytes_loaded += nbytes
+        stats.load_s += time.perf_counter() - started
+        return k, v
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.__exit__(None, None, None)
+            self._file = self._handle = None
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,39 @@
+"""What every eviction method shares: a budget, and a prefill guard.
+
+Eviction methods (StreamingLLM, H2O, SnapKV, PyramidKV) decide after the dense prefill of each layer
+which tokens to keep, and the store forgets the rest. The family's rules: it needs a token budget, it
+cannot extend a held cache by several tokens at once with its policy active (decode steps only), and
+a layer that was asked to shrink but kept every token fails the run (:meth:`check_after_prefill`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.errors import CompressionNotApplied
+from kvbench.methods.base import KVMethod
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
+
+
+class EvictionMethod(KVMethod):
+    family = "eviction"
+    needs_budget = True
+    extends_with_many_tokens = False
+
+    def check_after_prefill(self, ctx: GenerationContext) -> None:
+        budget = ctx.budget
+        if not budget.compresses:
+            return
+        lazy = [
+            layer
+            for layer in ctx.compressing_layers()
+            if ctx.store[layer].n >= ctx.store[layer].seen > budget.sink + budget.layer_budget(layer)
+        ]
+        if lazy:
+            raise CompressionNotApplied(
+                f"method {self.name} was asked to keep {budget.total} of {budget.context} tokens "
+                f"but layer(s) {lazy[:5]} kept all of them",
+                "this is a bug in the method; report it with the run's config.yaml",
+            )
