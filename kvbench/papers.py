@@ -25,16 +25,18 @@ Schema (one file)::
         model: llama31_8b_instruct  # optional: kvbench model name (or a list); model_label: the paper's
         task: longbench             # optional: the kvbench task that reproduces it
         protocol: {data: ..., truncation: ..., budget: ..., notes: ...}   # free-form description
-        fixed: {comm_ratio: 0.0078125}   # keys constant over every row (joined like dims)
+        fixed: {question_position: end}  # keys constant over every row, Full's included (joined like dims)
         numbers: true               # false: the paper gives no values; `note` says why
         note: "..."
         metric: "..."               # what the values are; or {quantity: description} when the rows
         unit: "score (0-100)"       #   carry a `quantity` dim; same for unit
-        dims: [dataset, method, token_ratio]
+        dims: [dataset, method, token_ratio, comm_ratio]
         values:
-          - {dataset: narrativeqa, dataset_label: NarrativeQA, method: full, token_ratio: null, value: 29.91}
+          - {dataset: narrativeqa, dataset_label: NarrativeQA, method: full, token_ratio: null, comm_ratio: null,
+             value: 29.91}
 
-Rows. Every row carries every dim (``null`` = the key does not apply, e.g. Full has no token ratio),
+Rows. Every row carries every dim (``null`` = the key does not apply: Full has no token ratio, so a
+table with a Full column keeps the budget keys as dims rather than in ``fixed``),
 optionally ``<dim>_label`` with the paper's own spelling where kvbench's name differs, and then:
 
 - ``value`` (a number as printed) **or** ``low`` and ``high`` (a stated range such as "2.2-3.3x");
@@ -59,6 +61,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvbench.errors import ConfigError
@@ -258,7 +261,7 @@ def _paper(data: Any, path: Path) -> Paper:
         raise fail("artifacts must be a non-empty mapping")
     built = {aid: _artifact(data["paper"], str(aid), spec, data["source"], vocab, fail) for aid, spec in arts.items()}
     return Paper(name=data["paper"], title=data["title"], arxiv=str(data["arxiv"]), source=data["source"], path=path,
-                 artifacts=built, venue=data.get("venue"), notes=data.get("notes"))
+                 artifacts=MappingProxyType(built), venue=data.get("venue"), notes=data.get("notes"))
 
 
 def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: dict[str, set[str]], fail) -> Artifact:
@@ -313,11 +316,17 @@ def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: dict[str, set
             if key in seen:
                 raise bad(f"row {i}: same {', '.join(dims)} as row {seen[key]}")
             seen[key] = i
+    # read-only views: load_paper caches its result, so callers must not be able to edit it
     return Artifact(paper=paper, id=aid, kind=spec["kind"], where=spec["where"], caption=spec["caption"],
                     source=spec.get("source") or source, numbers=spec["numbers"], note=spec.get("note"),
                     model=tuple(model) if isinstance(model, list) else model, model_label=spec.get("model_label"),
-                    task=spec.get("task"), protocol=protocol, fixed=fixed, metric=spec.get("metric"),
-                    unit=spec.get("unit"), dims=tuple(dims), values=tuple(values))
+                    task=spec.get("task"), protocol=MappingProxyType(protocol), fixed=MappingProxyType(fixed),
+                    metric=_frozen(spec.get("metric")), unit=_frozen(spec.get("unit")), dims=tuple(dims),
+                    values=tuple(MappingProxyType(row) for row in values))
+
+
+def _frozen(x: Any) -> Any:
+    return MappingProxyType(x) if isinstance(x, dict) else x
 
 
 def _check_described(desc: Any, key: str, dims: list[str], values: list[Any], bad) -> None:
