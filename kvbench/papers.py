@@ -131,6 +131,9 @@ class Artifact:
 
 @dataclass(frozen=True)
 class Paper:
+    """One paper's file: where its numbers were read (``source``, relative to ../shared) and its artifacts
+    by id, in file order."""
+
     name: str
     title: str
     arxiv: str
