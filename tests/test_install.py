@@ -16,11 +16,13 @@ def test_regular_install_works_from_any_directory(tmp_path):
     assert build.returncode == 0, build.stderr
     files = {p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()}
     for needed in ("kvbench/cli.py", "kvbench/methods/oracle.py", "kvbench/tasks/niah.py",
-                   "kvbench/conf/config.yaml", "kvbench/conf/model/smollm2_135m.yaml", "kvbench/conf/method/full.yaml"):
+                   "kvbench/conf/config.yaml", "kvbench/conf/model/smollm2_135m.yaml", "kvbench/conf/method/full.yaml",
+                   "kvbench/papers_data/pqcache.yaml"):
         assert needed in files, needed
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]); import kvbench, kvbench.cli as c;"
         "assert kvbench.__file__.startswith(sys.argv[1]), kvbench.__file__;"
+        "import kvbench.papers as p; assert str(p.papers_dir()).startswith(sys.argv[1]) and p.load_paper('pqcache').artifacts;"
         "sys.exit(c.main(['list']))"
     )
     listed = subprocess.run([sys.executable, "-c", probe, str(target)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
