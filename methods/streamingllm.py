@@ -16,13 +16,15 @@ from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import KVMethod, Selection
+from kvbench.methods.params import StreamingLLMParams
 
 
 @register
 class StreamingLLM(KVMethod):
     name = "streamingllm"
     family = "eviction"
-    budget_defaults = MethodBudgetDefaults(sink=4, local_fraction=1.0, compensable=True)
+    Params = StreamingLLMParams
+    budget_defaults = MethodBudgetDefaults(compensable=True)
 
     def _limit(self) -> int:
         return self.ctx.budget.sink + self.ctx.budget.budget
