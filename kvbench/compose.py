@@ -71,9 +71,9 @@ def method_sweep_points(overrides: Sequence[str]) -> list[dict[str, Any]]:
     Each point is the chosen method's declared defaults with that point's ``method.<key>`` overrides
     applied (``+``/``++`` alike; ``~method.key`` restores the default), so every combination of
     ``method=a,b method.m=2,4`` can be checked before the first job runs. Values are Hydra's own
-    parse of the override (``5`` an int, ``[0,1]`` a list, ``null`` None); interpolations (``${...}``)
-    and glob sweeps are left for Hydra to resolve. Returns ``[]`` for an override Hydra cannot parse
-    (composing reports it).
+    parse of the override (``5`` an int, ``[0,1]`` a list, ``null`` None); interpolations (``${...}``),
+    glob sweeps, flags (``--cfg``) and overrides Hydra cannot parse (composing reports those) are left
+    to Hydra.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
@@ -81,12 +81,13 @@ def method_sweep_points(overrides: Sequence[str]) -> list[dict[str, Any]]:
 
     from kvbench.methods import PARAMS, method_node
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
-        return []
+    parser = OverridesParser.create()
     axes: list[list[tuple[str, bool, Any]]] = []  # per override: its (key, delete, value) choices
-    for override in parsed:
+    for item in overrides:
+        try:
+            (override,) = parser.parse_overrides([item])
+        except HydraException:
+            continue
         key = override.key_or_group
         if key != "method" and not key.startswith("method."):
             continue
