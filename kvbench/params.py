@@ -38,6 +38,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 from kvbench.errors import ConfigError
@@ -64,10 +65,6 @@ def param(default: Any, help: str, *, min: float | None = None, max: float | Non
 
 class _Mismatch(Exception):
     """A value does not fit an annotation (internal: :func:`parse` turns it into a ConfigError)."""
-
-
-def _hints(cls: type[Params]) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _is_union(tp: Any) -> bool:
@@ -115,7 +112,7 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value
         raise _Mismatch
     if _is_tuple(tp):
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, Sequence) and not isinstance(value, str):  # a list, or OmegaConf's ListConfig
             return tuple(_coerce(item, get_args(tp)[0]) for item in value)
         raise _Mismatch
     raise TypeError(f"unsupported parameter annotation {tp!r}")
@@ -169,7 +166,8 @@ def _example(tp: Any, default: Any, metadata: Mapping[str, Any]) -> Any:
     if get_origin(tp) is Literal:
         return get_args(tp)[0]
     if _is_tuple(tp):
-        return [_example(get_args(tp)[0], None, metadata)] * 2
+        item = _example(get_args(tp)[0], None, metadata)
+        return [item, item + 1] if isinstance(item, int) and not isinstance(item, bool) else [item]
     low = metadata.get("min")
     return {int: int(low if low is not None else 1), float: float(low if low is not None else 0.5), bool: True,
             str: "text"}.get(tp)
@@ -193,7 +191,7 @@ def parse(cls: type[Params], mapping: Mapping[str, Any] | None, owner: str, pref
             f"{owner} has no parameter{'s' if len(unknown) > 1 else ''} {keys}{hint}",
             f"use one of: {', '.join(fields)}" if fields else f"drop {keys}: {owner} takes no parameters",
         )
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     parsed: dict[str, Any] = {}
     for key, value in values.items():
         spec, tp = fields[key], hints[key]
@@ -202,7 +200,7 @@ def parse(cls: type[Params], mapping: Mapping[str, Any] | None, owner: str, pref
         except _Mismatch:
             example = _override_text(_example(tp, spec.default, spec.metadata))
             raise ConfigError(
-                f"{prefix}{key}={_override_text(value)!s} is not {_expected(tp)} ({owner})",
+                f"{prefix}{key}={_override_text(value)} is not {_expected(tp)} ({owner})",
                 f"give {_expected(tp)}, e.g. {prefix}{key}={example}",
             ) from None
         _check_range(key, converted, spec.metadata, owner, prefix)
@@ -245,7 +243,7 @@ def defaults(cls: type[Params]) -> dict[str, Any]:
 
 def help_rows(cls: type[Params]) -> list[tuple[str, str, str, str]]:
     """``(name, type, default, help)`` per field, in declaration order."""
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     return [
         (f.name, type_label(hints[f.name]), _override_text(_plain(f.default)), str(f.metadata.get("help", "")))
         for f in dataclasses.fields(cls)

@@ -45,6 +45,9 @@ def test_defaults_and_conversions():
     assert (got.n, type(got.n)) == (5, int) and (got.ratio, type(got.ratio)) == (1.0, float)
     assert got.iters == "adaptive" and got.layers == (2, 3)
     assert toy(iters=7).iters == 7
+    from omegaconf import OmegaConf
+
+    assert parse(Toy, OmegaConf.create({"layers": [4, 5]}), owner="toy").layers == (4, 5)  # a Hydra node
 
 
 def test_unknown_keys_name_the_valid_ones():
@@ -230,11 +233,11 @@ def test_unknown_key_lists_the_valid_keys():
     assert caught.value.fix == f"use one of: {', '.join(fields)}"
 
 
-def test_list_methods_shows_parameters():
-    result = subprocess.run([sys.executable, "-m", "kvbench", "list", "methods"], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def test_list_methods_shows_parameters(capsys):
+    from kvbench.cli import main
+
+    assert main(["list", "methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert "pqcache (retrieval)" in lines and "full (dense): no parameters" in lines
     row = next(line for line in lines if line.split()[:1] == ["kmeans_iters"] and "adaptive" in line)
     assert row.split()[1:5] == ["int", "|", "adaptive", "10"]
