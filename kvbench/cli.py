@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from kvbench.errors import KvbenchError
 
-from kvbench.compose import CONFIG_MODULE
+from kvbench.compose import CONFIG_MODULE, register_method_configs
 
 GROUPS = ("model", "method", "task", "experiment")
 _SWEEP_RUNS: list[Any] = []
@@ -27,6 +27,11 @@ def conf_dir() -> Path:
 
 
 def group_options(group: str) -> list[str]:
+    """The choices of a config group: YAML files, except methods (declared in kvbench.methods.params)."""
+    if group == "method":
+        from kvbench.methods import PARAMS
+
+        return sorted(PARAMS)
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
@@ -54,8 +59,18 @@ def _validate_overrides(overrides: Sequence[str]) -> list[str]:
         if sep and "," in value and not value.startswith("[") and not value.startswith("{"):
             value = value.split(",")[0]
         first.append(f"{key}={value}" if sep else item)
+    _validate_method_params(overrides)
     compose(first)
     return first
+
+
+def _validate_method_params(overrides: Sequence[str]) -> None:
+    """Every sweep point's ``method.*`` settings against the method's declared parameters (torch-free)."""
+    from kvbench.compose import method_sweep_points
+    from kvbench.methods import validate_method_config
+
+    for node in method_sweep_points(overrides):
+        validate_method_config(node)
 
 
 def _run_job(cfg: Any) -> None:
@@ -82,6 +97,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         _validate_overrides(overrides)
     except KvbenchError as error:
         return _fail(error)
+    register_method_configs()
     main = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base=None)(_run_job)
     saved = sys.argv
     sys.argv = ["kvbench"] + (["--multirun"] if multirun else []) + overrides
@@ -110,10 +126,30 @@ def cmd_list(args: argparse.Namespace) -> int:
         "experiments": group_options("experiment"),
         "assets": sorted(ASSETS),
     }
+    if args.what == "methods":
+        print(method_table(sections["methods"]))
+        return 0
     for name, items in sections.items():
         if args.what in (None, name):
             print(f"{name}: {', '.join(items) if items else '(none)'}")
     return 0
+
+
+def method_table(names: Sequence[str]) -> str:
+    """``kvbench list methods``: per method its family, then one row per parameter (``method.<key>``):
+    name, type, default, help."""
+    from kvbench.methods import REGISTRY
+    from kvbench.params import help_rows
+
+    tables = {name: help_rows(REGISTRY.get(name).Params) for name in names}
+    rows = [row for table in tables.values() for row in table]
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
+    lines = []
+    for name, table in tables.items():
+        lines.append(f"{name} ({REGISTRY.get(name).family})" + ("" if table else ": no parameters"))
+        lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+                  for row in table]
+    return "\n".join(lines)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:

@@ -1,18 +1,40 @@
 """KV methods: one module of policy per method, registered by name.
 
 Every module in this package that decorates a :class:`~kvbench.methods.base.KVMethod` subclass with
-:func:`register` becomes available as ``method=<name>`` (with its ``conf/method/<name>.yaml``).
+:func:`register` becomes available as ``method=<name>``; its parameters are declared in
+:mod:`kvbench.methods.params` (``PARAMS[name]``), which is also Hydra's ``method`` config group.
+
+Importing this package stays light (no torch): the CLI checks ``method.*`` settings with
+:func:`validate_method_config` before anything heavy loads; the method classes are imported when a
+method is created or listed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from kvbench.methods.base import KVMethod, Selection
+from kvbench.errors import ConfigError
+from kvbench.methods.params import PARAMS
+from kvbench.params import Params, defaults, parse
 from kvbench.registry import Registry
 
-REGISTRY: Registry[KVMethod] = Registry("method", __name__, exclude={"base", "eviction", "reuse", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost"})
-register = REGISTRY.register
+if TYPE_CHECKING:
+    from kvbench.methods.base import KVMethod, Selection
+
+REGISTRY: Registry[KVMethod] = Registry(
+    "method", __name__,
+    exclude={"base", "eviction", "reuse", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost", "params"},
+)
+
+
+def register(cls: type[KVMethod]) -> type[KVMethod]:
+    """Make ``cls`` available as ``method=<cls.name>``. A shipped method (a module of this package)
+    must use the parameters :data:`PARAMS` lists for its name, so the CLI's checks, Hydra's defaults
+    and the class agree; classes registered elsewhere (tests, notebooks) keep their own ``Params``."""
+    if cls.__module__.startswith(f"{__name__}.") and PARAMS.get(cls.name) is not cls.Params:
+        raise ValueError(f"method {cls.name!r}: declare its parameters in kvbench.methods.params.PARAMS "
+                         f"and set {cls.__name__}.Params to them")
+    return REGISTRY.register(cls)
 
 
 def available_methods() -> list[str]:
@@ -26,4 +48,34 @@ def create_method(cfg: Mapping[str, Any]) -> KVMethod:
     return cls(params)
 
 
-__all__ = ["KVMethod", "Selection", "register", "create_method", "available_methods", "REGISTRY"]
+def method_node(name: str) -> dict[str, Any]:
+    """The default config node of ``method=<name>``: ``{"name": name, **defaults}``."""
+    if name not in PARAMS:
+        raise ConfigError(f"unknown method {name!r}", f"choose one of: {', '.join(sorted(PARAMS))} (`kvbench list`)")
+    return {"name": name, **defaults(PARAMS[name])}
+
+
+def validate_method_config(cfg: Mapping[str, Any]) -> Params:
+    """Parse a method config node (``name`` plus parameters) without building the method.
+
+    Cheap and torch-free, so ``kvbench run`` checks every point of a sweep before any job starts.
+    Raises :class:`ConfigError` for an unknown method, an unknown key, a wrong type or a value out of
+    range; returns the parsed parameters.
+    """
+    values = dict(cfg or {})
+    name = values.pop("name", None)
+    method_node(str(name))  # the unknown-method error
+    return parse(PARAMS[str(name)], values, owner=f"method {name}", prefix="method.")
+
+
+def __getattr__(attr: str) -> Any:
+    """``KVMethod`` and ``Selection`` on first use (they import torch)."""
+    if attr in ("KVMethod", "Selection"):
+        from kvbench.methods import base
+
+        return getattr(base, attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+__all__ = ["KVMethod", "Selection", "register", "create_method", "available_methods", "REGISTRY", "PARAMS",
+           "method_node", "validate_method_config"]

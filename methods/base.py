@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 import torch
 
 from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget, full_budget, resolve_budget
+from kvbench.methods.params import MethodParams
+from kvbench.params import Params, describe, parse
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -86,8 +88,11 @@ class KVMethod:
     needs_budget: ClassVar[bool] = False
     #: a prefilled cache may be extended by several tokens in one pass (causal by position)
     extends_with_many_tokens: ClassVar[bool] = True
-    #: default sink size, local-window share and "(C)" eligibility; config keys ``sink`` and
-    #: ``local_fraction`` override them, ``budget.sink`` / ``budget.local`` override those.
+    #: the method's parameters (``method.<key>``), declared in :mod:`kvbench.methods.params`; an
+    #: instance, parsed and validated from the config, is ``self.params``
+    Params: ClassVar[type[Params]] = MethodParams
+    #: "(C)" eligibility; sink size and local-window share for a method whose ``Params`` do not
+    #: declare ``sink`` / ``local_fraction`` (``budget.sink`` / ``budget.local`` override all of them)
     budget_defaults: ClassVar[MethodBudgetDefaults] = MethodBudgetDefaults()
     #: the method needs the decode step's attention probabilities (H2O's accumulated scores)
     needs_attention_probs: ClassVar[bool] = False
@@ -95,20 +100,22 @@ class KVMethod:
     dense_layers: tuple[int, ...] = ()
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
-        self.cfg = dict(cfg or {})
+        """``cfg``: the method's parameters (its config node without ``name``); an unknown key, a wrong
+        type or a value out of range raises :class:`~kvbench.errors.ConfigError`."""
+        self.params = parse(self.Params, cfg, owner=f"method {self.name}", prefix="method.")
         self.ctx: GenerationContext | None = None
 
     # ------------------------------------------------------------------ configuration
     @property
     def offload(self) -> bool:
-        """Whether middle tokens live in the host tier (offloading methods)."""
-        return bool(self.cfg.get("offload", False))
+        """Whether middle tokens live in the host tier (retrieval methods have an ``offload`` parameter)."""
+        return False
 
     def defaults(self) -> MethodBudgetDefaults:
         base = self.budget_defaults
         return MethodBudgetDefaults(
-            sink=int(self.cfg.get("sink", base.sink)),
-            local_fraction=float(self.cfg.get("local_fraction", base.local_fraction)),
+            sink=getattr(self.params, "sink", base.sink),
+            local_fraction=getattr(self.params, "local_fraction", base.local_fraction),
             compensable=base.compensable,
         )
 
@@ -132,7 +139,7 @@ class KVMethod:
 
     def describe(self) -> dict[str, Any]:
         """The method's effective settings, recorded with every sample."""
-        return {"name": self.name, "family": self.family, **self.cfg}
+        return {"name": self.name, "family": self.family, **describe(self.params)}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, ctx: GenerationContext) -> None:

@@ -41,42 +41,26 @@ from typing import Any
 
 import torch
 
-from kvbench.errors import ConfigError
 from kvbench.methods import register
+from kvbench.methods.params import CacheBlendParams
 from kvbench.methods.reuse import ReuseMethod, ReusePrefill
-
-SELECTIONS = ("hkvd", "random")
-SUFFIXES = ("query", "last_token")
 
 
 @register
 class CacheBlend(ReuseMethod):
     name = "cacheblend"
 
+    Params = CacheBlendParams
+    params: CacheBlendParams
+
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        self.ratio = float(self.cfg.get("recompute_ratio", 0.15))
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ConfigError(f"method.recompute_ratio={self.ratio} is outside [0, 1]", "e.g. method.recompute_ratio=0.15")
-        self.check_layer = int(self.cfg.get("check_layer", 1))
-        if self.check_layer < 0:
-            raise ConfigError(f"method.check_layer={self.check_layer} is negative", "use 1 (the first layer whose KV can deviate)")
-        ratios = [float(r) for r in (self.cfg.get("filter_ratios") or [])] or [self.ratio]
-        if any(not 0.0 <= r <= 1.0 for r in ratios) or any(b > a for a, b in zip(ratios, ratios[1:])):
-            raise ConfigError(f"method.filter_ratios={ratios} must be non-increasing fractions in [0, 1]",
-                              "e.g. method.filter_ratios=[0.3,0.2,0.15]")
-        self.ratios = ratios
-        self.selection = str(self.cfg.get("selection", "hkvd"))
-        if self.selection not in SELECTIONS:
-            raise ConfigError(f"method.selection={self.selection!r} is not one of {', '.join(SELECTIONS)}", "use hkvd or random")
-        self.suffix = str(self.cfg.get("suffix", "query"))
-        if self.suffix not in SUFFIXES:
-            raise ConfigError(f"method.suffix={self.suffix!r} is not one of {', '.join(SUFFIXES)}", "use query or last_token")
-        self.seed = int(self.cfg.get("seed", 0))
+        p = self.params
+        self.ratios = [float(r) for r in p.filter_ratios] or [p.recompute_ratio]
 
     @property
     def check_layers(self) -> dict[int, float]:
-        return {self.check_layer + i: r for i, r in enumerate(self.ratios)}
+        return {self.params.check_layer + i: r for i, r in enumerate(self.ratios)}
 
     def expects_reuse(self) -> bool:
         return self.ratios[-1] < 1.0
@@ -94,13 +78,13 @@ class CacheBlend(ReuseMethod):
         cached = plan.cached_values(layer)
         active = plan.active
         forced = plan.query_mask[active]
-        if self.suffix == "last_token":
+        if self.params.suffix == "last_token":
             forced = active == plan.n - 1
         candidates = torch.nonzero(~forced).flatten()
-        n_ctx = int((~plan.query_mask).sum()) if self.suffix == "query" else plan.n - 1
+        n_ctx = int((~plan.query_mask).sum()) if self.params.suffix == "query" else plan.n - 1
         k = min(int(n_ctx * ratio), int(candidates.numel()))
-        if self.selection == "random":
-            generator = torch.Generator().manual_seed(self.seed + layer)
+        if self.params.selection == "random":
+            generator = torch.Generator().manual_seed(self.params.seed + layer)
             chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:k]]
         else:
             assert cached is not None

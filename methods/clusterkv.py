@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
+from kvbench.methods.params import ClusterKVParams
 from kvbench.methods.primitives.kmeans import kmeans
 from kvbench.methods.retrieval import RetrievalMethod
 
@@ -101,11 +101,8 @@ def select_by_clusters(
 @register
 class ClusterKV(RetrievalMethod):
     name = "clusterkv"
-    budget_defaults = MethodBudgetDefaults(sink=16, local_fraction=0.0)
-
-    @property
-    def dense_layers(self) -> tuple[int, ...]:  # type: ignore[override]
-        return tuple(int(x) for x in self.cfg.get("dense_layers", (0, 1)))
+    Params = ClusterKVParams
+    params: ClusterKVParams
 
     def start(self, ctx: Any) -> None:
         super().start(ctx)
@@ -115,14 +112,15 @@ class ClusterKV(RetrievalMethod):
         self.iterations: list[int] = []
 
     def _cluster(self, keys: torch.Tensor, clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.params
         result = kmeans(
             keys.float(),
             max(1, min(clusters, keys.shape[1])),
-            iters=int(self.cfg.get("kmeans_iters", 20)),
-            metric=str(self.cfg.get("metric", "cosine")),
-            seed=int(self.cfg.get("seed", 42)),
-            init=str(self.cfg.get("init", "random")),
-            stop_when_stable=bool(self.cfg.get("until_stable", True)),
+            iters=p.kmeans_iters,
+            metric=p.metric,
+            seed=p.seed,
+            init=p.init,
+            stop_when_stable=p.until_stable,
         )
         self.iterations.append(int(result.iterations))
         return result.labels, result.centroids
@@ -134,19 +132,19 @@ class ClusterKV(RetrievalMethod):
         keys = key[0, :, sink:].to(kv.home)
         if keys.shape[1] == 0:
             return
-        count = self.cfg.get("clusters") or max(1, round(keys.shape[1] / 80))
-        labels, centroids = self._cluster(keys, int(count))
+        count = self.params.clusters or max(1, round(keys.shape[1] / 80))
+        labels, centroids = self._cluster(keys, count)
         slots = torch.arange(sink, sink + keys.shape[1], device=kv.home)
         self.index[layer] = ClusterIndex.build(slots, labels, centroids)
-        self.history[layer] = deque(maxlen=int(self.cfg.get("cache_steps", 1)))
+        self.history[layer] = deque(maxlen=self.params.cache_steps)
 
     def _maybe_recluster(self, layer: int, kv: LayerKV) -> ClusterIndex:
         index = self.index[layer]
-        period = int(self.cfg.get("recluster_every", 320))
+        period = self.params.recluster_every
         current = kv.n - 1  # the current token is attended anyway
         if current - index.clustered_end >= period:
             start, end = index.clustered_end, index.clustered_end + period
-            labels, centroids = self._cluster(kv.keys[:, start:end], int(self.cfg.get("new_clusters", 4)))
+            labels, centroids = self._cluster(kv.keys[:, start:end], self.params.new_clusters)
             index = self.index[layer] = index.append(torch.arange(start, end, device=kv.home), labels, centroids)
         return index
 
@@ -160,7 +158,7 @@ class ClusterKV(RetrievalMethod):
         clustered = index.slots.numel()
         recent = torch.arange(index.clustered_end, kv.n, device=kv.home)
         sinks = torch.arange(0, min(budget.sink, kv.n), device=kv.home)
-        per_head = str(self.cfg.get("gqa", "per_query_head")) == "per_query_head" and spec.group > 1
+        per_head = self.params.gqa == "per_query_head" and spec.group > 1
         rows = spec.n_heads if per_head else spec.n_kv_heads
         fixed = torch.cat([sinks, recent])
         if budget.select >= clustered:

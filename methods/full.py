@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvbench.methods import register
 from kvbench.methods.base import KVMethod
+from kvbench.params import Params as NoParams
 
 
 @register
@@ -12,3 +13,4 @@ class Full(KVMethod):
 
     name = "full"
     family = "dense"
+    Params = NoParams  # it attends everything: no sink or window to set

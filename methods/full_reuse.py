@@ -12,9 +12,11 @@ query is token-identical to ``full`` (its cache is exact).
 from __future__ import annotations
 
 from kvbench.methods import register
+from kvbench.methods.params import FullReuseParams
 from kvbench.methods.reuse import ReuseMethod
 
 
 @register
 class FullReuse(ReuseMethod):
     name = "full_reuse"
+    Params = FullReuseParams

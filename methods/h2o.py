@@ -42,9 +42,10 @@ import torch
 from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.attention_scores import GQA_REDUCTIONS, MAX_CHUNK_ELEMENTS, accumulated_attention, group_reduce
+from kvbench.methods.attention_scores import accumulated_attention, group_reduce
 from kvbench.methods.base import Selection
 from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.params import H2OParams
 from kvbench.methods.selection import topk_sorted
 
 if TYPE_CHECKING:
@@ -54,17 +55,17 @@ if TYPE_CHECKING:
 @register
 class H2O(EvictionMethod):
     name = "h2o"
-    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5, compensable=True)
+    Params = H2OParams
+    params: H2OParams
+    budget_defaults = MethodBudgetDefaults(compensable=True)
     needs_attention_probs = True
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        self.gqa = str(self.cfg.get("gqa", "sum"))
-        if self.gqa not in GQA_REDUCTIONS:
-            raise ValueError(f"h2o: unknown gqa reduction {self.gqa!r}; use one of {GQA_REDUCTIONS}")
-        self.chunk = int(self.cfg.get("chunk") or 0)
-        self.chunk_elements = int(self.cfg.get("chunk_elements") or MAX_CHUNK_ELEMENTS)
-        self.swap = bool(self.cfg.get("swap_remove", True))
+        self.gqa = self.params.gqa
+        self.chunk = self.params.chunk
+        self.chunk_elements = self.params.chunk_elements
+        self.swap = self.params.swap_remove
         #: per layer: accumulated attention ``[kv_heads, group, n]`` of the held slots (float32)
         self.scores: dict[int, torch.Tensor] = {}
         self.evicted_in_decode = 0

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
+from kvbench.methods.params import InfLLMParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_sorted
 
@@ -60,14 +60,15 @@ def local_attention_received(query: torch.Tensor, keys: torch.Tensor, window: in
 @register
 class InfLLM(RetrievalMethod):
     name = "infllm"
-    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+    Params = InfLLMParams
+    params: InfLLMParams
     needs_attention_probs = True
 
     def start(self, ctx: Any) -> None:
         super().start(ctx)
-        self.block = int(self.cfg.get("block_size", 128))
-        reps = self.cfg.get("reps")
-        self.reps = max(1, min(self.block, int(reps) if reps else round(ctx.budget.comm_ratio * self.block)))
+        self.block = self.params.block_size
+        reps = self.params.reps
+        self.reps = max(1, min(self.block, reps if reps is not None else round(ctx.budget.comm_ratio * self.block)))
         self._block_keys: dict[int, torch.Tensor] = {}  # layer -> [H, blocks, d]
         self._received: dict[int, torch.Tensor] = {}  # layer -> [H, n] local attention received
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
+from kvbench.methods.params import OracleParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import compose, exact_topk
 
@@ -25,18 +25,15 @@ from kvbench.methods.selection import compose, exact_topk
 @register
 class Oracle(RetrievalMethod):
     name = "oracle"
-    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
-
-    @property
-    def offload(self) -> bool:
-        return bool(self.cfg.get("offload", False))
+    Params = OracleParams
+    params: OracleParams
 
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
         budget = self.ctx.budget
         spec = self.ctx.spec
         lay = self.layout(kv)
         candidates = lay.candidates(kv.home)
-        per_query_head = bool(self.cfg.get("per_query_head", False))
+        per_query_head = self.params.per_query_head
         if budget.select >= lay.middle:
             rows = spec.n_heads if per_query_head else spec.n_kv_heads
             return compose(lay, candidates.expand(rows, -1))
@@ -47,7 +44,7 @@ class Oracle(RetrievalMethod):
             budget.select,
             group=spec.group,
             per_query_head=per_query_head,
-            rule=str(self.cfg.get("gqa", "softmax_sum")),
+            rule=self.params.gqa,
             scale=spec.head_dim**-0.5,
         )
         return compose(lay, chosen)

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
+from kvbench.methods.params import PQCacheParams
 from kvbench.methods.primitives.pq import PQCodebook, comm_ratio, gqa_topk, pq_encode, pq_fit, pq_scores
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import compose
@@ -74,7 +74,8 @@ class _Layer:
 @register
 class PQCache(RetrievalMethod):
     name = "pqcache"
-    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+    Params = PQCacheParams
+    params: PQCacheParams
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
@@ -87,14 +88,14 @@ class PQCache(RetrievalMethod):
 
     def start(self, ctx: Any) -> None:
         super().start(ctx)
-        m, b = self.cfg.get("m"), self.cfg.get("b")
-        if not m or not b:
+        m, b = self.params.m, self.params.b  # both set or both null (PQCacheParams.validate)
+        if m is None or b is None:
             m, b = default_pq(ctx.budget.comm_ratio, ctx.spec.head_dim)
         if ctx.spec.head_dim % int(m):
             raise ValueError(f"head_dim {ctx.spec.head_dim} is not divisible by method.m={m}")
         self.m, self.b = int(m), int(b)
         self.layers: dict[int, _Layer] = {}
-        self.iters_setting = self.cfg.get("kmeans_iters", 10)
+        self.iters_setting = self.params.kmeans_iters
         self.cost: dict[str, Any] | None = None
         if self.iters_setting == "adaptive":  # fitted (once per machine) before the generation starts
             from kvbench.methods.pqcache_cost import load_or_fit
@@ -119,9 +120,7 @@ class PQCache(RetrievalMethod):
         sink = self.ctx.budget.sink
         keys = key[0, :, sink:].detach()
         iters = self.kmeans_iterations(keys.shape[1])
-        seed = int(self.cfg.get("seed", 4321))
-        metric = str(self.cfg.get("metric", "l2"))
-        init = str(self.cfg.get("init", "random"))
+        seed, metric, init = self.params.seed, self.params.metric, self.params.init
 
         def build() -> tuple[PQCodebook, float]:
             start = time.perf_counter()
@@ -129,8 +128,7 @@ class PQCache(RetrievalMethod):
                 book = pq_fit(keys.float(), self.m, self.b, iters=iters, metric=metric, seed=seed, init=init)
             return book, time.perf_counter() - start
 
-        state = _Layer(self.pool(int(self.cfg.get("workers", 1))).submit(build) if self.cfg.get("overlap", True)
-                       else _done(build()))
+        state = _Layer(self.pool(self.params.workers).submit(build) if self.params.overlap else _done(build()))
         state.coded_end = kv.n
         state.iterations = iters
         self.layers[layer] = state
@@ -207,7 +205,7 @@ class PQCache(RetrievalMethod):
         q = query[0, :, 0, :].float().view(spec.n_kv_heads, spec.group, -1).to(book.centroids.device)
         scores = pq_scores(q, book.centroids, codes)  # [kv_heads, group, middle]
         # softmax over the candidates (the authors' rule), summed over the group; or logit_sum / max
-        rule = str(self.cfg.get("gqa", "softmax_sum"))
+        rule = self.params.gqa
         chosen = gqa_topk(scores, budget.select, rule, spec.head_dim**-0.5).to(kv.home) + lay.sink_end
         self.timers["pq_search_s"] += time.perf_counter() - start
         return compose(lay, chosen)

@@ -27,29 +27,26 @@ from typing import Any
 
 import torch
 
-from kvbench.errors import ConfigError
 from kvbench.kv.chunks import ChunkKey
 from kvbench.methods import register
+from kvbench.methods.params import PrefixCacheParams
 from kvbench.methods.reuse import CachedSpan, ReuseMethod
 from kvbench.requests import Segment, join_segments, segment_spans
-
-WARM = ("first_chunk", "prefix", "none")
 
 
 @register
 class PrefixCache(ReuseMethod):
     name = "prefix_cache"
 
+    Params = PrefixCacheParams
+    params: PrefixCacheParams
+
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        self.warm = str(self.cfg.get("warm", "first_chunk"))
-        if self.warm not in WARM:
-            raise ConfigError(f"method.warm={self.warm!r} is not one of {', '.join(WARM)}", "use first_chunk, prefix or none")
-        self.store_prompts = bool(self.cfg.get("store_prompts", False))
         self._index: list[ChunkKey] = []
 
     def expects_reuse(self) -> bool:
-        return self.warm != "none"
+        return self.params.warm != "none"
 
     def _prefix_key(self, ctx: Any, ids: list[int]) -> ChunkKey:
         return ChunkKey(self._fingerprint(ctx), tuple(ids), "prefix")
@@ -62,9 +59,9 @@ class PrefixCache(ReuseMethod):
         spans = segment_spans(segments)
         ids = join_segments(segments)
         ends = []
-        if self.warm in ("first_chunk", "prefix") and segments[0].role == "prefix":
+        if self.params.warm in ("first_chunk", "prefix") and segments[0].role == "prefix":
             ends.append(spans[0][1])
-        if self.warm == "first_chunk":
+        if self.params.warm == "first_chunk":
             first_chunk = next((end for seg, (_, end) in zip(segments, spans) if seg.role == "chunk"), None)
             if first_chunk is not None:
                 ends.append(first_chunk)
@@ -102,7 +99,7 @@ class PrefixCache(ReuseMethod):
 
     def after_request(self, ctx: Any, segments: tuple[Segment, ...]) -> None:
         """Store the prompt's prefix up to its last chunk (what a serving engine keeps), if asked."""
-        if not self.store_prompts:
+        if not self.params.store_prompts:
             return
         spans = segment_spans(segments)
         end = max((e for seg, (_, e) in zip(segments, spans) if seg.role != "query"), default=0)

@@ -38,6 +38,7 @@ import math
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.methods import register
+from kvbench.methods.params import PyramidKVParams
 from kvbench.methods.snapkv import SnapKV
 
 ROUNDINGS = ("exact", "authors")
@@ -73,21 +74,18 @@ def pyramid_budgets(select: int, layers: int, available: int, beta: float = 20, 
 @register
 class PyramidKV(SnapKV):
     name = "pyramidkv"
+    Params = PyramidKVParams
+    params: PyramidKVParams
 
     def __init__(self, cfg=None) -> None:
         super().__init__(cfg)
-        self.beta = float(self.cfg.get("beta", 20))
-        self.rounding = str(self.cfg.get("rounding", "exact"))
-        if self.beta <= 0:
-            raise ValueError(f"pyramidkv: beta must be positive, got {self.beta}")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"pyramidkv: unknown rounding {self.rounding!r}; use one of {ROUNDINGS}")
+        self.beta, self.rounding = self.params.beta, self.params.rounding
 
     def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
         resolved = super().resolve_budget(budget, context, capacity, n_layers)
         uniform = resolved.select
         available = max(0, context - resolved.sink - resolved.local)
-        short = bool(self.cfg.get("short_prompt_uniform", True)) and context < 2 * uniform
+        short = self.params.short_prompt_uniform and context < 2 * uniform
         if not resolved.compresses or short:
             selects = [uniform] * n_layers
         else:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
+from kvbench.methods.params import QuestParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_sorted
 
@@ -40,7 +40,8 @@ def upper_bound_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tenso
 @register
 class Quest(RetrievalMethod):
     name = "quest"
-    budget_defaults = MethodBudgetDefaults(sink=16, local_fraction=0.0)
+    Params = QuestParams
+    params: QuestParams
 
     def start(self, ctx) -> None:
         super().start(ctx)
@@ -59,17 +60,13 @@ class Quest(RetrievalMethod):
             self._bounds[layer] = (start, low, high)
         return low[:, : last - first], high[:, : last - first]
 
-    @property
-    def dense_layers(self) -> tuple[int, ...]:  # type: ignore[override]
-        return tuple(int(x) for x in self.cfg.get("dense_layers", (0, 1)))
-
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
-        page = int(self.cfg.get("page_size", 16))
+        page = self.params.page_size
         spec = self.ctx.spec
         lay = self.layout(kv)
         first = -(-lay.sink_end // page)  # first page fully inside the middle
         last = lay.middle_end // page  # pages [first, last) are full and inside the middle
-        per_head = str(self.cfg.get("gqa", "per_query_head")) == "per_query_head" and spec.group > 1
+        per_head = self.params.gqa == "per_query_head" and spec.group > 1
         rows = spec.n_heads if per_head else spec.n_kv_heads
         fixed_ranges = [(0, first * page), (max(last, first) * page, kv.n)]
         fixed = torch.cat([torch.arange(a, b, device=kv.home) for a, b in fixed_ranges])

@@ -8,6 +8,9 @@ them, so their bytes, hits, recall and attended counts are comparable in one tab
   device-resident; ``cache_tokens`` > 0 puts a block cache (``cache_block`` tokens per block, LRU/LFU,
   ``cache_blocks`` blocks admitted per step) between them — PQCache's 4096 tokens / 128 / 32.
 * ``dense_layers``: layers that attend everything (Quest and ClusterKV leave layers 0-1 dense).
+
+These parameters are :class:`~kvbench.methods.params.RetrievalParams`, which every retrieval
+method's ``Params`` extends.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kvbench.errors import CompressionNotApplied
 from kvbench.kv.block_cache import BlockCache
 from kvbench.kv.store import LayerKV
 from kvbench.methods.base import KVMethod
+from kvbench.methods.params import RetrievalParams
 from kvbench.methods.selection import Layout, layout
 
 if TYPE_CHECKING:
@@ -32,28 +36,30 @@ class RetrievalMethod(KVMethod):
     family = "retrieval"
     needs_budget = True
     extends_with_many_tokens = False
+    Params = RetrievalParams
+    params: RetrievalParams
 
     @property
     def offload(self) -> bool:
-        return bool(self.cfg.get("offload", True))
+        return self.params.offload
 
     @property
     def dense_layers(self) -> tuple[int, ...]:  # type: ignore[override]
-        return tuple(int(x) for x in self.cfg.get("dense_layers", ()) or ())
+        return self.params.dense_layers
 
     def start(self, ctx: GenerationContext) -> None:
         super().start(ctx)
-        cache_tokens = int(self.cfg.get("cache_tokens", 0) or 0)
-        block = int(self.cfg.get("cache_block", 128))
+        p = self.params
+        block = p.cache_block
         for layer in ctx.store.layers:
             layer.set_residency(ctx.budget.sink, ctx.budget.local + 1)
-            if cache_tokens > 0 and self.offload:
+            if p.cache_tokens > 0 and self.offload:
                 layer.attach_cache(
                     BlockCache(
-                        cache_tokens // block,
+                        p.cache_tokens // block,
                         block_size=block,
-                        policy=str(self.cfg.get("cache_policy", "lfu")),
-                        update_blocks=int(self.cfg.get("cache_blocks", cache_tokens // block)),
+                        policy=p.cache_policy,
+                        update_blocks=p.cache_blocks if p.cache_blocks is not None else p.cache_tokens // block,
                         offset=self.cache_offset(ctx),
                     )
                 )

@@ -42,12 +42,11 @@ from kvbench.engine.rope import check_rerotatable, rerotate
 from kvbench.errors import CompressionNotApplied, ConfigError
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkReader, ChunkStore, model_fingerprint
 from kvbench.methods.base import KVMethod
+from kvbench.methods.params import ReuseParams
 from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
-
-MASKS = ("exact", "code")
 
 
 @dataclass
@@ -76,13 +75,12 @@ class ReuseMethod(KVMethod):
     #: the run fails when the method reused no cached token (full reuse and CacheBlend always reuse)
     must_reuse: ClassVar[bool] = True
 
+    Params = ReuseParams
+    params: ReuseParams
+
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
         self.store: ChunkStore | None = None
-        self.chunk_bos = bool(self.cfg.get("chunk_bos", True))
-        self.mask = str(self.cfg.get("mask", "exact"))
-        if self.mask not in MASKS:
-            raise ConfigError(f"method.mask={self.mask!r} is not one of {', '.join(MASKS)}", "use method.mask=exact or code")
 
     def budget_label(self, budget: Any) -> str:
         return "no budget (reuse)"
@@ -99,7 +97,7 @@ class ReuseMethod(KVMethod):
 
     def _bos(self, ctx: GenerationContext) -> int | None:
         bos = getattr(ctx.loaded.tokenizer, "bos_token_id", None)
-        return int(bos) if (self.chunk_bos and bos is not None) else None
+        return int(bos) if (self.params.chunk_bos and bos is not None) else None
 
     def chunk_key(self, ctx: GenerationContext, segment: Segment, begin: int) -> ChunkKey:
         """How ``segment`` (starting at prompt position ``begin``) is cached: an exact prefix when it is
@@ -284,7 +282,7 @@ class ReusePrefill(PrefillPlan):
         rows = torch.arange(active.numel()) if keep is None else keep
         out = torch.zeros(1, active.numel(), query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
         q = query[:, :, rows.to(query.device)]
-        if self.method.mask == "code":
+        if self.method.params.mask == "code":
             m = active.numel()
             query_positions = torch.arange(self.n - m, self.n)[rows]
         else:

@@ -40,30 +40,24 @@ import torch
 from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.attention_scores import GQA_REDUCTIONS, POOLINGS, group_reduce, pool1d, window_votes
+from kvbench.methods.attention_scores import group_reduce, pool1d, window_votes
 from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.params import SnapKVParams
 from kvbench.methods.selection import topk_sorted
 
 
 @register
 class SnapKV(EvictionMethod):
     name = "snapkv"
-    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.0, compensable=True)
+    Params = SnapKVParams
+    params: SnapKVParams
+    #: no ``local_fraction``: the kept window is the budget's local part (see ``resolve_budget``)
+    budget_defaults = MethodBudgetDefaults(local_fraction=0.0, compensable=True)
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        self.window = int(self.cfg.get("window", 32))
-        self.kernel = int(self.cfg.get("kernel", 5))
-        self.pooling = str(self.cfg.get("pooling", "avg"))
-        self.gqa = str(self.cfg.get("gqa", "sum"))
-        if self.window < 1:
-            raise ValueError(f"{self.name}: window must be at least 1, got {self.window}")
-        if self.kernel > 1 and self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: the pooling kernel must be odd, got {self.kernel}")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"{self.name}: unknown pooling {self.pooling!r}; use one of {POOLINGS}")
-        if self.gqa not in GQA_REDUCTIONS:
-            raise ValueError(f"{self.name}: unknown gqa reduction {self.gqa!r}; use one of {GQA_REDUCTIONS}")
+        p = self.params
+        self.window, self.kernel, self.pooling, self.gqa = p.window, p.kernel, p.pooling, p.gqa
 
     def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
         """The shared budget with the kept window as its local part (``budget.local`` overrides it)."""

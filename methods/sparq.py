@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
+from kvbench.methods.params import SparQParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import compose, topk_sorted
 
@@ -45,12 +45,13 @@ def sparq_scores(query: torch.Tensor, keys: torch.Tensor, r: int) -> tuple[torch
 @register
 class SparQ(RetrievalMethod):
     name = "sparq"
-    budget_defaults = MethodBudgetDefaults(sink=32, local_fraction=0.5)
+    Params = SparQParams
+    params: SparQParams
 
     def rank(self) -> int:
         d = self.ctx.spec.head_dim
-        if self.cfg.get("r"):
-            return max(1, min(d, int(self.cfg["r"])))
+        if self.params.r is not None:
+            return max(1, min(d, self.params.r))
         return max(1, min(d, round(self.ctx.budget.comm_ratio * d)))
 
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:

@@ -17,12 +17,14 @@ from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
 from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.params import StreamingLLMParams
 
 
 @register
 class StreamingLLM(EvictionMethod):
     name = "streamingllm"
-    budget_defaults = MethodBudgetDefaults(sink=4, local_fraction=1.0, compensable=True)
+    Params = StreamingLLMParams
+    budget_defaults = MethodBudgetDefaults(compensable=True)
 
     def _limit(self) -> int:
         return self.ctx.budget.sink + self.ctx.budget.budget

@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.cli import conf_dir
+from kvbench.methods import method_node
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -74,7 +75,7 @@ def niah_run_config(output_dir: Path, essays: Path, method: str = "full", **extr
     base = OmegaConf.load(conf_dir() / "config.yaml")
     cfg = {
         "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
-        "method": OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / f"{method}.yaml")),
+        "method": method_node(method),
         "task": OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "niah.yaml")),
         "budget": OmegaConf.to_container(base.budget),
         "profile": OmegaConf.to_container(base.profile),

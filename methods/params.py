@@ -1,0 +1,252 @@
+"""Every shipped KV method's parameters (``method.<key>``), declared once: type, default, help, range.
+
+Each method class points at its dataclass (``PQCache.Params = PQCacheParams``) and reads
+``self.params``; :data:`PARAMS` maps ``method=<name>`` to it. The same declarations give Hydra its
+``method`` config group (:func:`kvbench.compose.register_method_configs`; there are no
+``conf/method/*.yaml`` to drift), the checks of ``kvbench run`` (unknown keys, wrong types and ranges
+rejected for every sweep point before anything loads) and ``kvbench list methods``.
+
+Why one module instead of a dataclass next to each method class: a method module imports torch,
+which takes 2–5 s here, and ``kvbench run`` must reject a bad ``method.*`` key in about a second
+(issue 14, item 10). This module imports nothing heavy, so the CLI validates without importing torch.
+A new method adds its dataclass here and its name to :data:`PARAMS`; ``register`` refuses a shipped
+method whose ``Params`` is not the one listed.
+
+Defaults are explicit numbers, not "null: the class default": a run's ``config.yaml`` then records
+the value it ran with (``sink: 16``), so when a default changes later an old run keeps its meaning
+and a re-run of today's defaults gets a new run directory instead of mixing settings in one.
+``budget.sink`` / ``budget.local`` still override ``sink`` / ``local_fraction`` for every method.
+
+The ``Literal`` choices repeat the primitives' tuples (``GQA_REDUCTIONS``, ``POOLINGS``, ``GQA_RULES``,
+k-means ``METRICS``/``INITS``, ``ROUNDINGS``), which live in torch modules; ``tests/test_params.py``
+checks they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvbench.errors import ConfigError
+from kvbench.params import Params, param
+
+GqaReduction = Literal["sum", "mean", "max"]  # attention_scores.GQA_REDUCTIONS (eviction methods)
+GqaRule = Literal["softmax_sum", "logit_sum", "max"]  # primitives.pq.GQA_RULES (retrieval scoring)
+HeadGranularity = Literal["per_query_head", "shared"]
+KMeansInit = Literal["random", "kmeans++"]
+
+
+# ---------------------------------------------------------------------- shared
+@dataclass(frozen=True)
+class SinkParams(Params):
+    sink: int = param(32, "attention-sink tokens, always attended, outside the budget (budget.sink overrides)", min=0)
+
+
+@dataclass(frozen=True)
+class MethodParams(SinkParams):
+    """What a compressing method's budget split needs (``KVMethod.Params``)."""
+
+    local_fraction: float = param(0.5, "share of the budget that is the recent window (budget.local overrides)",
+                                  min=0, max=1)
+
+
+@dataclass(frozen=True)
+class RetrievalParams(MethodParams):
+    """What every retrieval method shares: the host tier, the device block cache, dense layers."""
+
+    offload: bool = param(True, "middle tokens live in the host tier; selected ones are fetched")
+    dense_layers: tuple[int, ...] = param((), "layers that attend every token", min=0)
+    cache_tokens: int = param(0, "device block cache in tokens (0: none; only with offload)", min=0)
+    cache_block: int = param(128, "tokens per cache block", min=1)
+    cache_blocks: int | None = param(None, "blocks admitted per step, the most selected (null: the whole cache)",
+                                     min=0)
+    cache_policy: Literal["lfu", "lru"] = param("lfu", "block-cache replacement rule")
+
+
+# ---------------------------------------------------------------------- eviction
+@dataclass(frozen=True)
+class StreamingLLMParams(MethodParams):
+    sink: int = param(4, "the paper's 4 initial tokens; budget.sink=32 aligns with PQCache-style methods", min=0)
+    local_fraction: float = param(1.0, "the whole budget is the sliding window", min=0, max=1)
+
+
+@dataclass(frozen=True)
+class H2OParams(MethodParams):
+    sink: int = param(32, "PQCache's baseline code: 32 sinks outside the budget", min=0)
+    local_fraction: float = param(0.5, "recent = heavy hitters = half the budget", min=0, max=1)
+    gqa: GqaReduction = param("sum", "accumulated scores over a KV head's query heads: sum (authors) | mean | max")
+    chunk: int = param(0, "prefill query rows per chunk of the accumulated-attention pass (0: automatic)", min=0)
+    chunk_elements: int = param(1 << 23, "automatic chunks: attention entries at once (2**23: 32 MiB in fp32)",
+                                min=1)
+    swap_remove: bool = param(True, "decode eviction in O(1) per step (false: order-keeping remove, copies)")
+
+
+@dataclass(frozen=True)
+class SnapKVParams(SinkParams):
+    """No ``local_fraction``: the kept window is ``min(window, budget)`` (``budget.local`` overrides)."""
+
+    sink: int = param(32, "the PQCache-table methods' 32 sinks (budget.sink=0: SnapKV's own)", min=0)
+    window: int = param(32, "observation window = kept recent window (authors); KVCache-Factory: 8", min=1)
+    kernel: int = param(5, "pooling kernel, odd (authors); KVCache-Factory: 7", min=1)
+    pooling: Literal["avg", "max"] = param("avg", "vote pooling: avg (authors) | max (KVCache-Factory)")
+    gqa: GqaReduction = param("sum", "votes over a KV head's query heads: sum | mean (same picks) | max")
+
+    def validate(self) -> None:
+        if self.kernel > 1 and self.kernel % 2 == 0:
+            raise ConfigError(f"the pooling kernel must be odd, got method.kernel={self.kernel}",
+                              f"use method.kernel={self.kernel + 1} or {self.kernel - 1}")
+
+
+@dataclass(frozen=True)
+class PyramidKVParams(SnapKVParams):
+    beta: float = param(20.0, "pyramid steepness: the top layer keeps C/beta, the bottom 2C - C/beta")
+    rounding: Literal["exact", "authors"] = param(
+        "exact", "exact: layers sum to L x C | authors: floored step (up to (L-2)/2 more per layer)")
+    short_prompt_uniform: bool = param(True, "prompts shorter than 2C keep the uniform budget (authors' code)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.beta <= 0:
+            raise ConfigError(f"method.beta must be positive, got {self.beta}", "use e.g. method.beta=20")
+
+
+# ---------------------------------------------------------------------- retrieval
+@dataclass(frozen=True)
+class OracleParams(RetrievalParams):
+    gqa: GqaRule = param("softmax_sum", "group rule on exact scores: softmax_sum (PQCache's) | logit_sum | max")
+    per_query_head: bool = param(False, "every query head picks its own tokens")
+    offload: bool = param(False, "the Oracle reads every key, so its cache stays on the device")
+
+
+@dataclass(frozen=True)
+class SparQParams(RetrievalParams):
+    r: int | None = param(None, "query components fetched; null: round(budget.comm_ratio * head_dim), >= 1", min=1)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
+                                     min=0)
+
+
+@dataclass(frozen=True)
+class InfLLMParams(RetrievalParams):
+    sink: int = param(32, "n_init: initial tokens always attended, outside the budget", min=0)
+    block_size: int = param(128, "tokens per memory block", min=1)
+    reps: int | None = param(None, "representatives per block; null: round(budget.comm_ratio * block_size), >= 1",
+                             min=1)
+    cache_tokens: int = param(4096, "device block cache in tokens: 32 blocks (PQCache's setting)", min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
+                                     min=0)
+    cache_policy: Literal["lfu", "lru"] = param("lru", "block-cache replacement rule (InfLLM: LRU)")
+
+
+@dataclass(frozen=True)
+class QuestParams(RetrievalParams):
+    sink: int = param(16, "ClusterKV's 16 sinks, outside the budget", min=0)
+    local_fraction: float = param(0.0, "no window inside the budget: pages compete for all of it", min=0, max=1)
+    dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (Quest/ClusterKV: 0-1)", min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
+                                     min=0)
+    page_size: int = param(16, "tokens per page", min=1)
+    gqa: HeadGranularity = param("per_query_head", "each query head ranks pages | shared: one ranking per KV head")
+
+
+@dataclass(frozen=True)
+class PQCacheParams(RetrievalParams):
+    sink: int = param(32, "the authors' code: 32 sinks outside the budget", min=0)
+    local_fraction: float = param(0.5, "local = top-k = half the budget", min=0, max=1)
+    cache_tokens: int = param(4096, "device block cache in tokens (the authors' 4096)", min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (the authors' 32)", min=0)
+    m: int | None = param(None, "PQ sub-spaces; null (with b): from budget.comm_ratio (2x6 at 1/128, 4x8 at 1/64)",
+                          min=1)
+    b: int | None = param(None, "bits per code: 2**b centroids per sub-space; set with m", min=1, max=16)
+    kmeans_iters: int | Literal["adaptive"] = param(
+        10, "k-means iterations, or adaptive (the paper's cost model, fitted per machine)", min=0)
+    metric: Literal["l2", "ip", "cosine"] = param("l2", "k-means metric: l2 (authors' default) | ip | cosine")
+    init: KMeansInit = param("random", "random points shared by all groups (authors') | kmeans++")
+    gqa: GqaRule = param("softmax_sum", "group rule on approximate scores: softmax_sum (authors') | logit_sum | max")
+    seed: int = param(4321, "k-means initialisation seed (the authors')")
+    overlap: bool = param(True, "cluster on a worker thread while later layers compute")
+    workers: int = param(1, "k-means worker threads", min=1)
+
+    def validate(self) -> None:
+        if (self.m is None) != (self.b is None):
+            given, missing = ("m", "b") if self.m is not None else ("b", "m")
+            raise ConfigError(f"method.{given}={getattr(self, given)} without method.{missing} (alone, it would be "
+                              "replaced by the comm_ratio default)", "set both, e.g. method.m=2 method.b=6, or neither")
+
+
+@dataclass(frozen=True)
+class ClusterKVParams(RetrievalParams):
+    sink: int = param(16, "always attended, never clustered, outside the budget", min=0)
+    local_fraction: float = param(0.0, "no window: unclustered recent tokens are attended on top", min=0, max=1)
+    dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (ClusterKV: 0-1)", min=0)
+    clusters: int | None = param(None, "prefill clusters; null: round((L - sink) / 80) (paper); authors' code: 400",
+                                 min=1)
+    kmeans_iters: int = param(20, "k-means iteration cap", min=0)
+    until_stable: bool = param(True, "stop once no label changes (paper: until convergence)")
+    metric: Literal["cosine", "l2", "ip"] = param("cosine", "k-means metric: cosine (paper) | l2 | ip")
+    seed: int = param(42, "k-means initialisation seed")
+    init: KMeansInit = param("random", "random key vectors (paper) | kmeans++ (the authors' accuracy code)")
+    recluster_every: int = param(320, "decode tokens per incremental clustering", min=1)
+    new_clusters: int = param(4, "clusters per recluster_every new tokens (paper; efficiency code: 8)", min=1)
+    gqa: HeadGranularity = param("per_query_head", "each query head ranks clusters | shared: one ranking per KV head")
+    cache_steps: int = param(1, "R: clusters selected in the last R steps count as device-resident", min=0)
+
+
+# ---------------------------------------------------------------------- reuse
+@dataclass(frozen=True)
+class ReuseParams(Params):
+    """What every reuse method shares: how chunk caches are precomputed and the prefill's mask."""
+
+    chunk_bos: bool = param(True, "precompute each chunk after the tokenizer's BOS (CacheBlend's code), else alone")
+    mask: Literal["exact", "code"] = param(
+        "exact", "causal mask of recomputed rows: exact (by position) | code (the released bottom-right-aligned mask)")
+
+
+@dataclass(frozen=True)
+class FullReuseParams(ReuseParams):
+    pass
+
+
+@dataclass(frozen=True)
+class PrefixCacheParams(ReuseParams):
+    warm: Literal["first_chunk", "prefix", "none"] = param(
+        "first_chunk", "what earlier requests left cached: prefix + first chunk | the prefix | nothing")
+    store_prompts: bool = param(False, "store each prompt up to its last chunk after the request (request streams)")
+
+
+@dataclass(frozen=True)
+class CacheBlendParams(ReuseParams):
+    recompute_ratio: float = param(0.15, "r: share of the non-query tokens recomputed after the check layer "
+                                   "(paper 0.15; code 0.16 musique, 0.18 wikimqa)", min=0, max=1)
+    check_layer: int = param(1, "first check layer (layer 0's KV cannot deviate)", min=0)
+    filter_ratios: tuple[float, ...] = param(
+        (), "gradual filtering: one ratio per check layer from check_layer on, non-increasing; () = (recompute_ratio,)",
+        min=0, max=1)
+    selection: Literal["hkvd", "random"] = param("hkvd", "hkvd: largest V deviation | random (Fig. 6 ablation)")
+    suffix: Literal["query", "last_token"] = param(
+        "query", "rows always recomputed: the whole query | the last token (the released QA scripts)")
+    seed: int = param(0, "random selection seed")
+
+    def validate(self) -> None:
+        ratios = list(self.filter_ratios)
+        if any(b > a for a, b in zip(ratios, ratios[1:])):
+            raise ConfigError(f"method.filter_ratios={ratios} must not increase", "e.g. method.filter_ratios=[0.3,0.2,0.15]")
+
+
+#: ``method=<name>`` → its parameters. ``full`` has none: it attends everything, so a sink or a
+#: window share would be a setting it silently ignores.
+PARAMS: dict[str, type[Params]] = {
+    "full": Params,
+    "streamingllm": StreamingLLMParams,
+    "h2o": H2OParams,
+    "snapkv": SnapKVParams,
+    "pyramidkv": PyramidKVParams,
+    "oracle": OracleParams,
+    "sparq": SparQParams,
+    "infllm": InfLLMParams,
+    "quest": QuestParams,
+    "pqcache": PQCacheParams,
+    "clusterkv": ClusterKVParams,
+    "full_reuse": FullReuseParams,
+    "prefix_cache": PrefixCacheParams,
+    "cacheblend": CacheBlendParams,
+}
