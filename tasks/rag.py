@@ -32,8 +32,11 @@ text before it (with the BOS and any default system prompt the template writes) 
 segment and the text after it ends the query segment. For Mistral that is ``<s>[INST]`` … ``[/INST]``,
 the code's layout. Tokenizers that put a word-boundary marker before every separately tokenised piece
 (SentencePiece's "▁": Llama-2, Mistral) would turn the template's space at each junction into an
-extra token, so that space is dropped there (the piece's own marker restores it). A model without a
-chat template gets its tokenizer's BOS (if any) as the head and nothing as the tail.
+extra token, so that space is dropped there (the piece's own marker restores it). Checked with
+Mistral-7B's SentencePiece model (``tokenizer.model.v1``, legacy Metaspace) and the v0.2 template: the
+prefix is ``[1, 733, 16289, 28793] + encode(prefix_prompt)[1:]`` and the query ends
+``[733, 28748, 16289, 28793]``, the ids of the code (with the BOS vLLM adds). A model without a chat
+template gets its tokenizer's BOS (if any) as the head and nothing as the tail.
 
 **multi_news** (CacheBlend's paper uses MultiNews; its exact file and chunking are not published):
 the LongBench record's ``context`` is split at its ``Passage N:\\n`` headers, one chunk per article
