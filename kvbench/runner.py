@@ -107,7 +107,8 @@ def _run_samples(
                 run_dir.create(config_yaml, environment(model.spec))
             run_dir.append(record)
             ran += 1
-            bar.set_postfix(score=f"{result.score:.1f}")
+            if result.score is not None:  # tasks without gold answers score None
+                bar.set_postfix(score=f"{result.score:.1f}")
             bar.update(1)
     finally:
         bar.close()
@@ -144,9 +145,11 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
 
 
 def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> list[float] | None:
-    """95% bootstrap interval of the mean sample score (percentile method); None below 2 samples."""
+    """95% bootstrap interval of the mean sample score (percentile method); None below 2 scored samples
+    (samples scored None, which have no gold answer, are left out)."""
     import numpy as np
 
+    scores = [s for s in scores if s is not None]
     if len(scores) < 2:
         return None
     rng = np.random.default_rng(seed)

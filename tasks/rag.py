@@ -1,0 +1,401 @@
+"""``rag``: CacheBlend's RAG evaluation — passages as reusable chunks, a fixed prefix, the query last.
+
+Every sample is one prompt described as ordered segments (:mod:`kvbench.requests`): one ``prefix``
+(the chat template's head and the dataset's instruction), one ``chunk`` per passage (the unit whose
+KV a reuse method precomputes alone), and the ``query`` (question and the template's tail, always
+recomputed). Dense methods run the concatenated ids; the segments tell reuse methods where the
+chunks are.
+
+**Datasets** (``task.dataset``, files read from ``task.data_dir``):
+
+=============  ===============================================  ========  ===========  ============
+dataset        file                                             samples   new tokens   score
+=============  ===============================================  ========  ===========  ============
+musique        ``musique_s.json`` (CacheBlend's own input)      150       32           F1 (ids)
+wikimqa        ``wikimqa_s_clean.json`` (corrected subset)      102       32           F1 (ids)
+multi_news     LongBench ``multi_news.jsonl``                   200       128          Rouge-L
+example        ``example_inputs/{1..10}.json`` (``blend.py``)   10        32           none
+=============  ===============================================  ========  ===========  ============
+
+**Prompt, as CacheBlend's ``example/blend_{musique,wikimqa}.py`` and ``utils.py`` build it:**
+
+* the question is normalised (``normalize_question``): "?" appended when missing, first character
+  lower-cased;
+* each passage is one chunk, ``f"{title}\\n\\n{text}\\n\\n"`` (titles are empty in both files);
+* the query is ``query_prompt + question + "\\nAnswer:"``;
+* prefix and query prompts are the scripts' strings per dataset (:data:`DATASETS`);
+* every piece is tokenised on its own without special tokens (the code's ``encode(x)[1:]``).
+
+The code hard-codes Mistral's ``[INST]`` / ``[/INST]`` ids around this; kvbench uses the evaluated
+model's chat template instead: the template is rendered with a placeholder as the user message, the
+text before it (with the BOS and any default system prompt the template writes) starts the prefix
+segment and the text after it ends the query segment. For Mistral that is ``<s>[INST]`` … ``[/INST]``,
+the code's layout. Tokenizers that put a word-boundary marker before every separately tokenised piece
+(SentencePiece's "▁": Llama-2, Mistral) would turn the template's space at each junction into an
+extra token, so that space is dropped there (the piece's own marker restores it). Checked with
+Mistral-7B's SentencePiece model (``tokenizer.model.v1``, legacy Metaspace) and the v0.2 template: the
+prefix is ``[1, 733, 16289, 28793] + encode(prefix_prompt)[1:]`` and the query ends
+``[733, 28748, 16289, 28793]``, the ids of the code (with the BOS vLLM adds). A model without a chat
+template gets its tokenizer's BOS (if any) as the head and nothing as the tail.
+
+**multi_news** (CacheBlend's paper uses MultiNews; its exact file and chunking are not published):
+the LongBench record's ``context`` is split at its ``Passage N:\\n`` headers, one chunk per article
+(header included; the chunks join back to the context exactly); the prefix and query prompts are
+LongBench's ``multi_news`` prompt (``dataset2prompt.json``) split around ``{context}``, so the dense
+prompt is LongBench's. Rouge-L F (stemmed) of the whole generation against the reference summary;
+no first-line cut (CacheBlend's SAMSum script cuts to one line because SAMSum summaries are one line).
+
+**example** (``blend.py``'s ten inputs): passages ``ex["0"]``… as given, the prebuilt ``ex["query"]``,
+no prefix prompt (``blend.py`` wraps the passages in ``[INST]`` only). There is no gold answer: each
+sample's score is ``null`` (the run reports generations and timings; its ``score`` is null too).
+
+**Scores** (0–100): CacheBlend's F1 over the model tokenizer's ids (:mod:`kvbench.tasks.rag_metrics`:
+first line, Yes/No collapse, SQuAD normalisation, max over gold answers) for QA; Rouge-L F for
+summaries. 2WikiMQA answers are ``[[answer], ...]``; like the script, the first entry of each is scored.
+
+**Chunking and retrieval** (CacheBlend Fig. 12: top-6 chunks of 512 tokens; Fig. 2: 128-token chunks):
+``task.chunk_tokens`` re-cuts the passages' concatenated ids into fixed-size chunks;
+``task.top_k`` keeps the k chunks nearest the question (``task.retriever``: ``minilm`` = L2 distance of
+all-MiniLM-L6-v2 embeddings, ``bm25``), in their original order (:mod:`kvbench.tasks.rag_retrieval`).
+
+**Length.** A prompt longer than ``task.max_length`` (null: the model's context minus the generation)
+loses chunks from the middle, one at a time, as CacheBlend's SAMSum script drops few-shot examples; a
+single remaining chunk that is still too long is cut at its end. Both are recorded per sample.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from kvbench.errors import ConfigError
+from kvbench.requests import Segment
+from kvbench.tasks import register
+from kvbench.tasks.base import Sample, SampleResult, Task
+from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
+from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
+from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
+
+PLACEHOLDER = "\u0000KVBENCH_RAG_USER\u0000"
+ANSWER_CUE = "\nAnswer:"
+PASSAGE_HEADER = re.compile(r"(?:^|(?<=\n))Passage \d+:\n")
+EXAMPLE_QUESTION = re.compile(r"Question:\s*(.*?)\nAnswer:\s*$", re.S)
+WHERE = {
+    "cacheblend": "../shared/data/cacheblend (CacheBlend's inputs/ folder: musique_s.json, wikimqa_s_clean.json, "
+                  "example_inputs/)",
+    "longbench": "../shared/data/longbench/full (LongBench v1 data.zip: multi_news.jsonl)",
+}
+
+
+@dataclass(frozen=True)
+class RagDataset:
+    """One data set's files and CacheBlend prompts."""
+
+    name: str
+    file: str  # relative to task.data_dir
+    source: str  # key of WHERE
+    prefix_prompt: str
+    query_prompt: str
+    max_new_tokens: int
+    metric: str | None  # "f1" | "rouge_l" | None (no gold answers)
+
+
+_MULTI_NEWS_BEFORE, _MULTI_NEWS_AFTER = LONGBENCH["multi_news"].prompt.split("{context}")
+
+DATASETS: dict[str, RagDataset] = {
+    d.name: d
+    for d in (
+        RagDataset(
+            "musique", "musique_s.json", "cacheblend",
+            prefix_prompt="You will be asked a question after reading several passages. Please directly answer the "
+            "question based on the given passages. Do NOT repeat the question. The answer should be within 5 "
+            "words..\nPassages:\n",
+            query_prompt="\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. "
+            "The answer should be within 5 words. \nQuestion:",
+            max_new_tokens=32, metric="f1",
+        ),
+        RagDataset(
+            "wikimqa", "wikimqa_s_clean.json", "cacheblend",
+            prefix_prompt="Answer the question based on the given passages. Only give me the answer and do not output "
+            "any other words.\n\nThe following are given passages.\n",
+            query_prompt="\n\nAnswer the question based on the given passages. Answer the question within 5 words. Do "
+            "NOT repeat the question or output any other words. Question: ",
+            max_new_tokens=32, metric="f1",
+        ),
+        RagDataset("multi_news", "multi_news.jsonl", "longbench", _MULTI_NEWS_BEFORE, _MULTI_NEWS_AFTER,
+                   max_new_tokens=128, metric="rouge_l"),
+        RagDataset("example", "example_inputs", "cacheblend", "", "", max_new_tokens=32, metric=None),
+    )
+}
+
+
+@dataclass
+class RawSample:
+    """A record before tokenisation: passages, the query text and the question used for retrieval."""
+
+    id: str
+    passages: list[str]
+    query: str
+    question: str | None
+    answers: list[str] | None
+
+
+def normalize_question(question: str) -> str:
+    """CacheBlend's ``normalize_question``: end with "?", lower-case the first character."""
+    if not question.endswith("?"):
+        question += "?"
+    return question[0].lower() + question[1:]
+
+
+def split_articles(context: str) -> list[str]:
+    """A LongBench multi_news context cut before each ``Passage N:`` header (joins back exactly)."""
+    starts = [m.start() for m in PASSAGE_HEADER.finditer(context)]
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    bounds = [*starts, len(context)]
+    return [context[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@register
+class Rag(Task):
+    name = "rag"
+    defaults = {
+        "dataset": "musique",
+        "chunk_tokens": None,
+        "top_k": None,
+        "retriever": "minilm",
+        "max_length": None,
+    }
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        name = self.cfg["dataset"]
+        if name not in DATASETS:
+            raise ConfigError(f"unknown task.dataset {name!r} for task rag", f"use one of {', '.join(DATASETS)}")
+        self.dataset = DATASETS[name]
+        if self.cfg.get("question_position") not in (None, "end"):
+            raise ConfigError("task rag always asks the question after the passages", "drop task.question_position")
+        for key in ("chunk_tokens", "top_k", "max_length"):
+            value = self.cfg[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"task.{key}={value!r} must be a positive integer or null", f"e.g. task.{key}=null")
+        if self.cfg["retriever"] not in RETRIEVERS:
+            raise ConfigError(f"unknown task.retriever {self.cfg['retriever']!r}", f"use one of {', '.join(RETRIEVERS)}")
+        if self.cfg["top_k"] is not None and name == "multi_news":
+            raise ConfigError("task.top_k needs a question to retrieve by, and multi_news has none",
+                              "drop task.top_k for multi_news (task.chunk_tokens still re-chunks)")
+        self.path = self._data_path()
+        self._encode: Any = None  # the model tokenizer's F1 tokenisation, set by samples()
+
+    # ------------------------------------------------------------------ data
+    def _data_path(self) -> Path:
+        """The dataset's file (or folder, for ``example``); checked before any model loads."""
+        where = WHERE[self.dataset.source]
+        value = self.cfg.get("data_dir")
+        if not value:
+            raise ConfigError(f"task rag needs task.data_dir for dataset {self.dataset.name}", f"pass task.data_dir={where}")
+        folder = Path(str(value)).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"task.data_dir={folder} is not a folder", f"pass task.data_dir={where}")
+        path = folder / self.dataset.file
+        if not path.exists() and self.dataset.name == "multi_news":
+            path = next(iter(sorted(folder.rglob(self.dataset.file))), path)
+        if not path.exists() and self.dataset.name == "example" and self._example_files(folder):
+            path = folder  # data_dir may also be the example_inputs folder itself
+        if not path.exists():
+            raise ConfigError(f"{self.dataset.file} not found in {folder}", f"pass task.data_dir={where}")
+        if self.dataset.name == "example" and not self._example_files(path):
+            raise ConfigError(f"{path} holds no <n>.json inputs", f"pass task.data_dir={where}")
+        return path
+
+    @staticmethod
+    def _example_files(folder: Path) -> list[Path]:
+        return sorted((p for p in folder.glob("*.json") if p.stem.isdigit()), key=lambda p: int(p.stem))
+
+    def _records(self) -> Iterator[RawSample]:
+        """Every record of the data set, in file order, as :class:`RawSample` (no tokenizer needed)."""
+        name, data = self.dataset.name, self.dataset
+        if name in ("musique", "wikimqa"):
+            for index, row in enumerate(json.loads(self.path.read_text(encoding="utf-8"))):
+                question = normalize_question(row["question"])
+                answers = [a[0] if isinstance(a, list) else a for a in row["answers"]]
+                yield RawSample(
+                    id=f"{name}-{index}",
+                    passages=[f"{ctx['title']}\n\n{ctx['text']}\n\n" for ctx in row["ctxs"]],
+                    query=f"{data.query_prompt}{question}{ANSWER_CUE}",
+                    question=question,
+                    answers=answers,
+                )
+        elif name == "multi_news":
+            with open(self.path, encoding="utf-8") as handle:
+                for index, line in enumerate(l for l in handle if l.strip()):
+                    row = json.loads(line)
+                    yield RawSample(id=f"{name}-{row.get('_id', index)}", passages=split_articles(row["context"]),
+                                    query=data.query_prompt, question=None, answers=list(row["answers"]))
+        else:
+            for file in self._example_files(self.path):
+                row = json.loads(file.read_text(encoding="utf-8"))
+                match = EXAMPLE_QUESTION.search(row["query"])
+                yield RawSample(id=f"example-{file.stem}", passages=[row[str(i)] for i in range(int(row["chunk_num"]))],
+                                query=row["query"], question=match.group(1).strip() if match else row["query"],
+                                answers=None)
+
+    def sample_ids(self) -> list[str]:
+        return [raw.id for raw in self.limited(self._records())]
+
+    # ------------------------------------------------------------------ prompts
+    def protocol(self) -> dict[str, Any]:
+        data = self.dataset
+        return {
+            "task": self.name,
+            "dataset": data.name,
+            "source": "CacheBlend example/blend_*.py + utils.py @ 55ad026" if data.source == "cacheblend"
+            else "LongBench v1 multi_news, CacheBlend-style chunks",
+            "prefix_prompt": data.prefix_prompt,
+            "query_prompt": data.query_prompt,
+            "question": "CacheBlend normalize_question ('?' appended, first char lower-cased)"
+            if data.name in ("musique", "wikimqa") else None,
+            "passage": "title + '\\n\\n' + text + '\\n\\n'" if data.name in ("musique", "wikimqa")
+            else "LongBench 'Passage N:' article" if data.name == "multi_news" else "as given",
+            "segments": "prefix = template head + prefix prompt; one chunk per passage; query = query + template "
+                        "tail; pieces tokenised separately without special tokens",
+            "chat_template": "the model's (placeholder split); tokenizer BOS only when it has none",
+            "max_new_tokens": data.max_new_tokens,
+            "stop": "the model's stop ids",
+            "scorer": {"f1": "CacheBlend F1 over model-tokenizer ids (first line, Yes/No collapse, SQuAD "
+                             "normalisation, max over answers)",
+                       "rouge_l": "Rouge-L F, rouge-score with stemming, max over references",
+                       None: "none (no gold answers): score null"}[data.metric],
+            "chunk_tokens": self.cfg["chunk_tokens"],
+            "top_k": self.cfg["top_k"],
+            "retriever": self.cfg["retriever"] if self.cfg["top_k"] is not None else None,
+            "retrieved_order": "original" if self.cfg["top_k"] is not None else None,
+            "max_length": self.cfg["max_length"],
+            "overflow": "drop middle chunks, then cut the last one's end",
+        }
+
+    def samples(self, model: Any) -> Iterable[Sample]:
+        tokenizer = model.tokenizer
+        self._encode = tokenizer_encode(tokenizer)
+        encode = _piece_encoder(tokenizer)
+        head, tail = template_frame(tokenizer, model.chat)
+        data = self.dataset
+        prefix = head + encode(data.prefix_prompt)
+        limit = int(self.cfg["max_length"] or model.spec.max_length - data.max_new_tokens)
+        for raw in self.limited(self._records()):
+            query = encode(raw.query) + tail
+            chunks = [encode(text) for text in raw.passages]
+            texts = list(raw.passages)
+            if self.cfg["chunk_tokens"] is not None:
+                chunks = rechunk(chunks, int(self.cfg["chunk_tokens"]))
+                texts = [tokenizer.decode(ids) for ids in chunks]
+            meta: dict[str, Any] = {"dataset": data.name, "passages": len(raw.passages)}
+            k = self.cfg["top_k"]
+            if k is not None and k < len(chunks):
+                distances = retriever(str(self.cfg["retriever"])).distances(str(raw.question), texts)
+                keep = top_k(distances, int(k))
+                chunks = [chunks[i] for i in keep]
+                meta["retrieved"] = keep
+            room = limit - len(prefix) - len(query)
+            if room < 1:
+                raise ConfigError(
+                    f"sample {raw.id}: prefix and query alone take {len(prefix) + len(query)} of {limit} tokens",
+                    "raise task.max_length or use a model with a longer context",
+                )
+            chunks, dropped, cut = fit_chunks(chunks, room)
+            segments = [Segment(prefix, "prefix"), *(Segment(c, "chunk") for c in chunks), Segment(query, "query")]
+            meta.update(chunks=len(chunks), chunk_lengths=[len(c) for c in chunks], prefix_tokens=len(prefix),
+                        query_tokens=len(query), prompt_tokens=sum(len(s) for s in segments),
+                        dropped_chunks=dropped, truncated=cut)
+            yield Sample(
+                id=raw.id,
+                reference={"answers": raw.answers} if raw.answers is not None else None,
+                segments=segments,
+                max_new_tokens=data.max_new_tokens,
+                subset=data.name,
+                meta=meta,
+            )
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sample: Sample, prediction: str) -> float | None:
+        """0–100, or None for the ``example`` inputs (no gold answers)."""
+        if self.dataset.metric is None or sample.reference is None:
+            return None
+        answers = sample.reference["answers"]
+        if self.dataset.metric == "rouge_l":
+            return 100.0 * best_rouge_l(prediction, answers)
+        if self._encode is None:
+            raise RuntimeError("Rag.score needs the model tokenizer: call samples(model) first")
+        return 100.0 * best_f1(prediction, answers, self._encode)
+
+    def result(self, sample: Sample, outputs: list[Any]) -> SampleResult:
+        out = outputs[0]
+        score = self.score(sample, out.text)
+        return SampleResult(
+            id=sample.id,
+            prediction=out.text,
+            reference=sample.reference,
+            score=None if score is None else float(score),
+            subset=sample.subset,
+            meta={**sample.meta, "stop_reason": out.stop_reason},
+            telemetry=out.telemetry,
+            budget=out.budget,
+        )
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Mean score over the samples that have one (``null`` when none has: the example inputs)."""
+        scores = [r["score"] for r in records if r.get("score") is not None]
+        mean = round(float(np.mean(scores)), 2) if scores else None
+        return {"score": mean, "n": len(records), "scored": len(scores),
+                "per_subset": {self.dataset.name: mean} if scores else {}}
+
+
+def fit_chunks(chunks: list[list[int]], room: int) -> tuple[list[list[int]], int, bool]:
+    """Drop middle chunks until the rest fit in ``room`` tokens; cut a lone oversized chunk's end.
+
+    Returns the chunks, how many were dropped, and whether the last one was cut.
+    """
+    chunks = list(chunks)
+    dropped = 0
+    while len(chunks) > 1 and sum(len(c) for c in chunks) > room:
+        del chunks[len(chunks) // 2]
+        dropped += 1
+    cut = bool(chunks) and len(chunks[0]) > room
+    if cut:
+        chunks[0] = chunks[0][:room]
+    return chunks, dropped, cut
+
+
+def template_frame(tokenizer: Any, chat: Any) -> tuple[list[int], list[int]]:
+    """Token ids of the chat template before and after the user message (``chat``: a ChatFormat)."""
+    if not chat.available:
+        return _bos_ids(tokenizer), []
+    before, after = chat.render(PLACEHOLDER).split(PLACEHOLDER)
+    if _marks_piece_starts(tokenizer):
+        before = before[:-1] if before.endswith(" ") else before
+        after = after[1:] if after.startswith(" ") else after
+    encode = _piece_encoder(tokenizer)
+    return encode(before), encode(after)
+
+
+def _piece_encoder(tokenizer: Any) -> Any:
+    return lambda text: tokenizer(text, add_special_tokens=False).input_ids if text else []
+
+
+def _marks_piece_starts(tokenizer: Any) -> bool:
+    """True for tokenizers that put a word-boundary space before every separately tokenised piece
+    (SentencePiece "▁" with a prepended dummy prefix): two pieces "a" decode to "a a"."""
+    ids = tokenizer("a", add_special_tokens=False).input_ids
+    return tokenizer.decode(ids + ids).strip() == "a a"
+
+
+def _bos_ids(tokenizer: Any) -> list[int]:
+    """The BOS the tokenizer itself prepends to text (for models without a chat template)."""
+    bos = tokenizer.bos_token_id
+    with_special = tokenizer("a", add_special_tokens=True).input_ids
+    return [bos] if bos is not None and with_special[:1] == [bos] else []
