@@ -239,7 +239,7 @@ class Ruler(Task):
         fit in ``length``."""
         family = FAMILIES[TASKS[task][0]]
         budget = length - family.max_new_tokens
-        draw_at = self._drawer(task, length, index, model)
+        draw_at = self.drawer(task, length, index, model)
         built: dict[int, tuple[Draw, list[Segment]]] = {}
 
         def measure(units: int) -> int:
@@ -274,7 +274,7 @@ class Ruler(Task):
             return (1 if args["dataset"] == "squad" else 10), None  # a HotpotQA question has ten paragraphs
         return 1, None
 
-    def _drawer(self, task: str, length: int, index: int, model: Any) -> Callable[[int], Draw]:
+    def drawer(self, task: str, length: int, index: int, model: Any) -> Callable[[int], Draw]:
         """``units -> Draw`` for one sample: every call replays the sample's own random generator."""
         family, args = TASKS[task]
         seed = sample_seed(int(self.cfg["seed"]), task, length, index)
