@@ -24,6 +24,10 @@ task.num_samples``:
 * the prompt is three segments, tokenized apart and joined: ``prefix`` (chat head, examples,
   instruction), ``chunk`` (the context) and ``query`` (question, chat tail, answer prefix).
 
+A sample's draw keeps every question its context answers on its own (each needle key, each chain);
+:meth:`Ruler.build` returns it with the fitted segments, and :func:`~kvbench.tasks.ruler_protocol.render`
+words any of those questions, so several can be asked about one context in turn.
+
 Every input of the generator is a config key (``seed``, ``lengths``, ``num_samples``, ``subsets``,
 ``haystack``, ``chat_template``, ``data_dir``, ``generator_version``), and the model is in the run id
 too, so the run id names the samples; each sample's meta records a digest of its token ids. A change
@@ -34,12 +38,16 @@ case-insensitive — and ``string_match_part`` (any of the answers) for QA. ``me
 mean per task (``per_subset.<task>``), per length over tasks (``per_subset.len<L>``), the grid
 ``task_length`` and the overall ``score``, the mean over all task × length cells.
 
+QA: sample ``i`` asks the ``i``-th answerable question of the file (RULER's order; the seed picks the
+distractor documents), with its gold documents, the rest of its article (SQuAD) and random others.
+
 Deviations: sentences are split by a regular expression (RULER: nltk's punkt model, which needs a
 download); the essays are kvbench's 49 Paul Graham essays (RULER downloads its own list); word keys
 pair a random adjective with a random noun (RULER: a random element of the set of all pairs, the same
-but for a few duplicates); distractor keys never equal a needle key; ``fwe`` fits its size like the
-others (RULER grows it in steps of L/32 words); few-shot examples are RULER's task text without the
-model template RULER leaves inside them.
+but for a few duplicates); keys are distinct and distractor keys never equal a needle key; ``fwe``
+fits its size like the others (RULER grows it in steps of L/32 words); the variable-tracking example
+is drawn afresh per sample at a size fitted once (RULER draws one and renames its variables per
+sample); few-shot examples are RULER's task text without the model template RULER leaves inside them.
 """
 
 from __future__ import annotations
@@ -167,6 +175,7 @@ class Ruler(Task):
                   f"(put RULER's squad.json / hotpotqa.json there)", file=sys.stderr)
         self.names = [n for n in names if n not in skipped]
         self.skipped = skipped
+        self._vt_units: dict[int, int] = {}  # per tokenizer
 
     def _qa_file(self, task: str) -> Path | None:
         if not self.cfg.get("data_dir"):
@@ -332,6 +341,8 @@ class Ruler(Task):
     def _vt_example_units(self, model: Any) -> int:
         """Noise lines of the variable-tracking example: as many as fit ``VT_EXAMPLE_TOKENS`` tokens of its
         task text (RULER's ``max_seq_length=500`` example, no model template, nothing to generate)."""
+        if id(model.tokenizer) in self._vt_units:
+            return self._vt_units[id(model.tokenizer)]
         _, args = TASKS["vt"]
         probe = sample_seed(int(self.cfg["seed"]), "vt-example", 0, 0)
 
@@ -342,7 +353,8 @@ class Ruler(Task):
             return len(model.tokenizer(text.user + text.answer_prefix, add_special_tokens=False).input_ids)
 
         low = min(10, args["num_hops"]) + 1
-        return largest_fitting(measure, VT_EXAMPLE_TOKENS, low) or low
+        units = self._vt_units[id(model.tokenizer)] = largest_fitting(measure, VT_EXAMPLE_TOKENS, low) or low
+        return units
 
     def _essay(self) -> tuple[str, ...]:
         haystack = str(self.cfg["haystack"])

@@ -248,6 +248,16 @@ def test_segments_are_template_instruction_context_question(tiny_llama, essay_di
     assert tiny_llama.tokenizer.decode(list(query.ids)).startswith("\nWhat is the special magic number for")
 
 
+def test_base_template_is_plain_text(tiny_llama, essay_dir):
+    """``chat_template=false``: RULER's ``base`` template, the answer prefix right after the question."""
+    task = ruler(essay_dir, subsets=["niah_single_1"], lengths=[1024], chat_template=False)
+    sample = task.make_sample("niah_single_1", 1024, 0, tiny_llama)
+    text = tiny_llama.tokenizer.decode(sample.input_ids)
+    assert text.startswith("A special magic number is hidden") and "<|im_start|>" not in text
+    assert re.search(r"mentioned in the provided text\? The special magic number for .+ is$", text)
+    assert sample.meta["prompt_tokens"] + sample.max_new_tokens <= 1024
+
+
 # ------------------------------------------------------------------------------------ reproducibility
 def test_a_fixed_seed_gives_byte_identical_samples(tiny_llama, essay_dir):
     def digests(**cfg):
