@@ -221,7 +221,7 @@ class Ruler(Task):
     def samples(self, model: Any) -> Iterable[Sample]:
         for length in self.lengths:
             if length > model.spec.max_length:
-                raise ConfigError(f"task.lengths has {length}, beyond the model's {model.spec.max_length}-token context",
+                raise ConfigError(f"task.lengths has {length}, beyond the model's {model.spec.max_length} tokens",
                                   f"use lengths up to {model.spec.max_length}")
         for task, length, index in self._grid():
             yield self.make_sample(task, length, index, model)

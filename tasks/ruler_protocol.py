@@ -100,11 +100,11 @@ def render(task: str, draw: Draw, question: Question) -> PromptText:
     for example in draw.examples:
         (example_question,) = example.questions
         e_head, e_tail, e_prefix = _filled(family_name, args, example_question)
-        answer = (" " + " ".join(example_question.answers) if family_name == "variable_tracking"
-                  else " " + numbered(example_question.answers))
-        # RULER: variable tracking puts its example, a newline and a blank line before the task; common
-        # words one newline
-        examples += e_head + example.context + e_tail + e_prefix + answer + ("\n\n" if family_name == "variable_tracking" else "\n")
+        # RULER: the variable-tracking example answers with the names and ends in a blank line; the
+        # common-words one answers with a numbered list and ends in a newline
+        tracking = family_name == "variable_tracking"
+        answer = " " + (" ".join(example_question.answers) if tracking else numbered(example_question.answers))
+        examples += e_head + example.context + e_tail + e_prefix + answer + ("\n\n" if tracking else "\n")
     return PromptText(examples + head, draw.context, tail, prefix)
 
 
