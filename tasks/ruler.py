@@ -1,0 +1,411 @@
+"""``ruler``: NVIDIA RULER's 13 synthetic tasks, generated offline with the running model's tokenizer.
+
+Tasks (``task.subsets``, default all): the eight needle variants ``niah_single_1/2/3``,
+``niah_multikey_1/2/3``, ``niah_multivalue``, ``niah_multiquery``; variable tracking ``vt``; common-
+and frequent-words extraction ``cwe`` / ``fwe``; and the QA tasks ``qa_1`` (SQuAD) / ``qa_2``
+(HotpotQA), which need data: ``task.data_dir`` holding RULER's files — ``squad.json`` (SQuAD v2.0
+dev, ``dev-v2.0.json``) and ``hotpotqa.json`` (HotpotQA dev distractor, ``hotpot_dev_distractor_v1.json``;
+either name works). Without them the QA tasks are skipped with one printed line. Generators, templates
+and the task table are in :mod:`kvbench.tasks.ruler_data` and :mod:`kvbench.tasks.ruler_protocol`.
+
+Construction, for every task, length ``L`` in ``task.lengths`` and sample index ``i <
+task.num_samples``:
+
+* a random generator seeded by ``(task.seed, task, L, i)`` draws the sample; few-shot examples (the
+  variable-tracking example of about 500 tokens, the common-words example) are drawn first;
+* the prompt is RULER's: instruction, context and question in the user turn of the model's chat
+  template (``task.chat_template=false``: RULER's ``base`` template, plain text), the answer prefix
+  (" The special magic number for ... is") opening the assistant's reply;
+* the haystack size is the largest for which the prompt's tokens plus the task's tokens to generate
+  fit in ``L`` — RULER's ``max_seq_length``, which counts the generation — found by secant steps and
+  bisection on exact token counts of the sample itself (RULER bisects once per task on a probe sample
+  and then steps down by 500 words / 25 lines for samples that overflow; per-sample fitting keeps every
+  prompt within a few tokens of the limit);
+* the prompt is three segments, tokenized apart and joined: ``prefix`` (chat head, examples,
+  instruction), ``chunk`` (the context) and ``query`` (question, chat tail, answer prefix).
+
+A sample's draw keeps every question its context answers on its own (each needle key, each chain);
+:meth:`Ruler.build` returns it with the fitted segments, and :func:`~kvbench.tasks.ruler_protocol.render`
+words any of those questions, so several can be asked about one context in turn.
+
+Every input of the generator is a config key (``seed``, ``lengths``, ``num_samples``, ``subsets``,
+``haystack``, ``chat_template``, ``data_dir``, ``generator_version``), and the model is in the run id
+too, so the run id names the samples; each sample's meta records a digest of its token ids. A change
+to the generators bumps :data:`GENERATOR_VERSION`, and a config naming another version is refused.
+
+Score (0–100): RULER's ``string_match_all`` — the share of the expected strings found in the output,
+case-insensitive — and ``string_match_part`` (any of the answers) for QA. ``metrics.json`` has the
+mean per task (``per_subset.<task>``), per length over tasks (``per_subset.len<L>``), the grid
+``task_length`` and the overall ``score``, the mean over all task × length cells.
+
+QA: sample ``i`` asks the ``i``-th answerable question of the file (RULER's order; the seed picks the
+distractor documents), with its gold documents, the rest of its article (SQuAD) and random others.
+
+Deviations: sentences are split by a regular expression (RULER: nltk's punkt model, which needs a
+download); the essays are kvbench's 49 Paul Graham essays (RULER downloads its own list); word keys
+pair a random adjective with a random noun (RULER: a random element of the set of all pairs, the same
+but for a few duplicates); keys are distinct and distractor keys never equal a needle key; ``fwe``
+fits its size like the others (RULER grows it in steps of L/32 words); the variable-tracking example
+is drawn afresh per sample at a size fitted once (RULER draws one and renames its variables per
+sample); few-shot examples are RULER's task text without the model template RULER leaves inside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from functools import lru_cache
+from pathlib import Path
+from random import Random
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from kvbench.errors import ConfigError
+from kvbench.requests import Segment
+from kvbench.tasks import register
+from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.ruler_data import (WONDERWORDS_VERSION, Draw, QASet, common_words, common_words_vocabulary,
+                                      essay_words, freq_words, niah, qa, read_hotpotqa, read_squad, ruler_question,
+                                      variable_tracking)
+from kvbench.tasks.ruler_protocol import FAMILIES, QA_TASKS, TASKS, PromptText, render, score
+
+#: bump when a change to the generators or prompts changes any sample
+GENERATOR_VERSION = 1
+#: RULER's few-shot variable-tracking example is fitted to this many tokens
+VT_EXAMPLE_TOKENS = 500
+QA_FILES = {"qa_1": ("squad.json", "dev-v2.0.json"), "qa_2": ("hotpotqa.json", "hotpot_dev_distractor_v1.json")}
+PLACEHOLDER = "\u0000KVBENCH_USER\u0000"
+
+
+def sample_seed(seed: int, task: str, length: int, index: int) -> int:
+    """A stable per-sample seed (Python's ``hash`` of strings changes between processes)."""
+    return int.from_bytes(hashlib.sha256(f"ruler/{seed}/{task}/{length}/{index}".encode()).digest()[:8], "little")
+
+
+def ids_digest(ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def largest_fitting(measure: Callable[[int], int], budget: int, low: int, high: int | None = None) -> int | None:
+    """The largest ``n`` in ``[low, high]`` with ``measure(n) <= budget``, or None when ``low`` overflows.
+
+    ``measure`` (a prompt's token count for a haystack of ``n`` units) grows about linearly, so secant
+    steps from the sizes measured so far bracket the answer, and interpolation between the nearest
+    fitting and overflowing sizes (each checked with its neighbour) closes the bracket, usually in a
+    handful of measurements. The result fits, and ``n + 1`` does not (unless ``n == high``).
+    """
+    sizes: dict[int, int] = {}
+
+    def size(n: int) -> int:
+        if n not in sizes:
+            sizes[n] = measure(n)
+        return sizes[n]
+
+    if size(low) > budget:
+        return None
+    lo, prev, hi = low, None, None
+    while hi is None:
+        if high is not None and lo >= high:
+            return lo
+        rate = (size(lo) - size(prev)) / (lo - prev) if prev is not None else 0.0
+        n = lo + int((budget - size(lo)) / rate) + 1 if rate > 0 else 2 * lo + 8
+        n = max(n, lo + 1) if high is None else min(max(n, lo + 1), high)
+        if size(n) <= budget:
+            prev, lo = lo, n
+        else:
+            hi = n
+    while hi - lo > 1:
+        guess = lo + (budget - size(lo)) * (hi - lo) // (size(hi) - size(lo))
+        n = min(max(guess, lo + 1), hi - 1)
+        if size(n) <= budget:
+            lo = n
+            if n + 1 < hi and size(n + 1) > budget:
+                hi = n + 1
+        else:
+            hi = n
+            if n - 1 > lo and size(n - 1) <= budget:
+                lo = n - 1
+    return lo
+
+
+@register
+class Ruler(Task):
+    name = "ruler"
+    defaults = {
+        "subsets": list(TASKS),
+        "lengths": [4096, 8192],
+        "num_samples": 20,
+        "seed": 42,
+        "haystack": "paul_graham_essays",
+        "chat_template": True,
+        "generator_version": GENERATOR_VERSION,
+        "question_position": "end",
+    }
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        subsets = self.cfg["subsets"]
+        names = [subsets] if isinstance(subsets, str) else list(subsets)
+        names = list(TASKS) if names == ["all"] else names
+        unknown = [n for n in names if n not in TASKS]
+        if unknown or not names:
+            raise ConfigError(f"unknown RULER task(s) {', '.join(unknown) or '(none given)'}",
+                              f"task.subsets takes [all] or names from {', '.join(TASKS)}")
+        self.lengths = [int(x) for x in self.cfg["lengths"]]
+        if not self.lengths or min(self.lengths) < 256:
+            raise ConfigError(f"task.lengths={self.lengths} must be token counts of at least 256",
+                              "e.g. task.lengths=[4096,8192]")
+        self.num_samples = int(self.cfg["num_samples"])
+        if self.num_samples < 1:
+            raise ConfigError(f"task.num_samples={self.num_samples} must be positive", "e.g. task.num_samples=20")
+        if int(self.cfg["generator_version"]) != GENERATOR_VERSION:
+            raise ConfigError(
+                f"task.generator_version={self.cfg['generator_version']} names other RULER samples than this "
+                f"kvbench generates (version {GENERATOR_VERSION})",
+                f"drop the override, or use the kvbench release that generated version {self.cfg['generator_version']}",
+            )
+        if self.cfg["question_position"] not in ("end", None):
+            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}: RULER asks after the context",
+                              "drop task.question_position")
+        self.qa_paths = {task: self._qa_file(task) for task in names if task in QA_TASKS}
+        skipped = [task for task, path in self.qa_paths.items() if path is None]
+        if skipped:
+            print(f"ruler: skipping {', '.join(skipped)}: no SQuAD / HotpotQA in task.data_dir "
+                  f"(put RULER's squad.json / hotpotqa.json there)", file=sys.stderr)
+        self.names = [n for n in names if n not in skipped]
+        self.skipped = skipped
+        self._vt_units: dict[int, int] = {}  # per tokenizer
+
+    def _qa_file(self, task: str) -> Path | None:
+        if not self.cfg.get("data_dir"):
+            return None
+        from kvbench.tasks.sources import data_dir
+
+        folder = data_dir(self.cfg)
+        found = [p for name in QA_FILES[task] for p in [folder / name, *sorted(folder.rglob(name))] if p.is_file()]
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------ ids and protocol
+    def per_cell(self) -> int:
+        limit = self.cfg.get("limit")
+        return min(self.num_samples, int(limit)) if limit is not None else self.num_samples
+
+    def _grid(self) -> list[tuple[str, int, int]]:
+        return [(task, length, i) for task in self.names for length in self.lengths for i in range(self.per_cell())]
+
+    @staticmethod
+    def sample_id(task: str, length: int, index: int) -> str:
+        return f"{task}-len{length}-{index}"
+
+    def sample_ids(self) -> list[str]:
+        return [self.sample_id(*cell) for cell in self._grid()]
+
+    def protocol(self) -> dict[str, Any]:
+        return {
+            "task": self.name,
+            "generator_version": GENERATOR_VERSION,
+            "tasks": self.names,
+            "skipped": self.skipped,
+            "length_unit": "prompt tokens (chat template and answer prefix included) + the task's tokens to "
+                           "generate <= length (RULER's max_seq_length)",
+            "max_new_tokens": {t: FAMILIES[TASKS[t][0]].max_new_tokens for t in self.names},
+            "metric": {t: "string_match_" + FAMILIES[TASKS[t][0]].metric for t in self.names},
+            "chat_template": bool(self.cfg["chat_template"]),
+            "answer_prefix": "opens the assistant turn",
+            "wonderwords": WONDERWORDS_VERSION,
+            "sentence_split": "regex (RULER: nltk punkt)",
+        }
+
+    # ------------------------------------------------------------------ samples
+    def samples(self, model: Any) -> Iterable[Sample]:
+        for length in self.lengths:
+            if length > model.spec.max_length:
+                raise ConfigError(f"task.lengths has {length}, beyond the model's {model.spec.max_length} tokens",
+                                  f"use lengths up to {model.spec.max_length}")
+        for task, length, index in self._grid():
+            yield self.make_sample(task, length, index, model)
+
+    def make_sample(self, task: str, length: int, index: int, model: Any) -> Sample:
+        """Sample ``index`` of ``task`` at ``length``: drawn, fitted to the length, tokenized."""
+        draw, units, segments = self.build(task, length, index, model)
+        ids = [i for s in segments for i in s.ids]
+        question = ruler_question(draw)
+        return Sample(
+            id=self.sample_id(task, length, index),
+            reference=list(question.answers),
+            input_ids=ids,
+            segments=segments,
+            max_new_tokens=FAMILIES[TASKS[task][0]].max_new_tokens,
+            subset=task,
+            meta={"task": task, "length": length, "index": index, "units": units, "prompt_tokens": len(ids),
+                  "query": question.query, "digest": ids_digest(ids)},
+        )
+
+    def build(self, task: str, length: int, index: int, model: Any) -> tuple[Draw, int, list[Segment]]:
+        """The sample's draw (context and every question it answers), its haystack size, and the
+        segments of RULER's prompt: the largest haystack whose prompt plus the task's tokens to generate
+        fit in ``length``."""
+        family = FAMILIES[TASKS[task][0]]
+        budget = length - family.max_new_tokens
+        draw_at = self.drawer(task, length, index, model)
+        built: dict[int, tuple[Draw, list[Segment]]] = {}
+
+        def measure(units: int) -> int:
+            draw = draw_at(units)
+            segments = self.segments(render(task, draw, ruler_question(draw)), model)
+            built[units] = (draw, segments)
+            return sum(len(s) for s in segments)
+
+        low, high = self._unit_range(task)
+        units = largest_fitting(measure, budget, low, high)
+        if units is None:
+            raise ConfigError(
+                f"task.lengths has {length}, too short for {task} ({measure(low)} prompt tokens with the smallest "
+                f"haystack + {family.max_new_tokens} to generate)", "use longer task.lengths")
+        if high is not None and units == high:
+            raise ConfigError(f"{task} at length {length} needs more than the {high} distinct words of its vocabulary",
+                              f"drop {task} from task.subsets or use shorter task.lengths")
+        draw, segments = built[units]
+        return draw, units, segments
+
+    def _unit_range(self, task: str) -> tuple[int, int | None]:
+        """The smallest haystack a task's generator accepts, and the largest (None: unbounded)."""
+        family, args = TASKS[task]
+        if family == "niah":
+            needles = max(args.get("num_keys", 1), args.get("num_queries", 1)) * args.get("num_values", 1)
+            return (1 if args["haystack"] == "essay" else needles), None
+        if family == "variable_tracking":
+            return args["num_hops"] + 1, None
+        if family == "common_words_extraction":
+            return args["num_cw"], len(common_words_vocabulary())
+        if family == "qa":
+            return (1 if args["dataset"] == "squad" else 10), None  # a HotpotQA question has ten paragraphs
+        return 1, None
+
+    def drawer(self, task: str, length: int, index: int, model: Any) -> Callable[[int], Draw]:
+        """``units -> Draw`` for one sample: every call replays the sample's own random generator."""
+        family, args = TASKS[task]
+        seed = sample_seed(int(self.cfg["seed"]), task, length, index)
+        if family == "niah":
+            essay = self._essay() if args["haystack"] == "essay" else ()
+            return lambda units: niah(Random(seed), units, essay=essay, **args)
+        if family == "variable_tracking":
+            example_units = self._vt_example_units(model)
+
+            def vt(units: int) -> Draw:
+                rng = Random(seed)
+                example = variable_tracking(rng, example_units, num_chains=args["num_chains"],
+                                            num_hops=min(10, args["num_hops"]), name_length=3)
+                return variable_tracking(rng, units, examples=(example,), **args)
+            return vt
+        if family == "common_words_extraction":
+            short = length < 4096  # RULER's smaller repeats and example below 4K
+            example_args = dict(num_cw=args["num_cw"], freq_cw=3, freq_ucw=1) if short else \
+                dict(num_cw=args["num_cw"], freq_cw=10, freq_ucw=3)
+            main_args = dict(num_cw=args["num_cw"], freq_cw=6, freq_ucw=1) if short else args
+
+            def cwe(units: int) -> Draw:
+                rng = Random(seed)
+                example = common_words(rng, 20 if short else 40, **example_args)
+                return common_words(rng, units, examples=(example,), **main_args)
+            return cwe
+        if family == "freq_words_extraction":
+            vocab_size = (length - FAMILIES[family].max_new_tokens) // 50
+            return lambda units: freq_words(Random(seed), units, vocab_size=vocab_size, **args)
+        dataset = self._qa_set(task)
+        return lambda units: qa(Random(seed), units, dataset=dataset, item=index)
+
+    # ------------------------------------------------------------------ prompts and data
+    def segments(self, text: PromptText, model: Any) -> list[Segment]:
+        """``prefix`` (chat head + examples + instruction), ``chunk`` (the context) and ``query`` (question,
+        chat tail, answer prefix), each tokenized alone. Spaces that end the instruction move to the
+        context, so the boundary falls where a BPE tokenizer splits anyway."""
+        tokenizer = model.tokenizer
+        head, tail = self._chat_frame(model)
+        before = text.before.rstrip(" ")
+        context = text.before[len(before):] + text.context
+        base = not self.cfg["chat_template"]
+        prefix = tokenizer(head + before, add_special_tokens=base).input_ids
+        chunk = tokenizer(context, add_special_tokens=False).input_ids
+        query = tokenizer(text.after + tail + text.answer_prefix, add_special_tokens=False).input_ids
+        return [Segment(prefix, "prefix"), Segment(chunk, "chunk"), Segment(query, "query")]
+
+    def _chat_frame(self, model: Any) -> tuple[str, str]:
+        """The chat template's text before and after the user message ("", "" for RULER's base template)."""
+        if not self.cfg["chat_template"]:
+            return "", ""
+        head, tail = model.chat.render(PLACEHOLDER).split(PLACEHOLDER)
+        return head, tail
+
+    def _vt_example_units(self, model: Any) -> int:
+        """Noise lines of the variable-tracking example: as many as fit ``VT_EXAMPLE_TOKENS`` tokens of its
+        task text (RULER's ``max_seq_length=500`` example, no model template, nothing to generate)."""
+        if id(model.tokenizer) in self._vt_units:
+            return self._vt_units[id(model.tokenizer)]
+        _, args = TASKS["vt"]
+        probe = sample_seed(int(self.cfg["seed"]), "vt-example", 0, 0)
+
+        def measure(units: int) -> int:
+            draw = variable_tracking(Random(probe), units, num_chains=args["num_chains"],
+                                     num_hops=min(10, args["num_hops"]), name_length=3)
+            text = render("vt", draw, ruler_question(draw))
+            return len(model.tokenizer(text.user + text.answer_prefix, add_special_tokens=False).input_ids)
+
+        low = min(10, args["num_hops"]) + 1
+        units = self._vt_units[id(model.tokenizer)] = largest_fitting(measure, VT_EXAMPLE_TOKENS, low) or low
+        return units
+
+    def _essay(self) -> tuple[str, ...]:
+        haystack = str(self.cfg["haystack"])
+        folder = Path(haystack).expanduser()
+        if not folder.is_dir():
+            from kvbench.assets import fetch_asset
+
+            folder = fetch_asset(haystack)
+        return _essay_words(folder)
+
+    def _qa_set(self, task: str) -> QASet:
+        path = self.qa_paths[task]
+        assert path is not None  # skipped tasks never reach here
+        return _read_qa(path, TASKS[task][1]["dataset"])
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sample: Sample, prediction: str) -> float:
+        return score(str(sample.subset), prediction, sample.reference)
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Mean per task × length cell; per task and per length the mean of its cells; ``score`` the mean
+        of all cells (RULER's average over tasks, then over lengths)."""
+        cells: dict[tuple[str, int], list[float]] = {}
+        for record in records:
+            meta = record.get("meta", {})
+            cells.setdefault((str(meta["task"]), int(meta["length"])), []).append(float(record["score"]))
+        mean = {key: float(np.mean(v)) for key, v in cells.items()}
+        tasks = [t for t in TASKS if any(t == k[0] for k in mean)]
+        lengths = sorted({k[1] for k in mean})
+        by_task = {t: float(np.mean([v for k, v in mean.items() if k[0] == t])) for t in tasks}
+        by_length = {f"len{n}": float(np.mean([v for k, v in mean.items() if k[1] == n])) for n in lengths}
+        return {
+            "score": round(float(np.mean(list(mean.values()))), 2) if mean else None,
+            "n": len(records),
+            "per_subset": {key: round(v, 2) for key, v in {**by_task, **by_length}.items()},
+            "task_length": {t: {str(n): round(mean[t, n], 2) for n in lengths if (t, n) in mean} for t in tasks},
+        }
+
+
+@lru_cache(maxsize=2)
+def _essay_words(folder: Path) -> tuple[str, ...]:
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise ConfigError(f"task.haystack={folder} holds no .txt files", "point it at a folder of essays")
+    return essay_words("".join(p.read_text(encoding="utf-8", errors="replace") for p in files))
+
+
+@lru_cache(maxsize=2)
+def _read_qa(path: Path, dataset: str) -> QASet:
+    try:
+        return read_squad(path) if dataset == "squad" else read_hotpotqa(path)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not {dataset} in RULER's format ({type(exc).__name__}: {exc})",
+                          "use SQuAD v2.0 dev (squad.json) / HotpotQA dev distractor (hotpotqa.json)") from None
