@@ -185,7 +185,8 @@ def pivot_table(
         example = f"--where {differ[0]}={_label(first[differ[0]])}" if differ else "--where <column>=<value>"
         wider = f"--pivot {','.join(rows + differ[:1])} {','.join(cols) or repr('')}"
         raise ConfigError(
-            f"{len(same)} runs share the cell ({cell})" + (f"; they differ in {', '.join(differ[:4])}" if differ else ""),
+            f"several runs share the cell ({cell}): {len(same)} runs"
+            + (f" that differ in {', '.join(differ[:4])}" if differ else ""),
             f"narrow the runs ({example}), or add a column that differs to --pivot ROWS COLS (e.g. {wider})",
         )
     grid = frame.pivot(index=rows, columns=cols, values=value) if cols else frame.set_index(rows)[[value]]

@@ -117,8 +117,8 @@ def check_task_types(resolved: dict[str, Any]) -> None:
         _typed("task.limit", limit, (int,), True, 1, "task.limit=10")
 
 
-def _like(key: str, value: Any, default: Any) -> None:
-    example = f"e.g. {key}={_example(default)}"
+def _like(key: str, value: Any, default: Any, example: str | None = None) -> None:
+    example = example or f"e.g. {key}={_example(default)}"
     if isinstance(default, list):
         if isinstance(value, str) and default and all(isinstance(d, str) for d in default):
             return  # one name where a list of names is expected
@@ -126,7 +126,7 @@ def _like(key: str, value: Any, default: Any) -> None:
             raise ConfigError(f"{key}={value!r} is not a list", example)
         if default:
             for item in value:
-                _like(key, item, default[0])
+                _like(key, item, default[0], example)
         return
     if isinstance(default, bool):
         ok = isinstance(value, bool)
