@@ -1,8 +1,15 @@
 """The ``kvbench`` command.
 
 ``kvbench run [overrides]`` composes the Hydra config tree shipped in ``kvbench.conf`` (``-m`` sweeps
-over comma-separated values); ``list``, ``fetch`` and ``report`` are plain sub-commands. User
-mistakes print one ``kvbench: error: ...`` line with the fix and exit non-zero.
+over comma-separated values); ``list``, ``fetch``, ``report``, ``check`` and ``bench`` are plain
+sub-commands. User mistakes print one ``kvbench: error: ...`` line with the fix and exit non-zero.
+
+Before Hydra runs a job, ``kvbench run`` expands every sweep point, composes it and validates it
+(:mod:`kvbench.validate`: no model, no data, no torch for the config-only checks), so a bad value in
+the last point of a sweep is reported in a second, not after the first points ran. ``--dry-run``
+stops there and prints each point's run directory and resolved config; ``--wait`` queues behind
+another process writing the same run directory. Ctrl-C prints one line with the number of samples
+saved and the command that resumes, and exits with status 130.
 """
 
 from __future__ import annotations
@@ -311,7 +318,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import shlex
+
+    from kvbench.errors import Interrupted
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    _OPTIONS["command"] = "kvbench " + shlex.join(argv)
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmark harness for KV-cache methods.")
@@ -354,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except KvbenchError as error:
         return _fail(error)
+    except KeyboardInterrupt:
+        return _fail(Interrupted("interrupted"))
 
 
 if __name__ == "__main__":

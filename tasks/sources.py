@@ -5,9 +5,10 @@ original files (what the official repositories distribute), or — when ``data_d
 Hugging Face hub through ``datasets.load_dataset`` (needs network). A missing data set is one error
 that says where to get it, and so is a malformed line of a data file (with the file and line number).
 
-Offline, ``datasets`` retries the hub for about half a minute before it gives up; :func:`hub_rows`
-first asks whether the hub is reachable at all (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``, else a
-TCP connection with a short timeout to the hub or the HTTPS proxy) and fails at once when it is not.
+Offline, ``datasets`` retries the hub for about half a minute before it gives up. So unless the user
+chose offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``: ``datasets`` then reads its cache
+and fails fast by itself), :func:`hub_rows` first opens a TCP connection to the hub (or the HTTPS
+proxy) with a short timeout and fails at once when that does not work.
 """
 
 from __future__ import annotations
