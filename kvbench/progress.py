@@ -43,8 +43,8 @@ class Progress:
         self.run_dir.log(f"sample {sample_id}: score {score:.2f} in {seconds:.1f} s ({self.done}{of} this run, "
                          f"mean score {self.mean:.2f})")
         if self.bar is not None:
-            self.bar.set_postfix(mean=f"{self.mean:.1f}")
             self.bar.update(1)
+            self.bar.set_postfix(mean=f"{self.mean:.1f}")  # the running mean score, not the last sample's
         elif self.plain:
             clock = time.perf_counter()
             if clock - self.last_line >= self.interval or self.done == self.total:
