@@ -46,7 +46,8 @@ def run_checks(golden: str | None, *, names: Sequence[str] = (), output_dir: str
     selected = [c for c in checks if not names or c["name"] in names]
     unknown = set(names) - {c["name"] for c in checks}
     if unknown:
-        raise ConfigError(f"unknown check(s) {', '.join(sorted(unknown))}", "see the golden file for names")
+        raise ConfigError(f"unknown check(s) {', '.join(sorted(unknown))}",
+                          f"choose from: {', '.join(c['name'] for c in checks)} (in {golden or DEFAULT_GOLDEN})")
     failed = 0
     for check in selected:
         overrides = list(check["overrides"]) + ["progress=false"]

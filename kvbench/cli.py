@@ -1,8 +1,15 @@
 """The ``kvbench`` command.
 
 ``kvbench run [overrides]`` composes the Hydra config tree shipped in ``kvbench.conf`` (``-m`` sweeps
-over comma-separated values); ``list``, ``fetch`` and ``report`` are plain sub-commands. User
-mistakes print one ``kvbench: error: ...`` line with the fix and exit non-zero.
+over comma-separated values); ``list``, ``fetch``, ``report``, ``check`` and ``bench`` are plain
+sub-commands. User mistakes print one ``kvbench: error: ...`` line with the fix and exit non-zero.
+
+Before Hydra runs a job, ``kvbench run`` expands every sweep point, composes it and validates it
+(:mod:`kvbench.validate`: no model, no data, no torch for the config-only checks), so a bad value in
+the last point of a sweep is reported in a second, not after the first points ran. ``--dry-run``
+stops there and prints each point's run directory and resolved config; ``--wait`` queues behind
+another process writing the same run directory. Ctrl-C prints one line with the number of samples
+saved and the command that resumes, and exits with status 130.
 """
 
 from __future__ import annotations
@@ -35,18 +42,80 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-def _fail(error: KvbenchError) -> int:
-    print(f"kvbench: error: {error}", file=sys.stderr)
-    return error.exit_code
-
-
 # ---------------------------------------------------------------------- run
-def _validate_overrides(overrides: Sequence[str]) -> list[str]:
-    """Check group choices and keys before Hydra runs anything; return the first sweep point."""
-    from kvbench.compose import compose
+RUN_FLAGS = ("-m", "--multirun", "-h", "--help", "--dry-run", "--cfg", "--wait")
+_OPTIONS: dict[str, Any] = {"wait": False, "command": None}
+
+
+def run_usage() -> str:
+    """``kvbench run --help``: the groups and their names, the common keys, examples."""
+    groups = "\n".join(f"  {g + '=':<12}{', '.join(group_options(g)) or '(none)'}" for g in GROUPS)
+    return f"""usage: kvbench run [-m] [--dry-run] [--wait] [key=value ...]
+
+Run one model x method x task config (Hydra overrides); -m runs a sweep over comma-separated values.
+Finished samples are saved one by one: running the same command again resumes.
+
+options:
+  -m, --multirun   sweep: every combination of the comma-separated values (method=full,oracle)
+  --dry-run        validate every point, print its run directory and resolved config; run nothing
+                   (--cfg job is accepted as a synonym)
+  --wait           when another process is writing the same run directory, wait for it
+  -h, --help       this message
+
+config groups (`kvbench list` for details):
+{groups}
+
+common keys:
+  budget.token_ratio=0.1   fraction of the prompt attended/kept    budget.tokens=1024   absolute budget
+  budget.sink=32  budget.local=64  budget.comm_ratio=0.0078125  budget.compensate=true
+  task.lengths=[1024,2048]  task.depths=[0,0.5,1]  task.limit=10  task.question_position=start
+  task.data_dir=/data/longbench    model.path=/models/llama (model=hf)    model.max_length=32768
+  profile.recall=true    output_dir=results/runs    progress=false
+
+examples:
+  kvbench run method=oracle budget.token_ratio=0.1 task.lengths=[2048] task.depths=[0.5]
+  kvbench run -m method=full,oracle,streamingllm budget.token_ratio=0.1
+  kvbench run --dry-run model=hf model.path=/models/llama task=longbench task.data_dir=/data/longbench
+  kvbench run 'output_dir="/tmp/résumé"'     (quote values with non-ASCII characters or spaces)
+
+Results land in <output_dir>/<task>-<method>-<model>-<hash>/ (config.yaml, samples.jsonl, metrics.json,
+run.log); `kvbench report` tabulates them."""
+
+
+def _parse_run_args(argv: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
+    """Split ``kvbench run`` arguments into our flags and Hydra overrides."""
     from kvbench.errors import ConfigError
 
-    first: list[str] = []
+    flags = {"multirun": False, "help": False, "dry_run": False, "wait": False}
+    overrides: list[str] = []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-m", "--multirun"):
+            flags["multirun"] = True
+        elif arg in ("-h", "--help"):
+            flags["help"] = True
+        elif arg == "--dry-run":
+            flags["dry_run"] = True
+        elif arg == "--wait":
+            flags["wait"] = True
+        elif arg == "--cfg" or arg.startswith("--cfg="):
+            value = arg.partition("=")[2] or (args.pop(0) if args else "")
+            if value != "job":
+                raise ConfigError(f"--cfg {value} is not supported", "use --dry-run (or --cfg job) to print the resolved config")
+            flags["dry_run"] = True
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}", f"kvbench run takes {', '.join(RUN_FLAGS)} and key=value overrides "
+                                                      "(kvbench run --help)")
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def _check_choices(overrides: Sequence[str]) -> None:
+    """Group choices (``method=nope``) named with the valid names, before Hydra's longer message."""
+    from kvbench.errors import ConfigError
+
     for item in overrides:
         key, sep, value = item.partition("=")
         group = key.lstrip("+~")
@@ -56,12 +125,42 @@ def _validate_overrides(overrides: Sequence[str]) -> list[str]:
                     raise ConfigError(
                         f"unknown {group} {choice!r}", f"choose one of: {', '.join(group_options(group))} (`kvbench list`)"
                     )
-        if sep and "," in value and not value.startswith("[") and not value.startswith("{"):
-            value = value.split(",")[0]
-        first.append(f"{key}={value}" if sep else item)
+
+
+def resolve_points(overrides: Sequence[str], multirun: bool) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """Every point of the command (one without ``-m``), composed and validated, before any runs."""
+    from kvbench.compose import compose_many, is_sweep, sweep_points
+    from kvbench.errors import ConfigError
+    from kvbench.validate import validate_points
+
+    _check_choices(overrides)
     _validate_method_params(overrides)
-    compose(first)
-    return first
+    sweeps = is_sweep(overrides)
+    if sweeps and not multirun:
+        raise ConfigError(f"{sweeps[0]} is a sweep", "add -m to run every value (kvbench run -m ...)")
+    points = sweep_points(overrides) if multirun else [list(overrides)]
+    configs = compose_many(points)
+    swept = {o.partition("=")[0] for o in sweeps}
+    labels = [" ".join(o for o in point if o.partition("=")[0] in swept) for point in points]
+    validate_points(configs, labels)
+    return points, configs
+
+
+def _dry_run(configs: list[dict[str, Any]]) -> None:
+    import yaml
+
+    from kvbench.runner import plan
+
+    for index, resolved in enumerate(configs):
+        p = plan(resolved)
+        state = p.run_dir.state() if (p.run_dir.path / "config.yaml").exists() else None
+        known = p.task.sample_ids()
+        where = f"{state.label}" if state else "new"
+        total = f" ({len(known)} samples)" if known is not None and not state else ""
+        if len(configs) > 1:
+            print(f"# point {index + 1}/{len(configs)}")
+        print(f"# run directory: {p.run_dir.path} [{where}]{total}")
+        print(yaml.safe_dump(p.resolved, sort_keys=False).rstrip())
 
 
 def _validate_method_params(overrides: Sequence[str]) -> None:
@@ -81,32 +180,59 @@ def _run_job(cfg: Any) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     resolved.pop("hydra", None)
     try:
-        summary = run(resolved)
+        summary = run(resolved, wait=_OPTIONS["wait"], command=_OPTIONS["command"])
     except KvbenchError as error:
         raise SystemExit(_fail(error)) from None
     _SWEEP_RUNS.append(summary)
     print(format_summary(summary), flush=True)
 
 
-def cmd_run(argv: Sequence[str]) -> int:
-    import hydra
+def _fail(error: KvbenchError) -> int:
+    from kvbench.errors import Interrupted
 
-    multirun = any(a in ("-m", "--multirun") for a in argv)
-    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    if isinstance(error, Interrupted):
+        print(f"kvbench: {error.message}; resume with: {_OPTIONS['command']}", file=sys.stderr, flush=True)
+    else:
+        print(f"kvbench: error: {error}", file=sys.stderr, flush=True)
+    return error.exit_code
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    import shlex
+
+    from kvbench.errors import Interrupted
+
+    _OPTIONS["command"] = "kvbench run " + shlex.join(a for a in argv if a not in ("--dry-run",))
     try:
-        _validate_overrides(overrides)
+        flags, overrides = _parse_run_args(argv)
+        if flags["help"]:
+            print(run_usage())
+            return 0
+        _OPTIONS["wait"] = flags["wait"]
+        points, configs = resolve_points(overrides, flags["multirun"])
+        if flags["dry_run"]:
+            _dry_run(configs)
+            return 0
     except KvbenchError as error:
         return _fail(error)
+    except KeyboardInterrupt:
+        return _fail(Interrupted("interrupted before any sample ran"))
+    import hydra
+
     register_method_configs()
+
     main = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base=None)(_run_job)
     saved = sys.argv
-    sys.argv = ["kvbench"] + (["--multirun"] if multirun else []) + overrides
+    sys.argv = ["kvbench"] + (["--multirun"] if flags["multirun"] else []) + overrides
     _SWEEP_RUNS.clear()
     try:
         main()
+    except KeyboardInterrupt:  # between runs of a sweep, or inside Hydra: every finished sample is saved
+        done = f"{len(_SWEEP_RUNS)} of {len(points)} runs finished" if len(points) > 1 else "nothing was lost"
+        return _fail(Interrupted(f"interrupted ({done})"))
     finally:
         sys.argv = saved
-    if multirun and len(_SWEEP_RUNS) > 1:
+    if flags["multirun"] and len(_SWEEP_RUNS) > 1:
         from kvbench.report import runs_table
 
         print("\n" + runs_table([s.run_dir for s in _SWEEP_RUNS]), flush=True)
@@ -173,7 +299,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from kvbench.errors import ConfigError
-    from kvbench.report import comparison_figure, parse_where, pivot_table, protocol_diff, runs_table
+    from kvbench.report import check_paths, comparison_figure, parse_where, pivot_table, protocol_diff, runs_table
 
     if args.diff:
         missing = [p for p in args.diff if not (Path(p) / "config.yaml").exists()]
@@ -181,17 +307,16 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise ConfigError(f"not a run directory: {missing[0]}", "pass two folders under results/runs")
         print(protocol_diff(*args.diff))
         return 0
-    paths = args.paths or ["results/runs"]
+    paths = check_paths(args.paths or ["results/runs"])
+    where = parse_where(args.where)
     if args.figure:
-        print(comparison_figure(paths, Path(args.figure), where=parse_where(args.where)))
+        print(comparison_figure(paths, Path(args.figure), where=where))
         return 0
     if args.pivot:
         rows, cols = (part.split(",") if part else [] for part in args.pivot)
-        print(pivot_table(paths, rows, cols, value=args.value, where=parse_where(args.where), fmt=args.format))
+        print(pivot_table(paths, rows, cols, value=args.value, where=where, fmt=args.format))
         return 0
-    if args.where:
-        raise ConfigError("--where filters a pivot or a figure", "add --pivot ROWS COLS or --figure FILE.png")
-    print(runs_table(paths, fmt=args.format))
+    print(runs_table(paths, fmt=args.format, where=where))
     return 0
 
 
@@ -230,17 +355,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import shlex
+
+    from kvbench.errors import Interrupted
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    _OPTIONS["command"] = "kvbench " + shlex.join(argv)
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmark harness for KV-cache methods.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run a model x method x task config (Hydra overrides; -m for sweeps)")
+    sub.add_parser("run", help="run a model x method x task config (Hydra overrides; -m for sweeps; "
+                              "kvbench run --help)")
     p_list = sub.add_parser("list", help="list models, methods, tasks, experiments and assets")
     p_list.add_argument("what", nargs="?", choices=["models", "methods", "tasks", "experiments", "assets"])
     p_fetch = sub.add_parser("fetch", help="download and convert offline assets ahead of time")
     p_fetch.add_argument("assets", nargs="*", help="asset names (default: the quickstart's; 'all' for every asset)")
-    p_report = sub.add_parser("report", help="table of finished runs")
+    p_report = sub.add_parser("report", help="table of runs (finished, running or unfinished), pivots and figures")
     p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
     p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
     p_report.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"), help="config/protocol differences of two runs")
@@ -250,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument("--figure", metavar="FILE.png",
                           help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves)")
     p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
-                          help="keep only runs whose column has this value (repeatable), e.g. task=niah")
+                          help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
+                               "unknown columns are refused with the valid ones")
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")
@@ -271,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except KvbenchError as error:
         return _fail(error)
+    except KeyboardInterrupt:
+        return _fail(Interrupted("interrupted"))
 
 
 if __name__ == "__main__":

@@ -42,3 +42,15 @@ class CompressionNotApplied(KvbenchError):
     """A method asked to compress attended (or kept) every token: a silent failure made loud."""
 
     exit_code = 3
+
+
+class Interrupted(KvbenchError):
+    """The user pressed Ctrl-C: finished samples are saved, and the same command resumes."""
+
+    exit_code = 130
+
+    def __init__(self, message: str, *, saved: int = 0, total: int | None = None, run_dir: object = None) -> None:
+        super().__init__(message)
+        self.saved = saved
+        self.total = total
+        self.run_dir = run_dir

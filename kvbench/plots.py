@@ -60,15 +60,26 @@ def niah_heatmap(records: list[dict[str, Any]], path: Path, *, title: str = "") 
     import matplotlib.pyplot as plt
 
     lengths, depths, _ = _niah_grid(records)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.55 * len(depths)), dpi=120)
-    image = _draw_niah(ax, records, title)
+    # wide enough for the axis labels and the title even for a 1 x 1 grid; long titles wrap
+    width = max(1.2 + 0.9 * len(lengths), 4.0)
+    fig, ax = plt.subplots(figsize=(width, 1.4 + 0.55 * len(depths)), dpi=120, layout="constrained")
+    image = _draw_niah(ax, records, _wrap(title, int(width * 11)))
     fig.colorbar(image, ax=ax, label="score")
-    fig.tight_layout()
     return _save(fig, path)
 
 
+def _wrap(title: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width) for line in title.splitlines()) if title else title
+
+
 def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, columns: int = 4) -> Path:
-    """Several runs' NIAH heatmaps side by side, one titled panel each (PQCache Fig. 9)."""
+    """Several runs' NIAH heatmaps side by side, one titled panel each (PQCache Fig. 9).
+
+    Panels share the depth axis labels (only the first column shows them) when every run has the same
+    depth grid; runs with different grids keep their own labels, so no row is read against the wrong
+    depth."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,8 +87,10 @@ def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, c
 
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
-    lengths, depths, _ = _niah_grid(panels[0][1])
-    width, height = 0.8 + 0.8 * len(lengths), 1.0 + 0.4 * len(depths)
+    grids = [_niah_grid(records)[:2] for _, records in panels]
+    shared = len({tuple(depths) for _, depths in grids}) == 1
+    n_lengths, n_depths = max(len(lengths) for lengths, _ in grids), max(len(depths) for _, depths in grids)
+    width, height = max(0.8 + 0.8 * n_lengths, 2.2) + (0 if shared else 0.5), 1.0 + 0.4 * n_depths
     fig, axes = plt.subplots(rows, columns, figsize=(width * columns + 1.2, height * rows + 0.4), dpi=120,
                              squeeze=False, layout="constrained")
     image = None
@@ -87,7 +100,7 @@ def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, c
             continue
         title, records = panels[index]
         image = _draw_niah(ax, records, title, labels=False)
-        if index % columns:
+        if index % columns and shared:
             ax.tick_params(labelleft=False)
     fig.supxlabel("context length (tokens)", fontsize=9)
     fig.supylabel("needle depth", fontsize=9)

@@ -1,11 +1,19 @@
-"""Tables of finished runs (markdown, CSV, LaTeX): one row per run, or a pivot of one metric.
+"""Tables of runs (markdown, CSV, LaTeX): one row per run, or a pivot of one metric.
 
 A pivot is how the papers print comparisons (methods down, question positions or budgets across);
 ``--where`` narrows a folder of many runs to one study (``task=niah``, ``budget=256 tokens``).
+
+The runs table shows every run with its ``status`` — ``finished``, ``running 3/10``, ``unfinished
+3/10`` (interrupted or killed; the same command resumes it), ``failed 3/10`` or ``stale`` (metrics.json
+counts other samples than samples.jsonl holds: re-run to refresh) — so an interrupted run is not
+mistaken for a missing one. Pivots and figures compare finished runs only, and say how many they left
+out.
 """
 
 from __future__ import annotations
 
+import difflib
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -16,6 +24,7 @@ COLUMNS = {
     "config.task.lengths": "lengths",
     "budget.label": "budget",
     "protocol.question_position": "question",
+    "status": "status",
     "n": "n",
     "score": "score",
     "score_ci95": "95% CI",
@@ -33,6 +42,18 @@ COLUMNS = {
 KEY_HINT = f"a column of: {', '.join(COLUMNS.values())}; or any flattened key such as config.method.metric"
 
 
+def check_paths(paths: Iterable[str | Path]) -> list[Path]:
+    """The results folders, each of which must exist (a typo should not read as "no runs")."""
+    from kvbench.errors import ConfigError
+
+    paths = [Path(p) for p in paths]
+    for path in paths:
+        if not path.exists():
+            raise ConfigError(f"no results folder {path}", "pass the folder that holds your runs (kvbench run writes "
+                                                           "to results/runs unless output_dir= says otherwise)")
+    return paths
+
+
 def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False):
     """Runs as a DataFrame with the short column names; ``every_column`` keeps the other keys too."""
     from kvbench.results import load
@@ -45,11 +66,28 @@ def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False):
     return frame.rename(columns=COLUMNS)
 
 
-def runs_table(paths: Iterable[str | Path], fmt: str = "md") -> str:
-    """One row per run with its headline metrics."""
-    frame = runs_frame(paths)
+def finished_runs(frame):
+    """The finished runs of ``frame``; a note on stderr names how many others were left out."""
+    if frame.empty or "state" not in frame.columns:
+        return frame
+    finished = frame["state"] == "finished"
+    if (~finished).any():
+        left = frame[~finished]
+        print(f"kvbench: note: left out {len(left)} run(s) that are not finished "
+              f"({', '.join(sorted(set(left['status'])))}); `kvbench report` lists them", file=sys.stderr)
+    return frame[finished]
+
+
+def runs_table(paths: Iterable[str | Path], fmt: str = "md", where: dict[str, str] | None = None) -> str:
+    """One row per run with its status and headline metrics."""
+    frame = runs_frame(paths, every_column=bool(where))
     if frame.empty:
-        return "(no finished runs found)"
+        return f"(no runs found under {', '.join(str(p) for p in paths)})"
+    if where:
+        frame = filtered(frame, {COLUMNS.get(k, k): v for k, v in where.items()})
+        frame = frame[[c for c in COLUMNS.values() if c in frame.columns]]
+        if frame.empty:
+            return "(no runs match)"
     frame = frame.sort_values([c for c in ("task", "model", "question", "method") if c in frame.columns])
     if fmt == "csv":
         return frame.to_csv(index=False)
@@ -71,12 +109,29 @@ def parse_where(items: Iterable[str]) -> dict[str, str]:
     return where
 
 
+def check_columns(frame, keys: Iterable[str], what: str) -> None:
+    """Every key names a column of ``frame`` (or a short name); else one line listing the valid ones."""
+    from kvbench.errors import ConfigError
+
+    unknown = [k for k in keys if k not in COLUMNS.values() and k not in frame.columns]
+    if not unknown:
+        return
+    valid = list(COLUMNS.values()) + sorted(c for c in frame.columns if c not in COLUMNS.values())
+    close = difflib.get_close_matches(unknown[0], valid, n=3)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    shown = ", ".join(valid[:60]) + (f", ... ({len(valid) - 60} more)" if len(valid) > 60 else "")
+    raise ConfigError(f"unknown {what} column(s) {', '.join(unknown)}", f"{hint}valid columns: {shown}")
+
+
 def filtered(frame, where: dict[str, str]):
     """Rows of ``frame`` whose columns equal ``where``'s values (compared as text, or as numbers when the
     value is one: ``512`` matches a column pandas holds as ``512.0``; ``None`` or ``null`` matches a
-    missing value)."""
+    missing value). An unknown column is an error that lists the valid ones."""
     import pandas as pd
 
+    if frame.empty:
+        return frame
+    check_columns(frame, where, "--where")
     for key, value in where.items():
         if key not in frame.columns:
             return frame.iloc[0:0]
@@ -108,13 +163,12 @@ def pivot_table(
     from kvbench.errors import ConfigError
 
     frame = runs_frame(paths, every_column=True)
+    if frame.empty:
+        return f"(no runs found under {', '.join(str(p) for p in paths)})"
     rows, cols, value = [COLUMNS.get(k, k) for k in rows], [COLUMNS.get(k, k) for k in cols], COLUMNS.get(value, value)
     where = {COLUMNS.get(k, k): v for k, v in (where or {}).items()}
-    keys = [*rows, *cols, value]
-    unknown = [k for k in keys if k not in COLUMNS.values() and k not in frame.columns]
-    if unknown:
-        raise ConfigError(f"unknown report column(s) {', '.join(unknown)}", f"use {KEY_HINT}")
-    frame = filtered(frame, where)
+    check_columns(frame, [*rows, *cols, value], "report")
+    frame = finished_runs(filtered(frame, where))
     if frame.empty:
         return "(no finished runs match)"
     frame = frame.copy()
@@ -126,7 +180,15 @@ def pivot_table(
     if clash.any():
         first = frame[clash].iloc[0]
         cell = ", ".join(f"{k}={first[k]}" for k in [*rows, *cols])
-        raise ConfigError(f"several runs share the cell ({cell})", "narrow the runs with --where or add a key to --rows/--cols")
+        same = frame[(frame[[*rows, *cols]] == first[[*rows, *cols]]).all(axis=1)]
+        differ = _differing_columns(same)
+        example = f"--where {differ[0]}={_label(first[differ[0]])}" if differ else "--where <column>=<value>"
+        wider = f"--pivot {','.join(rows + differ[:1])} {','.join(cols) or repr('')}"
+        raise ConfigError(
+            f"several runs share the cell ({cell}): {len(same)} runs"
+            + (f" that differ in {', '.join(differ[:4])}" if differ else ""),
+            f"narrow the runs ({example}), or add a column that differs to --pivot ROWS COLS (e.g. {wider})",
+        )
     grid = frame.pivot(index=rows, columns=cols, values=value) if cols else frame.set_index(rows)[[value]]
     grid = grid.sort_index(key=_natural_order)
     if cols:
@@ -147,9 +209,10 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     from kvbench.results import RunDir
     from kvbench.tasks import REGISTRY
 
-    frame = filtered(runs_frame(paths, every_column=True), {COLUMNS.get(k, k): v for k, v in (where or {}).items()})
+    frame = runs_frame(paths, every_column=True)
+    frame = finished_runs(filtered(frame, {COLUMNS.get(k, k): v for k, v in (where or {}).items()}))
     if frame.empty:
-        raise ConfigError("no finished runs match", "check the folder and the --where filters")
+        raise ConfigError("no finished runs match", "check the folder and the --where filters (`kvbench report` lists the runs)")
     tasks = sorted(frame["task"].unique())
     if len(tasks) > 1:
         raise ConfigError(f"the matching runs span several tasks ({', '.join(tasks)})", "add --where task=<name>")
@@ -170,6 +233,19 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return REGISTRY.get(tasks[0]).comparison_figure(runs, out)
+
+
+def _differing_columns(frame) -> list[str]:
+    """Short names first, then config and protocol keys, whose values differ between the rows of ``frame``."""
+    preferred = [c for c in COLUMNS.values() if c in frame.columns]
+    others = sorted(c for c in frame.columns if c.startswith(("config.", "protocol.")) and c not in ("config.output_dir",))
+    out = []
+    for column in preferred + others:
+        if column in ("status", "state", "n", "score", "95% CI") or column in out:
+            continue
+        if frame[column].map(lambda v: _label(v) if not isinstance(v, (list, dict)) else str(v)).nunique() > 1:
+            out.append(column)
+    return out
 
 
 def _missing(value) -> bool:

@@ -2,11 +2,28 @@
 
 A run directory ``<output_dir>/<run-id>/`` holds:
 
-* ``config.yaml`` — the fully resolved config (the run id is a hash of it);
+* ``config.yaml`` — the fully resolved config (the run id is a hash of it); it is the run's truth: a
+  resumed run whose config differs from it is refused before any work;
 * ``samples.jsonl`` — one JSON object per finished sample, appended, flushed and fsynced one by one,
   so a killed run loses no finished sample and a re-run resumes after the last one;
 * ``metrics.json`` — aggregates derived from ``samples.jsonl`` (rewritten atomically);
+* ``status.json`` — ``state`` (running, interrupted, failed, finished) and ``total`` (the number of
+  samples the run will have, when the task knows it up front), so reports can show unfinished runs;
+* ``run.log`` — what the run did, one timestamped plain line per event (start, model load, each
+  sample with its score and the running mean, the end or the interruption);
 * ``env.json`` — versions, git sha, device; plus task artifacts such as ``heatmap.png``.
+
+Two rules keep these files trustworthy:
+
+* **Reading never writes.** Readers (:meth:`RunDir.records`, :func:`load`, ``kvbench report``, the
+  notebooks) skip what they cannot parse and say so; they never modify a file. Only the writer repairs,
+  and only a torn *last* line (:meth:`RunDir.repair_tail`, a run killed mid-append); a damaged line in
+  the middle is reported with its line number and kept, for a human to look at.
+* **One writer per run directory.** The runner holds :meth:`RunDir.lock` (``flock`` on
+  ``<output_dir>/.<run-id>.lock``, beside the run directory because that is only created when the
+  first sample finishes) while it computes samples; a second process is refused with the holder's pid,
+  host and start time, or waits for it. Should a sample id appear twice anyway (files written before
+  the lock existed), the *first* record counts: it is the one a resumed run skipped on.
 """
 
 from __future__ import annotations
@@ -14,18 +31,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import socket
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, KvbenchError
 
 SAMPLES = "samples.jsonl"
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
 ENV = "env.json"
+STATUS = "status.json"
+LOG = "run.log"
+#: config keys that do not change results: not hashed, and free to differ when a run is resumed
+UNHASHED = ("output_dir", "progress")
 
 
-def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = ("output_dir", "progress")) -> str:
+def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> str:
     """Stable hash of a resolved config, without keys that do not change results."""
     data = {key: value for key, value in resolved.items() if key not in set(ignore)}
     blob = json.dumps(data, sort_keys=True, default=str).encode()
@@ -47,11 +75,185 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def warn(message: str) -> None:
+    print(f"kvbench: warning: {message}", file=sys.stderr, flush=True)
+
+
+class RunLocked(KvbenchError):
+    """Another process is writing this run directory."""
+
+
+# ---------------------------------------------------------------------- samples.jsonl
+@dataclass
+class Scan:
+    """What ``samples.jsonl`` holds: parsed records (with line numbers), damaged complete lines, and
+    where a torn last line (bytes after the last newline) starts."""
+
+    records: list[tuple[int, dict[str, Any]]]
+    damaged: list[tuple[int, str]]
+    torn_at: int  # == the file size when the file ends with a newline
+    size: int
+
+
+def scan_samples(raw: bytes) -> Scan:
+    lines = raw.split(b"\n")
+    tail = lines.pop()  # what follows the last newline: empty unless the last append was torn
+    records: list[tuple[int, dict[str, Any]]] = []
+    damaged: list[tuple[int, str]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            damaged.append((number, f"not JSON: {str(exc).split(':')[0]}"))
+            continue
+        if not isinstance(record, dict) or "id" not in record:
+            damaged.append((number, "not a sample record (no id)"))
+            continue
+        records.append((number, record))
+    return Scan(records=records, damaged=damaged, torn_at=len(raw) - len(tail), size=len(raw))
+
+
+_WARNED: set[tuple[str, int, int]] = set()
+
+
+def _warn_once(path: Path, size: int, number: int, message: str) -> None:
+    """Print a warning about one line of one version of a file once per process."""
+    key = (str(path), size, number)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warn(message)
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C back while the body runs (an append must not be cut in half), then deliver it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and callable(previous):
+            previous(signal.SIGINT, None)
+        elif received and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+
+# ---------------------------------------------------------------------- the lock
+class RunLock:
+    """An exclusive ``flock`` on ``<output_dir>/.<run-id>.lock`` for the run directory ``run_path``; the
+    file holds who took it.
+
+    The file is removed on release. A process that opened it just before (and then got the lock on the
+    removed inode) notices that the path no longer names the file it locked and tries again, so two
+    holders are impossible. The kernel drops the lock when a holder dies, even by SIGKILL.
+    """
+
+    def __init__(self, run_path: Path) -> None:
+        self.run_path = Path(run_path)
+        self.path = self.run_path.parent / f".{self.run_path.name}.lock"
+        self.fd: int | None = None
+
+    def holder(self) -> dict[str, Any] | None:
+        """The holder's ``pid``, ``host``, ``started`` and ``command`` (None when nobody wrote them)."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8") or "null")
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def held_by_live_process(self) -> bool:
+        """Whether a live process holds the lock — without touching the lock (readers never write)."""
+        holder = self.holder()
+        if not holder or holder.get("host") != socket.gethostname():
+            return bool(holder)
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except (ProcessLookupError, ValueError, KeyError, TypeError):
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def acquire(self, *, wait: bool, command: str | None = None) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        announced = False
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    raise RunLocked(f"{self.run_path} is being written by {self.describe()}",
+                                    "wait for that run to finish, or pass --wait to start when it does") from None
+                if not announced:
+                    print(f"kvbench: waiting for {self.describe()} to finish", file=sys.stderr, flush=True)
+                    announced = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the previous holder removed the file we locked: lock the new one
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now(), "command": command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.fd = fd
+
+    def describe(self) -> str:
+        holder = self.holder()
+        if not holder:
+            return "another process (starting up)"
+        text = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
+        return text + (f" (`{holder['command']}`)" if holder.get("command") else "")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)  # closing drops the flock
+        self.fd = None
+
+
+# ---------------------------------------------------------------------- one run directory
+@dataclass
+class RunState:
+    """Where a run stands: ``status`` is finished, running, unfinished, failed or stale (metrics.json
+    counts other samples than samples.jsonl holds)."""
+
+    status: str
+    done: int
+    total: int | None
+
+    @property
+    def label(self) -> str:
+        if self.status in ("finished", "stale"):
+            return self.status
+        return f"{self.status} {self.done}/{self.total}" if self.total is not None else f"{self.status} {self.done}"
+
+
 class RunDir:
     """One run's directory: created when the first sample finishes, appended sample by sample."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._log_buffer: list[str] = []
 
     @property
     def samples_path(self) -> Path:
@@ -60,45 +262,136 @@ class RunDir:
     def exists(self) -> bool:
         return self.samples_path.exists()
 
+    # ------------------------------------------------------------------ reading (never writes)
     def records(self) -> list[dict[str, Any]]:
-        """Finished samples; a torn last line (a run killed mid-write) is dropped from the file."""
+        """Finished samples, each id once (the first record wins).
+
+        A torn last line (a run killed mid-append, or a writer appending right now) is skipped
+        silently; a damaged line elsewhere is skipped with a warning naming the file and line. The file
+        is never modified here.
+        """
         if not self.samples_path.exists():
             return []
         raw = self.samples_path.read_bytes()
+        scan = scan_samples(raw)
+        for number, reason in scan.damaged:
+            _warn_once(self.samples_path, scan.size, number,
+                       f"{self.samples_path}:{number}: damaged line skipped ({reason}); the file is left as it is")
         records: list[dict[str, Any]] = []
-        good = 0
-        for line in raw.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-            good += len(line)
-        if good < len(raw):
-            with open(self.samples_path, "r+b") as handle:
-                handle.truncate(good)
+        seen: dict[str, int] = {}
+        for number, record in scan.records:
+            key = str(record["id"])
+            if key in seen:
+                _warn_once(self.samples_path, scan.size, number,
+                           f"{self.samples_path}:{number}: sample {key} already recorded on line {seen[key]}; "
+                           "counting the first record")
+                continue
+            seen[key] = number
+            records.append(record)
         return records
 
     def finished_ids(self) -> set[str]:
         return {str(r["id"]) for r in self.records()}
 
-    def create(self, config_yaml: str, env: dict[str, Any]) -> None:
-        """Make the directory with its config and environment (idempotent)."""
+    def config(self) -> dict[str, Any] | None:
+        import yaml
+
+        path = self.path / CONFIG
+        return yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
+
+    def check_config(self, resolved: dict[str, Any]) -> None:
+        """Refuse to resume a run whose recorded ``config.yaml`` differs from ``resolved`` (a hand edit,
+        or a directory copied under the wrong name): its samples would not be this config's."""
+        recorded = self.config()
+        if recorded is None:
+            return
+        ours = json.loads(json.dumps(resolved, default=str))
+        differences = _differences(recorded, ours, skip=UNHASHED)
+        if differences:
+            key, was, now_ = differences[0]
+            more = f" and {len(differences) - 1} more key(s)" if len(differences) > 1 else ""
+            raise ConfigError(
+                f"{self.path / CONFIG} records {key}={was!r} but this run has {key}={now_!r}{more}; "
+                "its samples belong to the recorded config",
+                f"restore {self.path / CONFIG} (its hash is the directory name), or move {self.path} away to start over",
+            )
+
+    def metrics(self) -> dict[str, Any]:
+        path = self.path / METRICS
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def status(self) -> dict[str, Any]:
+        path = self.path / STATUS
+        try:
+            return json.loads(path.read_text()) if path.exists() else {}
+        except json.JSONDecodeError:
+            return {}
+
+    def state(self, records: list[dict[str, Any]] | None = None) -> RunState:
+        """Finished, running (a live process holds the lock), failed, unfinished, or stale."""
+        done = len(self.records() if records is None else records)
+        status = self.status()
+        total = status.get("total")
+        metrics = self.metrics()
+        if RunLock(self.path).held_by_live_process():
+            return RunState("running", done, total)
+        if status.get("state") == "failed":
+            return RunState("failed", done, total)
+        if not metrics or (total is not None and done < total):
+            return RunState("unfinished", done, total)
+        if metrics.get("n") is not None and metrics["n"] != done:
+            return RunState("stale", done, total)
+        return RunState("finished", done, total)
+
+    # ------------------------------------------------------------------ writing (the lock holder only)
+    @contextmanager
+    def lock(self, *, wait: bool = False, command: str | None = None) -> Iterator[None]:
+        """Hold the run directory's lock for the body (see :class:`RunLock`)."""
+        lock = RunLock(self.path)
+        lock.acquire(wait=wait, command=command)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def repair_tail(self) -> int:
+        """Drop a torn last line — bytes after the last newline, or a last line that is not JSON — and
+        return how many bytes went. Only the writer calls this, holding the lock; damaged lines
+        before the last one are kept (and reported by :meth:`records`)."""
+        if not self.samples_path.exists():
+            return 0
+        raw = self.samples_path.read_bytes()
+        scan = scan_samples(raw)
+        keep = scan.torn_at
+        lines = raw[:keep].split(b"\n")[:-1]
+        if lines and scan.damaged and scan.damaged[-1][0] == len(lines):
+            keep -= len(lines[-1]) + 1
+        if keep < len(raw):
+            with open(self.samples_path, "r+b") as handle:
+                handle.truncate(keep)
+                os.fsync(handle.fileno())
+            self.log(f"dropped a torn last line of {SAMPLES} ({len(raw) - keep} bytes); its sample runs again")
+        return len(raw) - keep
+
+    def create(self, config_yaml: str, env: dict[str, Any], total: int | None = None) -> None:
+        """Make the directory with its config, environment and status (idempotent)."""
         self.path.mkdir(parents=True, exist_ok=True)
         config = self.path / CONFIG
-        if config.exists() and config.read_text() != config_yaml:
-            raise ConfigError(
-                f"{config} belongs to a different config than this run's",
-                f"move {self.path} away or choose another output_dir",
-            )
         if not config.exists():
             write_atomic(config, config_yaml)
         write_atomic(self.path / ENV, json.dumps(env, indent=2, sort_keys=True) + "\n")
+        self.set_status("running", total=total)
+
+    def set_status(self, state: str, **extra: Any) -> None:
+        """Record the run's state (only once the directory exists: a run leaves no trace before)."""
+        if not self.path.is_dir():
+            return
+        status = {**self.status(), **extra, "state": state, "updated": now()}
+        write_atomic(self.path / STATUS, json.dumps(status, indent=2, sort_keys=True) + "\n")
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, ensure_ascii=False, default=_jsonable) + "\n"
-        with open(self.samples_path, "a", encoding="utf-8") as handle:
+        with interrupts_deferred(), open(self.samples_path, "a", encoding="utf-8") as handle:
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
@@ -106,9 +399,26 @@ class RunDir:
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         write_atomic(self.path / METRICS, json.dumps(metrics, indent=2, sort_keys=True, default=_jsonable) + "\n")
 
-    def metrics(self) -> dict[str, Any]:
-        path = self.path / METRICS
-        return json.loads(path.read_text()) if path.exists() else {}
+    def log(self, message: str) -> None:
+        """Append a timestamped line to ``run.log`` (held in memory until the directory exists)."""
+        self._log_buffer.append(f"{now()} {message}\n")
+        if self.path.is_dir():
+            with open(self.path / LOG, "a", encoding="utf-8") as handle:
+                handle.writelines(self._log_buffer)
+            self._log_buffer.clear()
+
+
+def _differences(recorded: Any, ours: Any, prefix: str = "", skip: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
+    """Dotted keys whose values differ between two nested configs (a missing key reads as absent)."""
+    if isinstance(recorded, dict) and isinstance(ours, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in sorted(set(recorded) | set(ours), key=str):
+            if not prefix and key in skip:
+                continue
+            name = f"{prefix}.{key}" if prefix else str(key)
+            out += _differences(recorded.get(key, "<absent>"), ours.get(key, "<absent>"), name)
+        return out
+    return [] if recorded == ours else [(prefix, recorded, ours)]
 
 
 def _jsonable(value: Any) -> Any:
@@ -119,16 +429,30 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+# ---------------------------------------------------------------------- many runs
 def find_runs(paths: Iterable[str | Path]) -> list[Path]:
-    """Run directories at or below ``paths`` (directories holding a ``metrics.json``)."""
+    """Run directories at or below ``paths`` (directories holding a ``config.yaml``), finished or not."""
     found: list[Path] = []
     for path in paths:
         path = Path(path)
-        if (path / METRICS).exists():
+        if (path / CONFIG).exists():
             found.append(path)
         elif path.is_dir():
-            found.extend(sorted(p.parent for p in path.glob(f"**/{METRICS}")))
+            found.extend(sorted(p.parent for p in path.glob(f"**/{CONFIG}") if not p.parent.name.startswith(".")))
     return found
+
+
+def default_results(start: str | Path | None = None) -> Path:
+    """``$KVBENCH_RESULTS``, else the nearest ``results/runs`` from ``start`` (the working directory)
+    upwards — so a notebook opened from ``notebooks/`` finds the repository's runs — else
+    ``results/runs`` under ``start``."""
+    if os.environ.get("KVBENCH_RESULTS"):
+        return Path(os.environ["KVBENCH_RESULTS"]).expanduser()
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "results" / "runs").is_dir():
+            return folder / "results" / "runs"
+    return here / "results" / "runs"
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -140,8 +464,13 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 
 def load(paths: Iterable[str | Path] | str | Path = "results/runs", *, samples: bool = False) -> Any:
-    """A pandas DataFrame of runs (one row per run: config and metrics flattened with dots), or of
-    samples (``samples=True``: one row per sample, with its run's config columns)."""
+    """A pandas DataFrame of runs (one row per run: config and metrics flattened with dots, plus
+    ``state`` — finished, running, unfinished, failed or stale — ``status`` such as ``unfinished 3/10``,
+    and the ``done`` and ``total`` sample counts), or of samples (``samples=True``: one row per sample,
+    with its run's config columns and ``state``).
+
+    Unfinished runs are included, marked by ``state``; keep ``state == "finished"`` for final numbers.
+    Reading never modifies the files (see the module doc)."""
     import pandas as pd
     import yaml
 
@@ -149,18 +478,21 @@ def load(paths: Iterable[str | Path] | str | Path = "results/runs", *, samples: 
         paths = [paths]
     rows: list[dict[str, Any]] = []
     for run in find_runs(paths):
+        run_dir = RunDir(run)
         config = yaml.safe_load((run / CONFIG).read_text()) if (run / CONFIG).exists() else {}
-        base: dict[str, Any] = {"run_id": run.name, "run_dir": str(run)}
+        records = run_dir.records()
+        state = run_dir.state(records)
+        base: dict[str, Any] = {"run_id": run.name, "run_dir": str(run), "state": state.status}
         _flatten("config", config, base)
         if samples:
-            for record in RunDir(run).records():
+            for record in records:
                 row = dict(base)
                 _flatten("", {k: v for k, v in record.items() if k not in ("meta", "telemetry", "budget")}, row)
                 _flatten("meta", record.get("meta", {}), row)
                 _flatten("telemetry", record.get("telemetry", {}), row)
                 rows.append(row)
         else:
-            row = dict(base)
-            _flatten("", RunDir(run).metrics(), row)
+            row = {**base, "status": state.label, "done": state.done, "total": state.total}
+            _flatten("", run_dir.metrics(), row)
             rows.append(row)
     return pd.DataFrame(rows)

@@ -2,8 +2,14 @@
 
 The run directory is named by a hash of the resolved config, so re-running the same command finds
 the finished samples and only runs the rest (when the task knows its sample ids up front, a finished
-run does not even load the model). Nothing is created until the first sample finishes, so a run that
-fails on bad input leaves no trace.
+run does not even load the model). Before any work the config is validated (:mod:`kvbench.validate`)
+and compared with the ``config.yaml`` of an existing run directory; then the run takes the directory's
+lock (one writer per run directory, :meth:`kvbench.results.RunDir.lock`). The directory itself is
+created when the first sample finishes, so a run that fails on bad input leaves no trace.
+
+Ctrl-C ends a run with :class:`~kvbench.errors.Interrupted` (how many samples are saved); the CLI
+turns it into one line with the command that resumes. ``status.json`` and ``run.log`` record what
+happened, for ``kvbench report`` and for people.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +28,7 @@ from typing import Any
 
 from kvbench.budget import BudgetConfig
 from kvbench.profile import Profile
-from kvbench.errors import BudgetError, ConfigError
+from kvbench.errors import ConfigError, Interrupted
 from kvbench.results import RunDir, run_id_for
 
 TELEMETRY_MEANS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "prefill_s", "decode_s", "recall",
@@ -38,17 +45,25 @@ class RunSummary:
     seconds: float
 
 
-def run(resolved: dict[str, Any]) -> RunSummary:
-    """Run the config ``resolved`` (a plain dict: model, method, task, budget, profile, output_dir)."""
+@dataclass
+class Plan:
+    """A validated run, before anything is loaded: its parts and its run directory."""
+
+    resolved: dict[str, Any]  # as recorded in config.yaml (a dense method's budget nulled)
+    task: Any
+    method: Any
+    budget: BudgetConfig
+    profile: Profile
+    run_dir: RunDir
+
+
+def plan(resolved: dict[str, Any]) -> Plan:
+    """Validate ``resolved`` and build the task, method and budget; loads no model and writes nothing."""
     from kvbench.methods import create_method
     from kvbench.tasks import create_task
+    from kvbench.validate import validate
 
-    started = time.perf_counter()
-    for group in ("model", "method", "task"):
-        if not isinstance(resolved.get(group), dict):
-            raise ConfigError(f"the config has no {group} group", f"pass {group}=<name> (see `kvbench list`)")
-    output_dir = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
-    _check_writable(output_dir)
+    validate(resolved)
     task = create_task(resolved["task"])
     method = create_method(resolved["method"])
     budget = BudgetConfig.from_mapping(resolved.get("budget"))
@@ -61,23 +76,56 @@ def run(resolved: dict[str, Any]) -> RunSummary:
     if not method.needs_budget:
         # a method that does not compress ignores the budget: runs of one sweep share its run directory
         resolved = {**resolved, "budget": {key: None for key in (resolved.get("budget") or {})}}
-    run_dir = RunDir(output_dir / run_id_for(resolved))
-    done = run_dir.finished_ids()
+    output_dir = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
+    return Plan(resolved, task, method, budget, profile, RunDir(output_dir / run_id_for(resolved)))
+
+
+def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = None) -> RunSummary:
+    """Run the config ``resolved`` (a plain dict: model, method, task, budget, profile, output_dir).
+
+    ``wait``: when another process writes the same run directory, wait for it instead of failing.
+    ``command``: how this run was started (recorded in the lock and ``run.log``).
+    """
+    started = time.perf_counter()
+    p = plan(resolved)
+    run_dir, task = p.run_dir, p.task
+    run_dir.check_config(p.resolved)
     known = task.sample_ids()
-    ran = 0
-    if known is None or not set(known) <= done:
-        ran = _run_samples(resolved, task, method, budget, profile, run_dir, done)
-    records = run_dir.records()
-    if known is not None:
-        wanted = set(known)
-        records = [r for r in records if str(r["id"]) in wanted]
-    if not records:
-        raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
-    metrics = summarise(task, method, budget, records)
-    run_dir.write_metrics(metrics)
-    title = f"{resolved['model']['name']} · {method.name} · {method.budget_label(budget)}"
-    metrics["artifacts"] = [p.name for p in task.artifacts(records, run_dir.path, title)]
-    run_dir.write_metrics(metrics)
+    with run_dir.lock(wait=wait, command=command):
+        try:
+            run_dir.repair_tail()
+            done = run_dir.finished_ids()
+            ran = 0
+            if known is None or not set(known) <= done:
+                run_dir.log(f"start: pid {os.getpid()} on {socket.gethostname()}"
+                            + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
+                            + (f"; command: {command}" if command else ""))
+                ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done)
+            records = run_dir.records()
+            if known is not None:
+                wanted = set(known)
+                records = [r for r in records if str(r["id"]) in wanted]
+            if not records:
+                raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
+            metrics = summarise(task, p.method, p.budget, records)
+            run_dir.write_metrics(metrics)
+            title = f"{p.resolved['model']['name']} · {p.method.name} · {p.method.budget_label(p.budget)}"
+            metrics["artifacts"] = [path.name for path in task.artifacts(records, run_dir.path, title)]
+            run_dir.write_metrics(metrics)
+            run_dir.set_status("finished", total=len(records) if known is None else len(known))
+            if ran:
+                run_dir.log(f"finished: {ran} new samples, n={metrics.get('n')}, score {metrics.get('score')}")
+        except KeyboardInterrupt:
+            saved = len(run_dir.finished_ids() & set(known)) if known is not None else len(run_dir.finished_ids())
+            run_dir.set_status("interrupted")
+            run_dir.log(f"interrupted: {saved} samples saved")
+            of = f" of {len(known)}" if known is not None else ""
+            raise Interrupted(f"interrupted: {saved}{of} samples saved in {run_dir.path}", saved=saved,
+                              total=len(known) if known is not None else None, run_dir=run_dir.path) from None
+        except BaseException as exc:
+            run_dir.set_status("failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            run_dir.log(f"failed: {type(exc).__name__}: {exc}")
+            raise
     return RunSummary(run_dir=run_dir.path, metrics=metrics, ran=ran, seconds=time.perf_counter() - started)
 
 
@@ -85,33 +133,33 @@ def _run_samples(
     resolved: dict[str, Any], task: Any, method: Any, budget: BudgetConfig, profile: Profile, run_dir: RunDir, done: set[str]
 ) -> int:
     import yaml
-    from tqdm.auto import tqdm
 
     from kvbench.models.loading import load_model
+    from kvbench.progress import Progress
 
+    clock = time.perf_counter()
     model = load_model(resolved["model"])
+    run_dir.log(f"model {resolved['model']['name']} loaded in {time.perf_counter() - clock:.1f} s")
     config_yaml = yaml.safe_dump(resolved, sort_keys=True)
     ids = task.sample_ids()
     total = len(ids) - len(done & set(ids)) if ids is not None else None
     ran = 0
-    bar = tqdm(total=total, desc=run_dir.path.name, unit="sample", disable=not resolved.get("progress", True),
-               file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    progress = Progress(run_dir, total=total, enabled=bool(resolved.get("progress", True)))
     try:
         for sample in task.samples(model):
             if sample.id in done:
                 continue
+            clock = time.perf_counter()
             result = run_sample(task, sample, model, method, budget, profile)
             record = result.to_record()
             record["protocol"] = task.protocol()
             if ran == 0:
-                run_dir.create(config_yaml, environment(model.spec))
+                run_dir.create(config_yaml, environment(model.spec), total=len(ids) if ids is not None else None)
             run_dir.append(record)
             ran += 1
-            if result.score is not None:  # tasks without gold answers score None
-                bar.set_postfix(score=f"{result.score:.1f}")
-            bar.update(1)
+            progress.sample(sample.id, result.score, time.perf_counter() - clock)
     finally:
-        bar.close()
+        progress.close()
     return ran
 
 
@@ -158,15 +206,6 @@ def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> l
     return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
 
 
-def _check_writable(path: Path) -> None:
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write results under {path} ({probe} is not a writable directory)",
-                          "set output_dir=<a writable folder>")
 
 
 def device_name(device: str) -> str:

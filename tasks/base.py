@@ -99,6 +99,11 @@ class Task:
     def samples(self, model: LoadedModel) -> Iterable[Sample]:
         raise NotImplementedError
 
+    def data_files(self) -> list[Path]:
+        """The local data files this run will read (from ``task.data_dir``), so that
+        :mod:`kvbench.validate` can check them before the model is loaded; none by default."""
+        return []
+
     def limited(self, samples: Iterable[Sample]) -> Iterable[Sample]:
         limit = self.cfg.get("limit")
         for index, sample in enumerate(samples):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 from typing import Any, Iterable
 
 from kvbench.errors import ConfigError
@@ -108,6 +109,10 @@ class GSM8kCoT(Task):
         self._exemplars: str | None = None
 
     # ------------------------------------------------------------------ data
+    def data_files(self) -> list[Path]:
+        folder = data_dir(self.cfg)
+        return [find_file(folder, TEST_FILES, "the GSM8k test set", WHERE)] if folder is not None else []
+
     def _rows(self) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
         if folder is not None:

@@ -35,6 +35,7 @@ import random
 import re
 import statistics
 import uuid
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -211,13 +212,22 @@ class InfiniteBench(Task):
         }
 
     # ------------------------------------------------------------------ data
+    def _local_file(self, folder: Path, task: str) -> Path:
+        path = folder / (self.cfg["file"] or f"{task}.jsonl")
+        if not path.exists():
+            raise ConfigError(f"{task}.jsonl not found in {folder}", f"get it from {WHERE}")
+        return path
+
+    def data_files(self) -> list[Path]:
+        folder = data_dir(self.cfg)
+        if folder is None or self.generating:
+            return []
+        return [self._local_file(folder, task) for task in self.names]
+
     def _rows(self, task: str) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
         if folder is not None:
-            path = folder / (self.cfg["file"] or f"{task}.jsonl")
-            if not path.exists():
-                raise ConfigError(f"{task}.jsonl not found in {folder}", f"get it from {WHERE}")
-            return read_jsonl(path)
+            return read_jsonl(self._local_file(folder, task))
         return hub_rows("xinrongzhang2022/InfiniteBench", None, task, WHERE)
 
     def format_prompt(self, task: str, row: dict[str, Any]) -> str:

@@ -138,18 +138,28 @@ class LongBench(Task):
         }
 
     # ------------------------------------------------------------------ data
+    def _file(self, name: str) -> str:
+        return f"{name}_e" if self.cfg["e"] else name
+
+    def _local_file(self, folder: Path, name: str) -> Path:
+        file = self._file(name)
+        path = folder / f"{file}.jsonl"
+        if not path.exists():
+            found = sorted(folder.rglob(f"{file}.jsonl"))
+            if not found:
+                raise ConfigError(f"{file}.jsonl not found in {folder}", f"get it from {WHERE}")
+            path = found[0]
+        return path
+
+    def data_files(self) -> list[Path]:
+        folder = data_dir(self.cfg)
+        return [self._local_file(folder, name) for name in self.names] if folder is not None else []
+
     def _rows(self, name: str) -> Iterable[dict[str, Any]]:
-        file = f"{name}_e" if self.cfg["e"] else name
         folder = data_dir(self.cfg)
         if folder is not None:
-            path = folder / f"{file}.jsonl"
-            if not path.exists():
-                found = sorted(folder.rglob(f"{file}.jsonl"))
-                if not found:
-                    raise ConfigError(f"{file}.jsonl not found in {folder}", f"get it from {WHERE}")
-                path = found[0]
-            return read_jsonl(path)
-        return hub_rows("THUDM/LongBench", file, "test", WHERE)
+            return read_jsonl(self._local_file(folder, name))
+        return hub_rows("THUDM/LongBench", self._file(name), "test", WHERE)
 
     def samples(self, model: Any) -> Iterable[Sample]:
         limit, source = self.limit_for(model)

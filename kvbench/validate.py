@@ -1,0 +1,316 @@
+"""Validate a resolved run config before anything is loaded.
+
+A mistake in a config should cost a second, not a model load and a computed sample: ``kvbench run``
+calls :func:`validate_points` on *every* point of a sweep before Hydra starts the first job, and
+:func:`kvbench.runner.run` calls :func:`validate` again for callers of the Python API. Each check
+raises :class:`~kvbench.errors.ConfigError` (one line, with the fix).
+
+Two lists of checks, run in order:
+
+* :data:`CONFIG_CHECKS` need only the config and the file system. They import neither torch nor a
+  model, so a bad value is reported within about a second of pressing enter: value types of the
+  shared groups (``budget.token_ratio=abc``, negative counts), the task's keys against its defaults'
+  types and its own checks, prompt lengths the model cannot hold (tasks whose prompts are exactly
+  ``task.lengths`` tokens), a missing local ``model.path``, an output folder that cannot be written,
+  a ``task.data_dir`` that is not a folder and data files with a malformed line (file and line named).
+* :data:`METHOD_CHECKS` need the method classes, and importing those imports torch (about two
+  seconds): a compressing method without a budget, a ``budget.tokens`` larger than every prompt.
+
+Plug-in point: a check is any ``callable(resolved) -> None`` that raises ``ConfigError``. Append it to
+:data:`CONFIG_CHECKS` when it needs no torch, else to :data:`METHOD_CHECKS` (e.g. typed method
+parameters: ``METHOD_CHECKS.append(method_params_check)``); both run for every sweep point.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from kvbench.errors import BudgetError, ConfigError, KvbenchError
+
+Check = Callable[[dict[str, Any]], None]
+
+#: ``budget.*`` keys: (accepted types, may it be null, lowest value, example)
+BUDGET_TYPES: dict[str, tuple[tuple[type, ...], bool, float | None, str]] = {
+    "token_ratio": ((int, float), True, None, "budget.token_ratio=0.1"),
+    "tokens": ((int,), True, 1, "budget.tokens=1024"),
+    "comm_ratio": ((int, float), False, 0, "budget.comm_ratio=0.0078125"),
+    "sink": ((int,), True, 0, "budget.sink=32"),
+    "local": ((int,), True, 0, "budget.local=64"),
+    "compensate": ((bool,), False, None, "budget.compensate=true"),
+}
+
+#: tasks whose prompts are exactly ``task.lengths`` tokens, so a length the model cannot hold is known
+#: before loading it; the value gives the tokens a sample needs beyond its length (its generation)
+EXACT_LENGTH_TASKS: dict[str, Callable[[dict[str, Any]], int]] = {
+    "niah": lambda task: int(task.get("max_new_tokens") or 0),  # the prompt is L tokens, template included
+    "pg19": lambda task: 0,  # a teacher-forced pass over L tokens of the book
+}
+
+
+# ---------------------------------------------------------------------- config-only checks
+def check_groups(resolved: dict[str, Any]) -> None:
+    for group in ("model", "method", "task"):
+        if not isinstance(resolved.get(group), dict) or not resolved[group].get("name"):
+            raise ConfigError(f"the config has no {group} group", f"pass {group}=<name> (see `kvbench list`)")
+    if not isinstance(resolved.get("progress", True), bool):
+        raise ConfigError(f"progress={resolved['progress']!r} is not true or false", "use progress=true or progress=false")
+
+
+def _typed(key: str, value: Any, types: tuple[type, ...], nullable: bool, low: float | None, example: str) -> None:
+    if value is None:
+        if not nullable:
+            raise ConfigError(f"{key} must be set", f"e.g. {example}")
+        return
+    if bool not in types and isinstance(value, bool) or not isinstance(value, types):
+        kind = "true or false" if bool in types else "a whole number" if types == (int,) else "a number"
+        raise ConfigError(f"{key}={value!r} is not {kind}", f"e.g. {example}")
+    if low is not None and value < low:
+        raise ConfigError(f"{key}={value!r} is below {low:g}", f"e.g. {example}")
+
+
+def check_budget(resolved: dict[str, Any]) -> None:
+    from kvbench.budget import BudgetConfig
+
+    budget = resolved.get("budget") or {}
+    if not isinstance(budget, dict):
+        raise BudgetError(f"budget={budget!r} is not a group of keys", "set budget.token_ratio=... or budget.tokens=...")
+    for key, value in budget.items():
+        if key in BUDGET_TYPES:
+            _typed(f"budget.{key}", value, *BUDGET_TYPES[key])
+    BudgetConfig.from_mapping(budget)  # unknown keys and ranges
+
+
+def check_profile(resolved: dict[str, Any]) -> None:
+    from dataclasses import fields
+
+    from kvbench.profile import Profile
+
+    profile = resolved.get("profile") or {}
+    known = {f.name: f for f in fields(Profile)}
+    unknown = sorted(set(profile) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown profile key(s): {', '.join(unknown)}", f"use only profile.{{{', '.join(sorted(known))}}}")
+    for key, value in profile.items():
+        default = known[key].default
+        _typed(f"profile.{key}", value, (type(default),), False, None, f"profile.{key}={_show(default)}")
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_task_types(resolved: dict[str, Any]) -> None:
+    """Each ``task.*`` value against the type of the task's default for it (a default of ``[1024]``
+    wants a list of whole numbers); a negative number where the default is not negative."""
+    from kvbench.tasks import REGISTRY
+
+    cfg = resolved["task"]
+    cls = REGISTRY.get(cfg["name"])
+    for key, default in cls.defaults.items():
+        if key in cfg and cfg[key] is not None and default is not None:
+            _like(f"task.{key}", cfg[key], default)
+    limit = cfg.get("limit")
+    if limit is not None:
+        _typed("task.limit", limit, (int,), True, 1, "task.limit=10")
+
+
+def _like(key: str, value: Any, default: Any, example: str | None = None) -> None:
+    example = example or f"e.g. {key}={_example(default)}"
+    if isinstance(default, list):
+        if isinstance(value, str) and default and all(isinstance(d, str) for d in default):
+            return  # one name where a list of names is expected
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} is not a list", example)
+        if default:
+            for item in value:
+                _like(key, item, default[0], example)
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        return
+    if not ok:
+        kind = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}[type(default)]
+        raise ConfigError(f"{key} has {value!r}, which is not {kind}", example)
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and default >= 0 and value < 0:
+        raise ConfigError(f"{key}={value!r} is negative", example)
+
+
+def _example(default: Any) -> str:
+    if isinstance(default, list):
+        return "[" + ",".join(_show(d) for d in default[:3]) + "]"
+    return _show(default)
+
+
+def check_task(resolved: dict[str, Any]) -> None:
+    """The task's own checks (its constructor), with wrong types turned into one line."""
+    from kvbench.tasks import create_task
+
+    try:
+        create_task(resolved["task"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"task {resolved['task']['name']}: a value has the wrong type ({exc})",
+                          "compare your task.* overrides with conf/task/" + f"{resolved['task']['name']}.yaml") from None
+
+
+def model_max_length(model: dict[str, Any]) -> int | None:
+    """The model's context limit when the config states it (``model.max_length``, or a random model's
+    ``max_position_embeddings``); None when only the weights know."""
+    if model.get("max_length"):
+        return int(model["max_length"])
+    if model.get("source") == "random":
+        value = (model.get("config") or {}).get("max_position_embeddings")
+        return int(value) if value else None
+    return None
+
+
+def check_model(resolved: dict[str, Any]) -> None:
+    model = resolved["model"]
+    _typed("model.max_length", model.get("max_length"), (int,), True, 1, "model.max_length=32768")
+    source = model.get("source")
+    if source not in ("asset", "pretrained", "random"):
+        raise ConfigError(f"unknown model.source {source!r}", "use asset, pretrained or random")
+    if source == "asset":
+        from kvbench.assets import get_asset
+
+        get_asset(str(model.get("asset")))
+    if source == "pretrained":
+        path = model.get("path")
+        if not path or path == "???":
+            raise ConfigError(f"model={model['name']} needs a path", "pass model.path=<local dir or hub id>")
+        local = Path(str(path)).expanduser()
+        if local.is_dir():
+            if not (local / "config.json").exists():
+                raise ConfigError(f"model.path={path} holds no config.json", "point model.path at a Hugging Face model folder")
+        elif looks_like_path(str(path)):
+            raise ConfigError(f"model.path={path} is not a folder",
+                              "point model.path at a local model folder, or give a hub id such as org/name")
+
+
+def looks_like_path(text: str) -> bool:
+    """A hub id is ``name`` or ``org/name``; anything absolute, relative (``./``, ``../``, ``~``) or
+    with more than one ``/`` is a local path."""
+    return text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text
+
+
+def check_lengths(resolved: dict[str, Any]) -> None:
+    task, model = resolved["task"], resolved["model"]
+    extra = EXACT_LENGTH_TASKS.get(task["name"])
+    limit = model_max_length(model)
+    if extra is None or limit is None or not task.get("lengths"):
+        return
+    longest = max(int(x) for x in task["lengths"])
+    need = longest + extra(task)
+    if need > limit:
+        raise ConfigError(
+            f"task.lengths contains {longest}: prompt plus generation ({need} tokens) exceeds model "
+            f"{model['name']}'s maximum of {limit} tokens",
+            f"use task.lengths up to {limit - extra(task)}, or a longer-context model",
+        )
+
+
+def check_output_dir(resolved: dict[str, Any]) -> None:
+    """Results can be written under ``output_dir``: probe with a temporary file in the folder itself or
+    its nearest existing parent (permission bits are not enough: root may "write" to /proc)."""
+    path = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    fix = "set output_dir=<a writable folder>"
+    if not probe.is_dir():
+        raise ConfigError(f"cannot write results under {path}: {probe} is not a folder", fix)
+    try:
+        handle, name = tempfile.mkstemp(prefix=".kvbench-probe-", dir=probe)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        raise ConfigError(f"cannot write results under {path}: {probe} is not writable ({exc.strerror})", fix) from None
+
+
+def check_data(resolved: dict[str, Any]) -> None:
+    """``task.data_dir`` is a folder, and the JSONL files the task will read parse line by line (up to
+    ``task.limit`` rows each), so a bad line is reported now, with its file and line number."""
+    from kvbench.tasks import create_task
+    from kvbench.tasks.sources import check_jsonl, data_dir
+
+    task_cfg = resolved["task"]
+    if not task_cfg.get("data_dir"):
+        return
+    data_dir(task_cfg)
+    task = create_task(task_cfg)
+    limit = task_cfg.get("limit")
+    for path in task.data_files():
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, limit)
+        if path.suffix == ".jsonl" and key not in _CHECKED_FILES:  # sweep points share their data files
+            check_jsonl(path, limit=int(limit) if limit is not None else None)
+            _CHECKED_FILES.add(key)
+
+
+_CHECKED_FILES: set[tuple[str, int, int, Any]] = set()
+
+
+CONFIG_CHECKS: list[Check] = [check_groups, check_budget, check_profile, check_task_types, check_task, check_model,
+                              check_lengths, check_output_dir, check_data]
+
+
+# ---------------------------------------------------------------------- checks that need the method classes
+def check_method_budget(resolved: dict[str, Any]) -> None:
+    """A compressing method needs a budget; a ``budget.tokens`` must fit the smallest exact prompt."""
+    from kvbench.budget import BudgetConfig
+    from kvbench.methods import create_method
+
+    method = create_method(resolved["method"])
+    if not method.needs_budget:
+        return
+    budget = BudgetConfig.from_mapping(resolved.get("budget"))
+    if not budget.is_set:
+        raise BudgetError(
+            f"method {method.name} compresses the KV cache and needs a budget",
+            "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
+        )
+    task = resolved["task"]
+    extra = EXACT_LENGTH_TASKS.get(task["name"])
+    if budget.tokens is not None and extra is not None and task.get("lengths"):
+        shortest = min(int(x) for x in task["lengths"])
+        capacity = shortest + extra(task)
+        if budget.tokens > capacity:
+            raise BudgetError(
+                f"budget.tokens={budget.tokens} is larger than the context of task.lengths={shortest} "
+                f"({shortest} prompt tokens + {extra(task)} generated)",
+                f"use budget.tokens <= {capacity}, or a relative budget such as budget.token_ratio=0.1",
+            )
+
+
+METHOD_CHECKS: list[Check] = [check_method_budget]
+
+
+# ---------------------------------------------------------------------- entry points
+def validate(resolved: dict[str, Any], *, methods: bool = True) -> None:
+    """Run :data:`CONFIG_CHECKS`, then (``methods=True``) :data:`METHOD_CHECKS`, on one config."""
+    for check in CONFIG_CHECKS + (METHOD_CHECKS if methods else []):
+        check(resolved)
+
+
+def validate_points(points: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> None:
+    """Validate every sweep point: the config-only checks of all points first (fast), then the method
+    checks. An error names the point (``labels[i]``) when there are several."""
+    for checks in (CONFIG_CHECKS, METHOD_CHECKS):
+        for index, resolved in enumerate(points):
+            try:
+                for check in checks:
+                    check(resolved)
+            except KvbenchError as error:
+                if len(points) > 1:
+                    where = f" (sweep point {index + 1}/{len(points)}: {labels[index]})" if labels else ""
+                    raise type(error)(f"{error.message}{where}", error.fix) from None
+                raise

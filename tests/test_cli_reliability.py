@@ -1,0 +1,199 @@
+"""``kvbench run`` refuses bad configs before loading anything, explains itself, and stops cleanly."""
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbench import cli
+
+KVBENCH = [sys.executable, "-m", "kvbench"]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if a model or a hub data set is loaded."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loaded before validation finished")
+
+    monkeypatch.setattr("kvbench.models.loading.load_model", forbidden)
+    monkeypatch.setattr("kvbench.tasks.sources.hub_rows", forbidden)
+
+
+def base_args(tmp_path, essays, extra=()):
+    """A small NIAH run on tiny_llama; ``extra`` overrides replace the base keys they name."""
+    base = ["model=tiny_llama", f"output_dir={tmp_path / 'runs'}", "progress=false", f"task.data_dir={essays}",
+            "task.lengths=[600]", "task.depths=[0]", "task.max_new_tokens=4"]
+    keys = {a.partition("=")[0] for a in extra}
+    if "task" in keys:  # another task: none of NIAH's keys
+        base = [a for a in base if not a.startswith("task.")]
+    return [a for a in base if a.partition("=")[0] not in keys] + list(extra)
+
+
+def bad_jsonl(tmp_path):
+    folder = tmp_path / "longbench"
+    folder.mkdir()
+    row = {"input": "q", "context": "c", "answers": ["a"], "length": 3, "_id": "x"}
+    (folder / "multi_news.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n" + '{"input": "q", \n')
+    return folder
+
+
+CASES = {
+    "ratio not a number": (["method=oracle", "budget.token_ratio=abc"], "budget.token_ratio='abc' is not a number"),
+    "negative tokens": (["method=oracle", "budget.tokens=-3"], "budget.tokens=-3"),
+    "fractional sink": (["method=oracle", "budget.token_ratio=0.1", "budget.sink=1.5"], "budget.sink=1.5 is not a whole number"),
+    "lengths not a list": (["task.lengths=abc"], "task.lengths='abc' is not a list"),
+    "negative generation": (["task.max_new_tokens=-4"], "task.max_new_tokens=-4 is negative"),
+    "limit not a number": (["task.limit=ten"], "task.limit='ten' is not a whole number"),
+    "longer than the model": (["model.max_length=500"], "exceeds model tiny_llama's maximum of 500"),
+    "budget beyond the context": (["method=oracle", "budget.tokens=5000"], "larger than the context"),
+    "missing model folder": (["model=hf", "model.path=/nonexistent/models/llama"], "model.path=/nonexistent/models/llama is not a folder"),
+    "no model path": (["model=hf"], "model=hf needs a path"),
+    "bad second sweep point": (["-m", "method=full,oracle", "budget.token_ratio=0.1,abc"], "(sweep point 2/4: method=full budget.token_ratio=abc)"),
+    "sweep without -m": (["method=full,oracle"], "method=full,oracle is a sweep"),
+    "output under a file": (["output_dir=FILE/runs"], "FILE is not a folder"),
+    "output in /proc": (["output_dir=/proc/kvbench-runs"], "cannot write results under /proc/kvbench-runs"),
+    "non-ASCII path": (["output_dir=/tmp/résumé"], "'output_dir=\"/tmp/résumé\"'"),
+    "malformed data line": (["task=longbench", "task.data_dir=LONGBENCH"], "multi_news.jsonl:3: not a valid JSON line"),
+    "unknown option": (["--verbose"], "unknown option --verbose"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_config_fails_fast_before_loading(name, tmp_path, essays, no_loading, capsys):
+    if name == "output in /proc" and not Path("/proc/self").exists():
+        pytest.skip("no /proc here")
+    extra, needle = CASES[name]
+    (tmp_path / "file").write_text("a file, not a folder")
+    places = {"LONGBENCH": str(bad_jsonl(tmp_path)) if "LONGBENCH" in str(extra) else "", "FILE": str(tmp_path / "file")}
+    for key, value in places.items():
+        extra, needle = [a.replace(key, value) for a in extra], needle.replace(key, value)
+    started = time.perf_counter()
+    code = cli.main(["run", *base_args(tmp_path, essays, extra)])
+    seconds = time.perf_counter() - started
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("kvbench: error: ") and needle in lines[0] and "(fix: " in lines[0], lines[0]
+    assert seconds < 3, f"validation took {seconds:.1f} s"
+    runs = tmp_path / "runs"
+    assert not runs.exists() or not any(runs.iterdir()), "a refused run left files behind"
+
+
+def test_validation_needs_no_torch(tmp_path, essays):
+    """In a fresh interpreter the config-only checks answer without importing torch (about 2 s alone)."""
+    script = ("import sys; from kvbench.cli import main; code = main(sys.argv[1:]); "
+              "print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)")
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", script, "run", *base_args(tmp_path, essays, ["budget.token_ratio=abc"])],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "budget.token_ratio='abc'" in out.stderr
+    assert out.stdout.split() == ["False", "False"], "validation imported torch or transformers"
+    print(f"fresh-process validation error after {time.perf_counter() - started:.2f} s")
+
+
+def test_run_help_prints_usage():
+    out = subprocess.run(KVBENCH + ["run", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == ""
+    for needle in ("usage: kvbench run", "--dry-run", "--wait", "method=", "streamingllm", "task=", "niah",
+                   "budget.token_ratio", "examples:", "kvbench run -m method=full,oracle"):
+        assert needle in out.stdout, needle
+
+
+def test_dry_run_prints_the_run_directory_and_config_and_runs_nothing(tmp_path, essays, no_loading, capsys):
+    args = base_args(tmp_path, essays)
+    assert cli.main(["run", "--dry-run", "-m", *args, "method=full,streamingllm", "budget.token_ratio=0.1"]) == 0
+    out = capsys.readouterr().out
+    dirs = [line.split(": ", 1)[1].split(" [")[0] for line in out.splitlines() if line.startswith("# run directory:")]
+    assert len(dirs) == 2 and all(Path(d).parent == tmp_path / "runs" for d in dirs)
+    assert "niah-full-tiny_llama-" in dirs[0] and "[new] (1 samples)" in out
+    assert "token_ratio: 0.1" in out and "token_ratio: null" in out  # full ignores the budget (and hashes none)
+    assert not (tmp_path / "runs").exists()
+    assert cli.main(["run", "--cfg", "job", *args]) == 0 and "# run directory:" in capsys.readouterr().out
+
+
+def test_quoted_non_ascii_output_dir_is_accepted(tmp_path, essays, no_loading, capsys):
+    target = tmp_path / "résumé"
+    args = [a for a in base_args(tmp_path, essays) if not a.startswith("output_dir=")]
+    assert cli.main(["run", "--dry-run", f'output_dir="{target}"', *args]) == 0
+    assert str(target) in capsys.readouterr().out
+
+
+def test_ctrl_c_saves_samples_and_prints_the_resume_command(tmp_path, essays):
+    args = ["run", "model=tiny_llama", f"output_dir={tmp_path / 'runs'}", f"task.data_dir={essays}",
+            "task.lengths=[600,700]", "task.depths=[0,0.5,1]", "task.max_new_tokens=8"]
+    proc = subprocess.Popen(KVBENCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        found = list((tmp_path / "runs").glob("*/samples.jsonl"))
+        if found and found[0].read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    samples = found[0]
+    saved = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
+    assert last.startswith(f"kvbench: interrupted: {len(saved)} of 6 samples saved in {samples.parent}; resume with: kvbench run ")
+    assert 1 <= len(saved) < 6
+    assert json.loads((samples.parent / "status.json").read_text())["state"] == "interrupted"
+    report = subprocess.run(KVBENCH + ["report", str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
+    assert f"unfinished {len(saved)}/6" in report.stdout
+    resume = shlex.split(last.split("resume with: ", 1)[1])
+    assert resume[:2] == ["kvbench", "run"] and resume[2:] == args[1:]
+    done = subprocess.run(KVBENCH + resume[1:], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    final = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
+    assert final[: len(saved)] == saved and len(final) == len(set(final)) == 6
+    assert f"({6 - len(saved)} new samples" in done.stdout
+
+
+def test_plain_progress_when_not_a_terminal(tmp_path):
+    import io
+
+    from kvbench.progress import Progress
+    from kvbench.results import RunDir
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    stream = io.StringIO()
+    progress = Progress(run_dir, total=3, stream=stream, interval=0.0)
+    for sample_id, score in (("a", 100.0), ("b", 0.0), ("c", 50.0)):
+        progress.sample(sample_id, score, 0.1)
+    progress.close()
+    text = stream.getvalue()
+    assert "\r" not in text and text.count("\n") == 3
+    assert text.splitlines()[1].endswith("2/3 samples, mean score 50.0, 0 s")  # the mean, not the last score
+    log = (run_dir.path / "run.log").read_text().splitlines()
+    assert len(log) == 3 and "sample c: score 50.00" in log[2] and "mean score 50.00" in log[2]
+
+
+def test_check_names_the_real_checks(tmp_path, capsys):
+    golden = tmp_path / "checks.yaml"
+    golden.write_text("- {name: niah_full, overrides: [model=tiny_llama], expect: {score: 0}}\n")
+    assert cli.main(["check", "--golden", str(golden), "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown check(s) nope" in err and "choose from: niah_full" in err
+
+
+def test_offline_hub_fails_at_once(monkeypatch):
+    from kvbench.errors import ConfigError
+    from kvbench.tasks.sources import hub_rows
+
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setattr("datasets.load_dataset", lambda *a, **k: pytest.fail("went to the hub"))
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="unreachable") as err:
+        next(hub_rows("THUDM/LongBench", "multi_news", "test", "LongBench's data.zip"))
+    assert time.perf_counter() - started < 5
+    assert "task.data_dir" in err.value.fix and "HF_HUB_OFFLINE=1" in err.value.fix

@@ -1,0 +1,137 @@
+"""Reports show unfinished runs as such, refuse what they cannot answer, and draw readable figures."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvbench import cli
+from kvbench.errors import ConfigError
+from kvbench.report import comparison_figure, pivot_table, runs_table
+from kvbench.runner import run
+from tests.conftest import niah_run_config
+from tests.test_notebooks import execute
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "compare_methods.ipynb"
+
+
+def unfinish(run_dir: Path, keep: int) -> None:
+    """Make a finished run look interrupted after ``keep`` samples (as Ctrl-C before its end leaves it)."""
+    samples = run_dir / "samples.jsonl"
+    samples.write_text("".join(samples.read_text().splitlines(keepends=True)[:keep]))
+    (run_dir / "metrics.json").unlink()
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "interrupted"}))
+
+
+def table_rows(table: str) -> list[dict[str, str]]:
+    lines = [line.strip("|").split(" | ") for line in table.splitlines()]
+    header = [cell.strip() for cell in lines[0]]
+    return [dict(zip(header, (cell.strip() for cell in row))) for row in lines[2:]]
+
+
+def test_unfinished_runs_are_shown_with_their_progress(tmp_path, niah_config, capsys):
+    full = run(niah_config()).run_dir
+    oracle = run(niah_config(method="oracle", budget__token_ratio=0.1)).run_dir
+    legacy = run(niah_config(method="streamingllm", budget__token_ratio=0.1)).run_dir
+    unfinish(oracle, keep=3)
+    unfinish(legacy, keep=1)
+    (legacy / "status.json").unlink()  # a run from before status.json: its total is unknown
+    rows = {row["method"]: row for row in table_rows(runs_table([tmp_path / "runs"]))}
+    assert rows["full"]["status"] == "finished" and rows["full"]["n"] == "4"
+    assert rows["oracle"]["status"] == "unfinished 3/4" and rows["oracle"]["score"] == "–"
+    assert rows["streamingllm"]["status"] == "unfinished 1"
+    failed = json.loads((oracle / "status.json").read_text())
+    (oracle / "status.json").write_text(json.dumps({**failed, "state": "failed"}))
+    rows = {row["method"]: row for row in table_rows(runs_table([tmp_path / "runs"]))}
+    assert rows["oracle"]["status"] == "failed 3/4"
+    # pivots and figures compare finished runs only, and say what they left out
+    capsys.readouterr()
+    grid = pivot_table([tmp_path / "runs"], ["method"], [], value="score")
+    assert [row["method"] for row in table_rows(grid)] == ["full"]
+    assert "left out 2 run(s) that are not finished" in capsys.readouterr().err
+    assert full.exists()
+
+
+def test_report_refuses_a_missing_folder_and_unknown_columns(tmp_path, niah_config, capsys):
+    assert cli.main(["report", str(tmp_path / "no-such-folder")]) == 2
+    assert "no results folder" in capsys.readouterr().err
+    run(niah_config())
+    assert cli.main(["report", str(tmp_path / "runs"), "--where", "methd=full"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --where column(s) methd" in err and "did you mean method" in err and "valid columns: model, method" in err
+    assert cli.main(["report", str(tmp_path / "runs"), "--where", "method=full"]) == 0
+    assert "| full |" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="unknown --where column"):
+        comparison_figure([tmp_path / "runs"], tmp_path / "f.png", where={"nope": "1"})
+
+
+def test_a_shared_cell_names_the_options_that_separate_the_runs(tmp_path, niah_config):
+    run(niah_config())
+    run(niah_config(task__question_position="start"))
+    with pytest.raises(ConfigError, match="several runs share the cell") as err:
+        pivot_table([tmp_path / "runs"], ["method"], [], value="score")
+    assert "differ in question" in err.value.message
+    assert re.search("--where question=(end|start)", err.value.fix) and "--pivot method,question ''" in err.value.fix
+    assert "--rows" not in err.value.fix and "--cols" not in err.value.fix
+
+
+def capture_figures(monkeypatch):
+    import kvbench.plots
+
+    figures = []
+    monkeypatch.setattr(kvbench.plots, "_save", lambda fig, path: figures.append(fig) or path)
+    return figures
+
+
+def test_a_one_cell_heatmap_keeps_its_title_inside(tmp_path, monkeypatch):
+    from kvbench.plots import niah_heatmap
+
+    figures = capture_figures(monkeypatch)
+    niah_heatmap([{"meta": {"length": 1024, "depth": 0.5}, "score": 80.0}], tmp_path / "h.png",
+                 title="smollm2_135m · streamingllm · ratio 0.1")
+    fig = figures[0]
+    fig.canvas.draw()
+    title = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+    assert title.x0 >= 0 and title.x1 <= fig.bbox.width and title.y1 <= fig.bbox.height
+
+
+def test_panels_with_different_depth_grids_keep_their_own_depth_labels(tmp_path, monkeypatch):
+    from kvbench.plots import niah_panels
+
+    def records(depths, score):
+        return [{"meta": {"length": n, "depth": d}, "score": score} for n in (600, 700) for d in depths]
+
+    figures = capture_figures(monkeypatch)
+    niah_panels([("a", records([0.0, 1.0], 50.0)), ("b", records([0.0, 0.5, 1.0], 90.0))], tmp_path / "p.png")
+    niah_panels([("a", records([0.0, 1.0], 50.0)), ("b", records([0.0, 1.0], 90.0))], tmp_path / "q.png")
+
+    def labelled(ax):
+        return [t.label1.get_text() for t in ax.yaxis.get_major_ticks() if t.label1.get_visible()]
+
+    for fig in figures:
+        fig.canvas.draw()
+    different, same = figures
+    assert labelled(different.axes[0]) == ["0%", "100%"] and labelled(different.axes[1]) == ["0%", "50%", "100%"]
+    assert labelled(same.axes[0]) == ["0%", "100%"] and labelled(same.axes[1]) == []  # shared: first column only
+
+
+def test_the_notebook_finds_the_repositorys_runs_from_notebooks(tmp_path, essays, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "notebooks").mkdir(parents=True)
+    run(niah_run_config(repo / "results" / "runs", essays))
+    monkeypatch.delenv("KVBENCH_RESULTS", raising=False)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.chdir(repo / "notebooks")
+    namespace = execute(NOTEBOOK)
+    assert Path(namespace["RESULTS"]) == (repo / "results" / "runs").resolve()
+    assert len(namespace["runs"]) == 1 and namespace["table"] is not None
+
+
+def test_the_notebook_says_no_runs_found(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KVBENCH_RESULTS", raising=False)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.chdir(tmp_path)
+    namespace = execute(NOTEBOOK)
+    assert "no runs found under" in capsys.readouterr().out and namespace["table"] is None
