@@ -76,6 +76,9 @@ def plan(resolved: dict[str, Any]) -> Plan:
     if not method.needs_budget:
         # a method that does not compress ignores the budget: runs of one sweep share its run directory
         resolved = {**resolved, "budget": {key: None for key in (resolved.get("budget") or {})}}
+    if not getattr(method, "uses_chunk_store", False):
+        # only reuse methods read store.*: other methods' run ids do not depend on it
+        resolved = {key: value for key, value in resolved.items() if key != "store"}
     output_dir = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
     return Plan(resolved, task, method, budget, profile, RunDir(output_dir / run_id_for(resolved)))
 
@@ -139,6 +142,10 @@ def _run_samples(
 
     clock = time.perf_counter()
     model = load_model(resolved["model"])
+    if getattr(method, "uses_chunk_store", False):
+        from kvbench.kv.chunks import ChunkStore, StoreConfig
+
+        method.attach_store(ChunkStore(StoreConfig.from_mapping(resolved.get("store"))))
     run_dir.log(f"model {resolved['model']['name']} loaded in {time.perf_counter() - clock:.1f} s")
     config_yaml = yaml.safe_dump(resolved, sort_keys=True)
     ids = task.sample_ids()

@@ -259,7 +259,15 @@ def check_data(resolved: dict[str, Any]) -> None:
 _CHECKED_FILES: set[tuple[str, int, int, Any]] = set()
 
 
-CONFIG_CHECKS: list[Check] = [check_groups, check_budget, check_profile, check_task_types, check_task, check_model,
+def check_store(resolved: dict[str, Any]) -> None:
+    """``store.*`` (the chunk store of reuse methods): known keys, a tier that exists, sizes >= 0."""
+    from kvbench.kv.chunks import StoreConfig
+
+    if resolved.get("store") is not None:
+        StoreConfig.from_mapping(resolved["store"])
+
+
+CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_budget, check_profile, check_task_types, check_task, check_model,
                               check_lengths, check_output_dir, check_data]
 
 

@@ -72,6 +72,8 @@ class ReuseMethod(KVMethod):
     family = "reuse"
     needs_budget = False
     extends_with_many_tokens = True
+    #: the runner attaches a chunk store built from the ``store.*`` config (see :meth:`attach_store`)
+    uses_chunk_store: ClassVar[bool] = True
     #: the run fails when the method reused no cached token (full reuse and CacheBlend always reuse)
     must_reuse: ClassVar[bool] = True
 

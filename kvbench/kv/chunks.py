@@ -32,11 +32,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import ConfigError
+
+if TYPE_CHECKING:  # the module itself needs no torch: the CLI checks store.* before importing it
+    import torch
 
 TIERS = ("ram", "disk")
 
