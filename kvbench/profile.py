@@ -9,3 +9,4 @@ from dataclasses import dataclass
 class Profile:
     recall: bool = False  # recall of the exact top-k (an exact scoring pass per decode step)
     recall_rule: str = "softmax_sum"  # GQA rule of the exact reference for per-KV-head selections
+    deviation: bool = False  # reuse methods: KV and attention deviation from a full prefill (costs one, untimed)

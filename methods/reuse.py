@@ -159,7 +159,16 @@ class ReuseMethod(KVMethod):
         spent = time.perf_counter() - started
         store.precompute_s += spent
         store.precomputed += computed
-        return {"precompute_s": spent, "precomputed_chunks": computed, "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
+        report = {"precompute_s": spent, "precomputed_chunks": computed, "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
+        self._reference = None
+        if ctx.profile.deviation:
+            from kvbench.engine.generate import prefill_kv
+
+            started = time.perf_counter()
+            rows = _query_rows(segments)
+            self._reference = prefill_kv(ctx.loaded, input_ids.tolist(), query_rows=rows)
+            report["reference_s"] = time.perf_counter() - started
+        return report
 
     # ------------------------------------------------------------------ the plan
     def prefill_plan(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> PrefillPlan:
@@ -190,6 +199,11 @@ class ReuseMethod(KVMethod):
                 f"method {self.name} was asked to reuse cached K/V but recomputed every token",
                 "this is a bug in the method; report it with the run's config.yaml",
             )
+
+
+def _query_rows(segments: tuple[Segment, ...]) -> torch.Tensor:
+    return torch.cat([torch.arange(b, e) for seg, (b, e) in zip(segments, segment_spans(segments)) if seg.role == "query"]
+                     or [torch.zeros(0, dtype=torch.long)])
 
 
 class ReusePrefill(PrefillPlan):
@@ -226,6 +240,8 @@ class ReusePrefill(PrefillPlan):
         self.installed_layers = 0
         self._keep: torch.Tensor | None = None
         self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows
+        self.reference = getattr(method, "_reference", None)  # profile.deviation: the full prefill's K, V, Q
+        self._queries: dict[int, torch.Tensor] = {}  # profile.deviation: the query rows' queries per layer
 
     # ------------------------------------------------------------------ per layer
     def before_layer(self, layer: int) -> None:
@@ -270,6 +286,8 @@ class ReusePrefill(PrefillPlan):
     ) -> torch.Tensor:
         kv = self.ctx.store[layer]
         active = self.active
+        if self.reference is not None:
+            self._queries[layer] = query[0][:, self.query_mask[active].to(query.device)].clone()
         started = time.perf_counter()
         self._keep = self.method.on_layer(self, layer, value[0])
         self.timing["select_s"] += time.perf_counter() - started
@@ -296,6 +314,7 @@ class ReusePrefill(PrefillPlan):
         return self._keep
 
     def telemetry(self) -> dict[str, Any]:
+        deviation = self._deviation() if self.reference is not None else None
         for span in self.spans:
             if span.reader is not None:
                 span.reader.close()
@@ -312,4 +331,83 @@ class ReusePrefill(PrefillPlan):
             "chunks": len(self.spans),
             "chunk_tiers": tiers,
             **self.timing,
+            **({"deviation": deviation} if deviation is not None else {}),
         }
+
+    # ------------------------------------------------------------------ profile.deviation
+    def _deviation(self) -> dict[str, Any]:
+        """How far reuse is from a full prefill (CacheBlend Figs. 6–8), computed after the prefill.
+
+        * ``reused_kv``: per layer, the KV deviation of every cached token *as reused* (re-rotated,
+          before any recompute) from the full prefill's — squared L2 of V summed over heads and
+          dimensions, the quantity CacheBlend selects by — as a 101-point quantile curve, its mean, and
+          the share of the total carried by the top 15 % of tokens (Fig. 7);
+        * ``spearman``: rank correlation of those per-token deviations between consecutive layers (Fig. 8);
+        * ``attention``: per layer, the Frobenius norm of the difference between the query rows'
+          attention (softmax over every prompt key, causal by position) in this prefill and in the full
+          one, averaged over heads, and its mean over layers (Fig. 6's y axis);
+        * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute.
+        """
+        keys_f, values_f, queries_f = self.reference
+        model = self.ctx.model
+        cached = torch.nonzero(self.cached_mask).flatten()
+        curves, means, top15, per_layer = [], [], [], []
+        blended, attention_dev = [], []
+        scale = self.ctx.spec.head_dim ** -0.5
+        positions = torch.arange(self.n)
+        query_positions = positions[self.query_mask]
+        for layer in range(len(keys_f)):
+            dev = torch.zeros(self.n)
+            for span in self.spans:
+                assert span.reader is not None
+                _, v = span.reader.layer(layer)
+                v = v[:, span.rows].float()
+                dev[span.begin : span.end] = (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
+            tokens = dev[cached]
+            per_layer.append(tokens)
+            ordered = torch.sort(tokens).values
+            curves.append([round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))] if tokens.numel() else [])
+            means.append(float(tokens.mean()) if tokens.numel() else 0.0)
+            k = max(1, int(0.15 * tokens.numel()))
+            total = float(tokens.sum())
+            top15.append(float(ordered[-k:].sum()) / total if total > 0 else 0.0)
+            kv = self.ctx.store[layer]
+            blend_k, blend_v = kv.keys[:, : self.n].float(), kv.values[:, : self.n].float()
+            blended.append(float(((blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
+                                  + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))).mean()))
+            q_b, q_f = self._queries.get(layer), queries_f[layer]
+            if q_b is not None and q_b.shape[1]:
+                a_b = _attention(q_b.float(), blend_k, query_positions, positions, scale)
+                a_f = _attention(q_f.float(), keys_f[layer].float(), query_positions, positions, scale)
+                attention_dev.append(float((a_b - a_f).flatten(1).norm(dim=1).mean()))
+        spearman = [_spearman(a, b) for a, b in zip(per_layer, per_layer[1:])]
+        return {
+            "metric": "V squared L2 summed over heads and dims (reused_kv); K+V (blended_kv)",
+            "reused_kv_quantiles": curves,
+            "reused_kv_mean": means,
+            "reused_kv_top15_share": top15,
+            "spearman": spearman,
+            "blended_kv_mean": blended,
+            "attention": attention_dev,
+            "attention_mean": float(sum(attention_dev) / len(attention_dev)) if attention_dev else None,
+        }
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention ``[heads, rows, keys]`` of queries ``[heads, rows, d]`` over keys ``[kv_heads, n, d]``
+    (query head h reads KV head h // group), causal by position."""
+    group = q.shape[0] // k.shape[0]
+    logits = torch.einsum("hrd,hnd->hrn", q, k.repeat_interleave(group, dim=0)) * scale
+    logits = logits.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman rank correlation of two equally long vectors (None when either is constant)."""
+    if a.numel() < 2:
+        return None
+    ra = torch.argsort(torch.argsort(a)).double()
+    rb = torch.argsort(torch.argsort(b)).double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = float(ra.norm() * rb.norm())
+    return float((ra * rb).sum()) / denominator if denominator else None

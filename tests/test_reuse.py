@@ -258,3 +258,25 @@ def test_cacheblend_from_disk_equals_cacheblend_from_ram(tiny_llama, random_ids,
     assert disk.telemetry["prepared"]["precomputed_chunks"] == 4
     again = run(tiny_llama, "cacheblend", segments, store=disk_store)
     assert again.telemetry["prepared"]["precomputed_chunks"] == 0 and again.tokens == ram.tokens
+
+
+def test_profile_deviation_measures_reuse_against_a_full_prefill(tiny_llama, random_ids):
+    from kvbench.profile import Profile
+
+    segments = segmented(random_ids, seed=9)
+    ids = join_segments(segments)
+
+    def deviation(name, **cfg):
+        out = generate(tiny_llama, create_method({"name": name, **cfg}), ids, max_new_tokens=2, segments=segments,
+                       budget=BudgetConfig(), profile=Profile(deviation=True))
+        return out.telemetry["prefill"]["deviation"]
+
+    exact = deviation("cacheblend", recompute_ratio=1.0)
+    reuse = deviation("full_reuse")
+    blend = deviation("cacheblend", recompute_ratio=0.3)
+    layers = tiny_llama.spec.n_layers
+    assert len(reuse["reused_kv_quantiles"]) == layers and len(reuse["spearman"]) == layers - 1
+    assert reuse["reused_kv_mean"][0] < 1e-8 < reuse["reused_kv_mean"][1]  # layer 0 cannot deviate
+    assert exact["attention_mean"] < 1e-4 and max(exact["blended_kv_mean"]) < 1e-6  # recompute all = full
+    assert reuse["attention_mean"] > blend["attention_mean"] > exact["attention_mean"]
+    assert all(-1 <= r <= 1 for r in reuse["spearman"] if r is not None)

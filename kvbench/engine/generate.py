@@ -221,17 +221,33 @@ def perplexity(nll: Sequence[float]) -> float:
     return math.exp(sum(nll) / len(nll)) if nll else float("nan")
 
 
-def prefill_kv(loaded: LoadedModel, input_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def prefill_kv(
+    loaded: LoadedModel, input_ids: Sequence[int], *, query_rows: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """K (post-RoPE, at positions ``0..n-1``) and V of every layer after a dense prefill of
-    ``input_ids``, exactly as ``full`` computes them (``[kv_heads, n, head_dim]`` each).
+    ``input_ids``, exactly as ``full`` computes them (``[kv_heads, n, head_dim]`` each); with
+    ``query_rows``, also every layer's post-RoPE queries of those rows (``[heads, rows, head_dim]``).
 
-    Reuse methods precompute chunk caches with it, outside any measured time.
+    Reuse methods precompute chunk caches with it, and ``profile.deviation`` its full-prefill
+    reference, outside any measured time.
     """
     from kvbench.engine.prefill import DensePrefill
     from kvbench.methods import create_method
 
     ids = torch.tensor(list(input_ids), dtype=torch.long)
     ctx = _new_context(loaded, create_method({"name": "full"}), BudgetConfig(), len(ids), 0, Profile())
+    queries: list[torch.Tensor] = []
+    plan = DensePrefill(ctx, ids, torch.arange(len(ids)))
+    if query_rows is not None:
+        dense_attend = plan.attend
+
+        def capture(layer: int, module: Any, query: torch.Tensor, *rest: Any) -> torch.Tensor:
+            queries.append(query[0][:, query_rows.to(query.device)].clone())
+            return dense_attend(layer, module, query, *rest)
+
+        plan.attend = capture  # type: ignore[method-assign]
     with torch.inference_mode(), activate(ctx):
-        ctx.run_prefill(DensePrefill(ctx, ids, torch.arange(len(ids))))
-    return [layer.keys.clone() for layer in ctx.store.layers], [layer.values.clone() for layer in ctx.store.layers]
+        ctx.run_prefill(plan)
+    keys = [layer.keys.clone() for layer in ctx.store.layers]
+    values = [layer.values.clone() for layer in ctx.store.layers]
+    return (keys, values, queries) if query_rows is not None else (keys, values)
