@@ -347,13 +347,6 @@ class Rag(Task):
             budget=out.budget,
         )
 
-    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """Mean score over the samples that have one (``null`` when none has: the example inputs)."""
-        scores = [r["score"] for r in records if r.get("score") is not None]
-        mean = round(float(np.mean(scores)), 2) if scores else None
-        return {"score": mean, "n": len(records), "scored": len(scores),
-                "per_subset": {self.dataset.name: mean} if scores else {}}
-
 
 def fit_chunks(chunks: list[list[int]], room: int) -> tuple[list[list[int]], int, bool]:
     """Drop middle chunks until the rest fit in ``room`` tokens; cut a lone oversized chunk's end.
