@@ -38,7 +38,7 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.prefill import PrefillPlan
-from kvbench.engine.rope import check_rerotatable, rerotate
+from kvbench.engine.rope import apply_rotation, check_rerotatable, rotation
 from kvbench.errors import CompressionNotApplied, ConfigError
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkReader, ChunkStore, model_fingerprint
 from kvbench.methods.base import KVMethod
@@ -227,6 +227,9 @@ class ReusePrefill(PrefillPlan):
         for span in self.spans:
             cached[span.begin : span.end] = True
         self.cached_mask = cached
+        self.cached_slots = torch.cat([torch.arange(span.begin, span.end) for span in self.spans]
+                                      or [torch.zeros(0, dtype=torch.long)])
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
         self.uncached = torch.nonzero(~cached).flatten()
         spans = segment_spans(segments)
         query = torch.zeros(n, dtype=torch.bool)
@@ -263,22 +266,24 @@ class ReusePrefill(PrefillPlan):
         return out
 
     def _install(self, layer: int) -> None:
+        """Write layer ``layer``'s cached rows into the store: every span read from its tier, their keys
+        re-rotated together by each row's delta (one rotation computed for all layers), one write."""
         kv = self.ctx.store[layer]
-        model = self.ctx.model
-        for span in self.spans:
-            assert span.reader is not None
-            started = time.perf_counter()
-            k, v = span.reader.layer(layer)
-            k, v = k[:, span.rows], v[:, span.rows]
-            loaded = time.perf_counter()
-            if span.delta:
-                k = rerotate(model, k, span.delta)
-            rotated = time.perf_counter()
-            positions = torch.arange(span.begin, span.end)
-            kv.write(positions, k, v, positions)
-            done = time.perf_counter()
-            self.timing["load_s"] += (loaded - started) + (done - rotated)
-            self.timing["rerotate_s"] += rotated - loaded
+        started = time.perf_counter()
+        parts = [span.reader.layer(layer) for span in self.spans]  # type: ignore[union-attr]
+        keys = torch.cat([k[:, span.rows] for (k, _), span in zip(parts, self.spans)], dim=1)
+        values = torch.cat([v[:, span.rows] for (_, v), span in zip(parts, self.spans)], dim=1)
+        loaded = time.perf_counter()
+        if self._rotation is None:
+            deltas = torch.cat([torch.full((span.end - span.begin,), span.delta) for span in self.spans])
+            self._rotation = rotation(self.ctx.model, deltas, keys.device) if bool((deltas != 0).any()) else ()
+        if self._rotation:
+            keys = apply_rotation(self.ctx.model, keys, *self._rotation)
+        rotated = time.perf_counter()
+        kv.write(self.cached_slots, keys, values, self.cached_slots)
+        done = time.perf_counter()
+        self.timing["load_s"] += (loaded - started) + (done - rotated)
+        self.timing["rerotate_s"] += rotated - loaded
         self.installed_layers += 1
 
     def attend(
