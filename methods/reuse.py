@@ -312,7 +312,7 @@ class ReusePrefill(PrefillPlan):
             query_positions = torch.arange(self.n - m, self.n)[rows]
         else:
             query_positions = active[rows]
-        out[:, rows.to(query.device)] = attention.with_past(q, kv.keys, kv.values, kv.positions, query_positions, scaling)
+        out[:, rows.to(query.device)] = attention.with_past(q, kv.keys, kv.values, kv.positions[0], query_positions, scaling)
         return out
 
     def after_layer(self, layer: int) -> torch.Tensor | None:

@@ -106,14 +106,31 @@ def with_past(
     query_positions: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Several new tokens attending the held cache causally by position (chunked prefill).
+    """Several query rows attending held keys causally by position (chunked prefill, reuse prefill).
 
-    ``query`` ``[1, H, t, d]``; ``keys``/``values`` ``[kv_heads, n, d]``; ``key_positions``
-    ``[kv_heads, n]``; ``query_positions`` ``[t]``. Returns ``[1, t, H, d]``.
+    ``query`` ``[1, H, t, d]``; ``keys``/``values`` ``[kv_heads, n, d]``; ``key_positions`` ``[n]`` (shared
+    by every head) or ``[kv_heads, n]``; ``query_positions`` ``[t]``. A key is visible to a query when its
+    position is not after the query's. Returns ``[1, t, H, d]``.
+
+    The mask is additive (0 / -inf) rather than boolean: PyTorch's CPU SDPA runs its flash kernel with a
+    float mask but falls back to the much slower math path with a boolean one (3x on a reuse prefill).
     """
     n_heads, t, d = query.shape[1], query.shape[2], query.shape[-1]
     kv_heads = keys.shape[0]
-    q = query[0].reshape(kv_heads, n_heads // kv_heads, t, d)
-    mask = key_positions[:, None, None, :] <= query_positions.to(key_positions.device)[None, None, :, None]
-    out = F.scaled_dot_product_attention(q, keys[:, None], values[:, None], attn_mask=mask.to(q.device), scale=scaling)
+    query_positions = query_positions.to(key_positions.device)
+    if key_positions.dim() == 1:
+        hidden = key_positions[None, :] > query_positions[:, None]
+        mask = torch.zeros(1, 1, t, keys.shape[1], dtype=query.dtype, device=query.device)
+        mask.masked_fill_(hidden.to(query.device)[None, None], float("-inf"))
+        out = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, scale=scaling,
+                                             enable_gqa=n_heads != kv_heads)
+        return out.transpose(1, 2)
+    group = n_heads // kv_heads
+    q = query[0].reshape(kv_heads, group, t, d)
+    hidden = key_positions[:, None, None, :] > query_positions[None, None, :, None]
+    mask = torch.zeros(kv_heads, 1, t, keys.shape[1], dtype=query.dtype, device=query.device)
+    mask.masked_fill_(hidden.to(query.device), float("-inf"))
+    k = keys[:, None].expand(kv_heads, group, *keys.shape[1:])
+    v = values[:, None].expand(kv_heads, group, *values.shape[1:])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return out.reshape(n_heads, t, -1).transpose(0, 1).unsqueeze(0)
