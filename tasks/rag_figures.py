@@ -52,9 +52,8 @@ METHODS: dict[str, tuple[str, str, str, str]] = {
 }
 VARIANT_COLORS = ("#ff7f0e", "#2ca02c", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 DATASET_NAMES = {"musique": "MuSiQue", "wikimqa": "2WikiMQA", "multi_news": "Multi-News", "example": "CacheBlend examples"}
-#: config keys that place a run (panel, x value) rather than tell it apart from its neighbours
-PLACED = {"method.name", "method.recompute_ratio", "model", "task.name", "task.dataset", "task.data_dir", "output_dir",
-          "progress"}
+#: config keys that place a run (its series, panel or x value) rather than tell it apart from its neighbours
+PLACED = {"method.name", "method.recompute_ratio", "task.name", "task.dataset", "task.data_dir"}
 RATIO_AXIS = "recompute ratio r (share of context tokens)"
 TTFT_DEFINITION = ("TTFT: request to first token, mean over samples; chunk KV precomputation is excluded, loads from "
                    "the chunk store's tier are included.")
@@ -155,16 +154,22 @@ def series_of(infos: list[RunInfo]) -> list[list[RunInfo]]:
     return [sorted(runs, key=lambda i: (i.ratio is None, i.ratio or 0.0)) for _, runs in ordered]
 
 
-def _style(runs: list[RunInfo], used: dict[str, int]) -> tuple[str, str, str]:
-    """Colour, marker and reference line style of a series: the method's; a second variant of the
-    same method gets the next colour of :data:`VARIANT_COLORS`."""
-    method = runs[0].method
-    name, color, marker, line = METHODS.get(method, (method, None, "o", "--"))
-    seen = used.get(method, 0)
-    used[method] = seen + 1
-    if seen or color is None:
-        color = VARIANT_COLORS[(seen + sum(1 for m in used if m not in METHODS)) % len(VARIANT_COLORS)]
-    return color, marker, line
+class Palette:
+    """The series styles of one panel: a method's own colour, marker and reference line style
+    (:data:`METHODS`) for its first series; further variants of it, and methods without a colour of
+    their own, take the next of :data:`VARIANT_COLORS`."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.spare = 0
+
+    def style(self, method: str) -> tuple[str, str, str]:
+        _, color, marker, line = METHODS.get(method, (method, "", "o", "--"))
+        if not color or method in self.seen:
+            color = VARIANT_COLORS[self.spare % len(VARIANT_COLORS)]
+            self.spare += 1
+        self.seen.add(method)
+        return color, marker, line
 
 
 def _text(value: Any) -> str:
@@ -236,9 +241,9 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     for (model, dataset), runs in grouped.items():
         panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", "mean TTFT (s)", f"{_metric(dataset)} (0–100)",
                       xlim=(0, None))
-        used: dict[str, int] = {}
+        palette = Palette()
         for series in series_of(runs):
-            color, marker, _ = _style(series, used)
+            color, marker, _ = palette.style(series[0].method)
             timed = [(i, s) for i in series if (s := _score(i)) is not None and i.ttft is not None]
             panel.series.append(Series(
                 series[0].label, [i.ttft for i, _ in timed], [s[0] for _, s in timed],
@@ -263,9 +268,9 @@ def ratio(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         quality = Panel(f"{where}Quality", RATIO_AXIS, f"{_metric(dataset)} (0–100)", xpercent=True, xlim=(0, None))
         ttft = Panel(f"{where}Time to first token", RATIO_AXIS, "mean TTFT (s)", xpercent=True, xlim=(0, None),
                      ylim=(0, None))
-        used: dict[str, int] = {}
+        palette = Palette()
         for series in series_of(runs):
-            color, marker, line = _style(series, used)
+            color, marker, line = palette.style(series[0].method)
             scored = [(i, s) for i in series if (s := _score(i)) is not None]
             timed = [i for i in series if i.ttft is not None]
             label = series[0].label
@@ -308,10 +313,10 @@ def deviation(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                        r"KV deviation $\|V - V_{\mathrm{full}}\|_2^2$", xpercent=True, shade=(0.0, 0.15))
         spearman = Panel(f"{where}Rank correlation of KV deviation, layers i and i+1", "layer i",
                          "Spearman correlation", xinteger=True)
-        used: dict[str, int] = {}
+        palette = Palette()
         shares = []
         for label, members in _same_curves(runs):
-            color, marker, _ = _style(members, used)
+            color, marker, _ = palette.style(members[0].method)
             dev = members[0].deviations
             curves = np.array([d["reused_kv_quantiles"][layer][::-1] for d in dev if d["reused_kv_quantiles"][layer]])
             if curves.size:
@@ -384,9 +389,9 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     for (model, dataset), runs in grouped.items():
         panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", RATIO_AXIS,
                       r"attention deviation $\|A - A_{\mathrm{full}}\|_F$", xpercent=True, xlim=(0, None), ylim=(0, None))
-        used: dict[str, int] = {}
+        palette = Palette()
         for series in series_of(runs):
-            color, marker, line = _style(series, used)
+            color, marker, line = palette.style(series[0].method)
             label = _selection_label(series[0])
             points = [(i, _mean_se([d["attention_mean"] for d in i.deviations if d.get("attention_mean") is not None]))
                       for i in series]
