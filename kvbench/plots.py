@@ -185,7 +185,7 @@ def series_panels(panels: list[Panel], path: Path, *, title: str, caption: str =
     import matplotlib.pyplot as plt
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
-    width = max(panel_size[0] * columns, 6.0)
+    width = max(panel_size[0] * columns, 6.4)
     caption = _wrap(caption, int(width * 17)) if caption else ""
     caption_in = 0.12 + 0.125 * (caption.count("\n") + 1) if caption else 0.0
     height = panel_size[1] * rows + 0.5 + caption_in
@@ -196,7 +196,7 @@ def series_panels(panels: list[Panel], path: Path, *, title: str, caption: str =
             ax.axis("off")
             continue
         _draw_panel(ax, panels[index])
-    fig.suptitle(_wrap(title, int(width * 11)), fontsize=11)
+    fig.suptitle(_wrap(title, int(width * 12)), fontsize=11)
     if caption:
         fig.text(0.01, 0.01, caption, fontsize=7.5, va="bottom", ha="left", color="#333333")
     return _save(fig, path)
@@ -208,8 +208,9 @@ def _pinned(data: Any, limits: tuple[float | None, float | None]) -> tuple[float
     low, high = (float(v) for v in data)
     lo = limits[0] if limits[0] is not None else None
     hi = limits[1] if limits[1] is not None else None
-    span = (hi if hi is not None else high) - (lo if lo is not None else low) or 1.0
-    return (lo if lo is not None else low - 0.06 * span, hi if hi is not None else high + 0.06 * span)
+    span = (hi if hi is not None else high) - (lo if lo is not None else low)
+    pad = 0.06 * span if span > 0 else max(1.0, 0.1 * abs(high))  # all data at the pinned end: show a unit
+    return (lo if lo is not None else low - pad, hi if hi is not None else high + pad)
 
 
 def _draw_panel(ax: Any, panel: Panel) -> None:
@@ -228,7 +229,8 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
             yerr = [[max(0.0, y - lo) for y, lo in zip(series.y, series.low)],
                     [max(0.0, hi - y) for y, hi in zip(series.y, series.high)]]
         drawn = ax.errorbar(series.x, series.y, yerr=yerr, color=color, marker=series.marker, linestyle=style,
-                            linewidth=1.4, markersize=5.5, capsize=2.5, elinewidth=0.9, label=series.label)
+                            linewidth=1.4, markersize=5.5 if len(series.x) <= 12 else 3.5, capsize=2.5,
+                            elinewidth=0.9, label=series.label, clip_on=False, zorder=3)
         color = drawn.lines[0].get_color()
         if series.band and series.low is not None and series.high is not None:
             ax.fill_between(series.x, series.low, series.high, color=color, alpha=0.15, linewidth=0)

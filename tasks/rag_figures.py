@@ -18,7 +18,8 @@ kind               CacheBlend  what it shows (one panel, or a pair, per model ×
 ``selection``      Fig. 6      from cacheblend runs with ``profile.deviation=true``: the query rows'
                                attention deviation from a full prefill (mean over layers, heads and
                                samples, ±1 standard error) against the recompute ratio, one line per
-                               ``method.selection`` (HKVD vs random), full KV reuse as a reference
+                               ``method.selection`` (HKVD vs random), full KV reuse (the r = 0
+                               end) as a reference line; other methods are left out
 =================  ==========  =======================================================================
 
 Runs are told apart by their resolved config (:class:`kvbench.report.FigureRun`): the method, its
@@ -240,7 +241,7 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     panels = []
     for (model, dataset), runs in grouped.items():
         panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", "mean TTFT (s)", f"{_metric(dataset)} (0–100)",
-                      xlim=(0, None))
+                      xlim=(0, None), ylim=(0, None))
         palette = Palette()
         for series in series_of(runs):
             color, marker, _ = palette.style(series[0].method)
@@ -253,7 +254,7 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         panels.append(panel)
     caption = (f"{_metric_caption(grouped)} {TTFT_DEFINITION} CacheBlend points are labelled with their recompute "
                f"ratio r. {_samples(infos)}.")
-    return panels, _titled("Generation quality vs. time to first token", grouped), caption, 3
+    return panels, _titled("Quality vs. time to first token", grouped), caption, 3
 
 
 # ---------------------------------------------------------------------- Fig. 16: quality and TTFT vs ratio
@@ -265,7 +266,8 @@ def ratio(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     panels = []
     for (model, dataset), runs in grouped.items():
         where = f"{_where(model, dataset)}: " if len(grouped) > 1 else ""
-        quality = Panel(f"{where}Quality", RATIO_AXIS, f"{_metric(dataset)} (0–100)", xpercent=True, xlim=(0, None))
+        quality = Panel(f"{where}Quality", RATIO_AXIS, f"{_metric(dataset)} (0–100)", xpercent=True, xlim=(0, None),
+                        ylim=(0, None))
         ttft = Panel(f"{where}Time to first token", RATIO_AXIS, "mean TTFT (s)", xpercent=True, xlim=(0, None),
                      ylim=(0, None))
         palette = Palette()
@@ -379,7 +381,8 @@ def _by_layer(deviations: list[dict[str, Any]]) -> list[tuple[int, float, float,
 
 # ---------------------------------------------------------------------- Fig. 6: attention deviation vs ratio
 def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
-    profiled = [i for i in infos if i.deviations and any(d.get("attention_mean") is not None for d in i.deviations)]
+    profiled = [i for i in infos if i.method in ("cacheblend", "full_reuse") and i.deviations
+                and any(d.get("attention_mean") is not None for d in i.deviations)]
     grouped = {key: runs for key, runs in groups(profiled).items() if any(i.ratio is not None for i in runs)}
     if not grouped:
         raise ConfigError("the selection figure needs cacheblend runs with profile.deviation=true",
@@ -407,7 +410,7 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                "every prompt key) under reuse and under a full prefill, mean over heads and layers; mean over samples, "
                "bars: ±1 standard error. HKVD selection recomputes the tokens whose V deviates most at the check layer; "
                f"random selection recomputes as many tokens drawn at random. {_samples(profiled)}.")
-    return panels, _titled("Attention deviation vs. recompute ratio: HKVD vs. random selection", grouped), caption, 3
+    return panels, _titled("Attention deviation: HKVD vs. random selection", grouped), caption, 3
 
 
 def _selection_label(info: RunInfo) -> str:

@@ -180,7 +180,8 @@ def test_deviation_figure_needs_profiled_runs():
 
 # ---------------------------------------------------------------------- Fig. 6
 def test_selection_figure_compares_hkvd_and_random_by_ratio(figures, tmp_path):
-    runs = [fake_run("full_reuse", [0, 0], [0.1, 0.1], deviations=[dev(1.0, 8.0), dev(1.0, 10.0)])]
+    runs = [fake_run("full_reuse", [0, 0], [0.1, 0.1], deviations=[dev(1.0, 8.0), dev(1.0, 10.0)]),
+            fake_run("prefix_cache", [0, 0], [0.5, 0.5], deviations=[dev(1.0, 0.0)] * 2)]  # exact: not in Fig. 6
     for r, hkvd, rand in [(0.3, (2.0, 4.0), (5.0, 7.0)), (0.05, (5.0, 6.0), (8.0, 9.0))]:
         runs.append(fake_run("cacheblend", [0, 0], [0.2, 0.2], recompute_ratio=r, selection="hkvd",
                              deviations=[dev(1.0, a) for a in hkvd]))
