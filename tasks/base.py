@@ -79,6 +79,12 @@ class Task:
     defaults: ClassVar[dict[str, Any]] = {}
     #: how the run's score averages: ``samples`` (mean over samples) or ``subsets`` (mean of subset means)
     average: ClassVar[str] = "samples"
+    #: whether the samples carry their prompt as segments with at least one reusable ``chunk`` — what
+    #: the reuse methods need; :mod:`kvbench.validate` refuses a reuse method on a task without it
+    chunked: ClassVar[bool] = False
+    #: the figures :meth:`comparison_figure` draws (``kvbench report --figure-kind``), the default first;
+    #: empty for a task with a single figure
+    figure_kinds: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         cfg = dict(cfg or {})

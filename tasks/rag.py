@@ -78,6 +78,7 @@ from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
+from kvbench.tasks.rag_figures import FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
 
@@ -164,6 +165,8 @@ def split_articles(context: str) -> list[str]:
 @register
 class Rag(Task):
     name = "rag"
+    chunked = True
+    figure_kinds = FIGURE_KINDS
     defaults = {
         "dataset": "musique",
         "chunk_tokens": None,
@@ -346,6 +349,14 @@ class Rag(Task):
             telemetry=out.telemetry,
             budget=out.budget,
         )
+
+    @classmethod
+    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
+        """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;
+        see :mod:`kvbench.tasks.rag_figures`)."""
+        from kvbench.tasks.rag_figures import draw
+
+        return draw(kind, runs, path)
 
 
 def fit_chunks(chunks: list[list[int]], room: int) -> tuple[list[list[int]], int, bool]:
