@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.primitives.kmeans import DISTANCE_BUDGET, assign, default_chunk, kmeans
+from kvbench.methods.primitives.kmeans import CPU_DISTANCE_BUDGET, DISTANCE_BUDGET, assign, default_chunk, kmeans
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -123,9 +123,11 @@ def test_chunked_assignment_equals_one_block():
 
 def test_default_chunk_bounds_the_distance_block():
     # The PQCache shape of the brief: 16 problems of 131072 points, 64 clusters.
-    rows = default_chunk(16, 64, 131072)
-    assert rows * 16 * 64 == DISTANCE_BUDGET  # 64 MiB of float32 distances at a time
-    assert rows * 16 * 64 * 4 + rows * 16 * 64 * 4 <= 2**28  # plus one float32 chunk of 64 points: 256 MiB
+    rows = default_chunk(16, 64, 131072, "cuda")
+    assert rows * 16 * 64 == DISTANCE_BUDGET  # 64 MiB of float32 scores at a time on CUDA
+    assert rows * 16 * 64 * 4 + rows * 16 * 65 * 4 <= 2**28  # plus one float32 chunk of 65 columns: 256 MiB
+    cpu = default_chunk(16, 64, 131072)
+    assert cpu * 16 * 64 == CPU_DISTANCE_BUDGET == default_chunk(16, 64, 131072, "cpu") * 16 * 64  # 4 MiB: in cache
     assert default_chunk(1, 1, 50) == 50 and default_chunk(10**6, 10**6) >= 1
 
 
