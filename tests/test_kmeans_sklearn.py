@@ -75,7 +75,7 @@ def test_tolerance_scale_is_the_mean_feature_variance_of_valid_points():
     x = overlapping(problems=2, n=50, d=3, centres=2, seed=4)
     valid = torch.ones(2, 50, dtype=torch.bool)
     valid[1, 30:] = False
-    scale = _Points(x, "l2", None, 16).mean_variance(valid)
+    scale = _Points(x, "l2", None, 16, 1).mean_variance(valid)
     assert float(scale[0]) == pytest.approx(float(np.var(x[0].numpy().astype(np.float64), axis=0).mean()), rel=1e-5)
     assert float(scale[1]) == pytest.approx(float(np.var(x[1, :30].numpy().astype(np.float64), axis=0).mean()), rel=1e-5)
 

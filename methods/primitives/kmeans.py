@@ -86,12 +86,17 @@ EMPTY_RULES = ("keep", "relocate")
 # scikit-learn's KMeans(algorithm="lloyd", tol=1e-4) semantics (PQCache's reference clustering).
 SKLEARN = {"stop_when_stable": True, "tol": 1e-4, "empty": "relocate"}
 
-# float32 scores in flight in one assignment step, over all problems: 64 MiB on CUDA, 4 MiB on CPU
+# float32 scores in flight in one assignment step: 64 MiB on CUDA (over all problems), 4 MiB on CPU
 # (a block that stays in the L2/L3 cache between the GEMM that writes it and the reduction that reads
-# it is ~3x faster than one that streams through memory).
+# it is ~3x faster than one that streams through memory). On CPU a step covers up to CPU_CHUNK points
+# of as many problems as fit: MKL's GEMM is ~1.4x faster on one [k, 4096] block than on 32 [k, 128].
 DISTANCE_BUDGET = 1 << 24
 CPU_DISTANCE_BUDGET = 1 << 20
+CPU_CHUNK = 4096
 MIN_CHUNK = 128
+# The working copy of the points (float32, with the bias column) is built once when it is at most this
+# large, instead of being refilled chunk by chunk in every sweep.
+WORK_CACHE_BYTES = 1 << 28
 
 
 @dataclass
@@ -106,15 +111,27 @@ class KMeansResult:
     updates: Tensor | None = None  # [P] int64: centroid updates each problem ran
 
 
-def default_chunk(problems: int, k: int, n: int | None = None, device: torch.device | str | None = None) -> int:
-    """Points per assignment step: ``CPU_DISTANCE_BUDGET`` float32 scores over all problems on CPU,
-    ``DISTANCE_BUDGET`` on CUDA (``MIN_CHUNK`` points at least).
+def _on_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
 
-    CUDA, P=16, k=64: 16384 points per step (64 MiB of scores plus one 64 MiB float32 chunk);
-    CPU: 1024 points (4 MiB)."""
-    budget = DISTANCE_BUDGET if device is not None and torch.device(device).type == "cuda" else CPU_DISTANCE_BUDGET
-    rows = max(MIN_CHUNK, budget // max(1, problems * k))
+
+def default_chunk(problems: int, k: int, n: int | None = None, device: torch.device | str | None = None) -> int:
+    """Points of each problem per assignment step (``MIN_CHUNK`` at least). CUDA: all problems at
+    once within ``DISTANCE_BUDGET`` scores (P=16, k=64: 16384 points, 64 MiB of scores plus one
+    64 MiB float32 chunk). CPU: ``CPU_DISTANCE_BUDGET // k`` points, at most ``CPU_CHUNK``, of
+    ``group_size`` problems at a time."""
+    if _on_cuda(device):
+        rows = max(MIN_CHUNK, DISTANCE_BUDGET // max(1, problems * k))
+    else:
+        rows = max(MIN_CHUNK, min(CPU_CHUNK, CPU_DISTANCE_BUDGET // max(1, k)))
     return rows if n is None else max(1, min(rows, n))
+
+
+def group_size(problems: int, k: int, step: int, device: torch.device | str | None = None) -> int:
+    """Problems per assignment step: all on CUDA, as many as ``CPU_DISTANCE_BUDGET`` allows on CPU."""
+    if _on_cuda(device):
+        return problems
+    return max(1, min(problems, CPU_DISTANCE_BUDGET // max(1, k * step)))
 
 
 # ----------------------------------------------------------------------------- working space
@@ -164,27 +181,48 @@ def _normalize(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def _pick(rows: Tensor | None, t: Tensor) -> Tensor:
-    """The rows (problems) of ``t`` being computed (all when ``rows`` is None)."""
-    return t if rows is None else t.index_select(0, rows)
+Select = Tensor | slice | None  # problems: an index tensor, a range of them, or all
+
+
+def _pick(rows: Select, t: Tensor) -> Tensor:
+    """The rows (problems) ``rows`` of ``t``."""
+    if rows is None:
+        return t
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def _compose(rows: Tensor | None, part: slice) -> Select:
+    """The problems ``part`` of the selection ``rows``, in the caller's numbering."""
+    return part if rows is None else rows[part]
 
 
 class _Points:
-    """The points as the sweeps read them: float32 chunks ``[A, c, D + 1]`` of the working space
-    (``D = d``, or ``d + 1`` with the ``ip`` coordinate) for any subset of ``A`` problems, ending in a
-    constant 1 that meets the centroid table's bias column (see ``_table``). One buffer is reused for
-    every chunk; the squared norms of all points are computed once."""
+    """The points as the sweeps read them: float32 chunks ``[g, c, D + 1]`` of the working space
+    (``D = d``, or ``d + 1`` with the ``ip`` coordinate) for ``g ≤ group`` problems, ending in a
+    constant 1 that meets the centroid table's bias column (see ``_table``). The squared norms of all
+    points are computed once. When the whole working copy fits in ``WORK_CACHE_BYTES`` it is built
+    once and chunks are views of it (no copy per sweep); otherwise one buffer is refilled per chunk."""
 
-    def __init__(self, x: Tensor, metric: str, phi: Tensor | None, step: int) -> None:
+    def __init__(self, x: Tensor, metric: str, phi: Tensor | None, step: int, group: int) -> None:
         problems, n, d = x.shape
-        self.x, self.metric, self.phi, self.step = x, metric, phi, step
+        self.x, self.metric, self.phi, self.step, self.group = x, metric, phi, step, group
         self.n, self.d = n, d
         self.width = d + (phi is not None)
         self.raw = torch.cat([_sq_norm(x[:, s : s + step].float()) for s in range(0, n, step)], dim=1)  # [P, n]
-        self._buffer = torch.empty(problems * min(step, n) * (self.width + 1), dtype=torch.float32, device=x.device)
+        self._cache: Tensor | None = None
+        if problems * n * (self.width + 1) * 4 <= WORK_CACHE_BYTES:
+            self._buffer = torch.empty(problems * n * (self.width + 1), dtype=torch.float32, device=x.device)
+            self._cache = self._fill(slice(None), 0, n)
+        else:
+            self._buffer = torch.empty(group * min(step, n) * (self.width + 1), dtype=torch.float32, device=x.device)
 
-    def chunk(self, rows: Tensor | None, start: int, stop: int) -> Tensor:
-        block = self.x[:, start:stop] if rows is None else self.x[:, start:stop].index_select(0, rows)
+    def chunk(self, rows: Select, start: int, stop: int) -> Tensor:
+        if self._cache is not None:
+            return _pick(rows, self._cache[:, start:stop])
+        return self._fill(rows, start, stop)
+
+    def _fill(self, rows: Select, start: int, stop: int) -> Tensor:
+        block = _pick(rows, self.x[:, start:stop])
         count = block.shape[0]
         out = self._buffer[: count * (stop - start) * (self.width + 1)].view(count, stop - start, self.width + 1)
         out[..., : self.d].copy_(block)
@@ -194,7 +232,7 @@ class _Points:
         out[..., self.width].fill_(1.0)
         return out
 
-    def distance(self, score: Tensor, rows: Tensor | None, start: int, stop: int) -> Tensor:
+    def distance(self, score: Tensor, rows: Select, start: int, stop: int) -> Tensor:
         """Distance ``[A, c]`` to the chosen centroid from its score (see ``_table``)."""
         raw = _pick(rows, self.raw)[:, start:stop]
         if self.metric == "cosine":
@@ -214,7 +252,7 @@ class _Points:
 
     def mean_variance(self, valid: Tensor | None) -> Tensor:
         """``mean_j var(x_j)`` over each problem's valid points ``[P]`` (scikit-learn's ``_tolerance``
-        scale), two passes in float64."""
+        scale), two passes in float64 over chunks of all problems."""
         problems = self.x.shape[0]
         weight = None if valid is None else valid.double()
         total = torch.full((problems,), float(self.n), dtype=torch.float64, device=self.x.device)
@@ -223,13 +261,13 @@ class _Points:
         mean = torch.zeros(problems, self.width, dtype=torch.float64, device=self.x.device)
         for start in range(0, self.n, self.step):
             stop = min(self.n, start + self.step)
-            block = self.chunk(None, start, stop)[..., : self.width].double()
+            block = _rows(self.x, start, stop, self.phi).double()
             mean += (block if weight is None else block * weight[:, start:stop, None]).sum(dim=1)
         mean /= total[:, None]
         spread = torch.zeros(problems, dtype=torch.float64, device=self.x.device)
         for start in range(0, self.n, self.step):
             stop = min(self.n, start + self.step)
-            square = (self.chunk(None, start, stop)[..., : self.width].double() - mean[:, None]).square().sum(-1)
+            square = (_rows(self.x, start, stop, self.phi).double() - mean[:, None]).square().sum(-1)
             spread += (square if weight is None else square * weight[:, start:stop]).sum(dim=1)
         return (spread / total / self.width).float()
 
@@ -245,14 +283,19 @@ def _table(centroids: Tensor, metric: str) -> Tensor:
 
 
 def _best(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Largest score and its centroid (lowest index on ties) per point, from ``scores`` ``[A, k, c]``."""
+    """Largest score and its centroid (lowest index on ties) per point, from ``scores`` ``[g, k, c]``."""
     problems, k, c = scores.shape
     if scores.device.type != "cpu":
         return scores.max(dim=1)
-    # [A, k, c] is the channels-last layout of an [A, c, k, 1] image: pooling over the whole height
-    # reduces over k with c in the vector lanes (see the module notes).
-    value, index = F.max_pool2d(scores.view(problems, k, 1, c).permute(0, 3, 1, 2), (k, 1), return_indices=True)
-    return value.view(problems, c), index.view(problems, c)
+    # [g, k, c] is the channels-last layout of a [g, c/w, k, w] image: pooling over the whole height
+    # reduces over k with the points in the vector lanes (see the module notes). The kernel runs its
+    # g·w output pixels in parallel, so a single problem is split into w column blocks for the threads.
+    threads = torch.get_num_threads()
+    w = next((w for w in (4 * threads, 2 * threads, threads) if problems < threads and c % w == 0), 1)
+    image = scores.view(problems, k, w, c // w).permute(0, 3, 1, 2)
+    value, index = F.max_pool2d(image, (k, 1), return_indices=True)  # [g, c/w, 1, w], channels-last
+    index = index.permute(0, 2, 3, 1).reshape(problems, c)  # flat positions h·w + column block
+    return value.permute(0, 2, 3, 1).reshape(problems, c), index if w == 1 else index // w
 
 
 @dataclass
@@ -275,49 +318,54 @@ def _sweep(
     compare: bool,
     keep_distance: bool = False,
 ) -> _Sweep:
-    """One pass over the points of the problems ``rows`` (all when None): assign each to its nearest
-    centroid (written into ``labels``) and, in the same pass, accumulate the per-cluster sums the next
-    update needs (``accumulate``), note which problems changed a valid label (``compare``), sum the
-    distances and keep them per point (``keep_distance``, for the relocation)."""
+    """One pass over the points of the problems ``rows`` (all when None; ``table`` holds their
+    centroids): assign each point to its nearest centroid (written into ``labels``) and, in the same
+    pass, accumulate the per-cluster sums the next update needs (``accumulate``), note which problems
+    changed a valid label (``compare``), sum the distances and keep them per point
+    (``keep_distance``, for the relocation). Steps cover ``points.group`` problems × ``points.step``
+    points."""
     count, k, _ = table.shape
     n, step, width, device = points.n, points.step, points.width, table.device
-    keep_all = None if valid is None else _pick(rows, valid)
     # Bin k of every problem collects the invalid points, so they never move a centroid.
-    offset = (torch.arange(count, device=device) * (k + 1))[:, None]
     counts = torch.zeros(count * (k + 1), dtype=torch.long, device=device)
-    sums = torch.zeros(count * (k + 1), width, dtype=torch.float32, device=device) if accumulate else None
+    sums = torch.zeros(count, k + 1, width, dtype=torch.float32, device=device) if accumulate else None
     inertia = torch.zeros(count, dtype=torch.float32, device=device)
     changed = torch.zeros(count, dtype=torch.bool, device=device) if compare else None
     distance = torch.empty(count, n, dtype=torch.float32, device=device) if keep_distance else None
-    scores = torch.empty(count * k * min(step, n), dtype=torch.float32, device=device)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        block = points.chunk(rows, start, stop)
-        out = scores[: count * k * (stop - start)].view(count, k, stop - start)
-        score, index = _best(torch.bmm(table, block.transpose(1, 2), out=out))
-        dist = points.distance(score, rows, start, stop)
-        keep = None if keep_all is None else keep_all[:, start:stop]
-        if compare:
-            differs = index != (labels[:, start:stop] if rows is None else labels[rows, start:stop])
-            changed |= (differs if keep is None else differs & keep).any(dim=1)
-        if rows is None:
-            labels[:, start:stop] = index
-        else:
-            labels[rows, start:stop] = index
-        if keep is not None:
-            index = index.masked_fill(~keep, k)
-            dist = dist.masked_fill(~keep, 0.0)
-        inertia += dist.sum(dim=1)
-        if distance is not None:
-            distance[:, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
-        flat = (index + offset).view(-1)
-        counts += torch.bincount(flat, minlength=count * (k + 1))
-        if sums is not None:
-            sums.index_put_((flat,), block[..., :width].reshape(-1, width), accumulate=True)
+    group = min(points.group, count)
+    scores = torch.empty(group * k * min(step, n), dtype=torch.float32, device=device)
+    for first in range(0, count, group):
+        part = slice(first, min(count, first + group))
+        size = part.stop - part.start
+        problems = _compose(rows, part)  # in the numbering of x and labels
+        block_table = table[part]
+        keep_all = None if valid is None else _pick(problems, valid)
+        owner = torch.arange(part.start, part.stop, device=device)[:, None]
+        offset = owner * (k + 1)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            block = points.chunk(problems, start, stop)
+            out = scores[: size * k * (stop - start)].view(size, k, stop - start)
+            score, index = _best(torch.bmm(block_table, block.transpose(1, 2), out=out))
+            dist = points.distance(score, problems, start, stop)
+            keep = None if keep_all is None else keep_all[:, start:stop]
+            if compare:
+                differs = index != labels[problems, start:stop]
+                changed[part] |= (differs if keep is None else differs & keep).any(dim=1)
+            labels[problems, start:stop] = index
+            if keep is not None:
+                index = index.masked_fill(~keep, k)
+                dist = dist.masked_fill(~keep, 0.0)
+            inertia[part] += dist.sum(dim=1)
+            if distance is not None:
+                distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
+            counts += torch.bincount((index + offset).view(-1), minlength=count * (k + 1))
+            if sums is not None:  # (a [g, c, D] view of the chunk: flattening it would copy)
+                sums.index_put_((owner.expand_as(index), index), block[..., :width], accumulate=True)
     return _Sweep(
         inertia=inertia,
         counts=counts.view(count, k + 1)[:, :k],
-        sums=None if sums is None else sums.view(count, k + 1, width)[:, :k],
+        sums=None if sums is None else sums[:, :k],
         changed=changed,
         distance=distance,
     )
@@ -474,7 +522,8 @@ def _label(x: Tensor, centroids: Tensor, metric: str, phi: Tensor | None, chunk:
     step = chunk or default_chunk(problems, centroids.shape[1], n, x.device)
     inner = "l2" if metric == "ip" else metric
     labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
-    sweep = _sweep(_Points(x, inner, phi, step), _table(centroids, inner), None, labels, valid,
+    points = _Points(x, inner, phi, step, group_size(problems, centroids.shape[1], step, x.device))
+    sweep = _sweep(points, _table(centroids, inner), None, labels, valid,
                    accumulate=False, compare=False)
     return labels, sweep
 
@@ -558,7 +607,7 @@ def kmeans(
     if phi is not None:
         centroids = _augment_centroids(centroids, phi)  # for initial rows: the augmented points themselves
 
-    points = _Points(x, inner, phi, step)
+    points = _Points(x, inner, phi, step, group_size(problems, k, step, device))
     threshold = tol * points.mean_variance(valid) if tol > 0 else None
     # With a data-dependent stop each problem leaves the batch on its own (host reads per iteration);
     # otherwise all problems run the same schedule and nothing is read back.
