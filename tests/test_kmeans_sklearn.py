@@ -162,3 +162,25 @@ def test_bad_semantics_options_are_refused():
         kmeans(x, 2, iters=1, empty="split")
     with pytest.raises(ValueError, match="tol"):
         kmeans(x, 2, iters=1, tol=-1.0)
+
+
+def test_relocation_in_the_ip_space_batched_as_alone():
+    """``ip`` relocates in the augmented space (the same as l2 k-means on the augmented points), and
+    a problem that relocates gets the same result in a batch (whose problems stop at different
+    iterations) as alone."""
+    x = overlapping(problems=3, n=120, d=3, centres=3, seed=8)
+    start = kmeans(x, 5, iters=0, seed=2).centroids
+    start[0, 3:] = 50.0  # problem 0 starts with two clusters no point will choose
+    norms = (x**2).sum(-1)
+    phi = norms.amax(1)
+    augmented = torch.cat([x, (phi[:, None] - norms).clamp_min(0).sqrt()[..., None]], -1)
+    start_aug = torch.cat([start, (phi[:, None, None] - (start**2).sum(-1, keepdim=True)).clamp_min(0).sqrt()], -1)
+    ip = kmeans(x, 5, iters=30, metric="ip", init="given", init_centroids=start, **SKLEARN)
+    ref = kmeans(augmented, 5, iters=30, init="given", init_centroids=start_aug, **SKLEARN)
+    assert torch.equal(ip.labels, ref.labels) and torch.equal(ip.updates, ref.updates)
+    assert torch.allclose(ip.centroids, ref.centroids[..., :-1], atol=1e-5)
+    assert (ip.counts[0] > 0).all()  # the two far clusters were refilled
+    for p in range(3):
+        alone = kmeans(x[p : p + 1], 5, iters=30, metric="ip", init="given", init_centroids=start[p : p + 1], **SKLEARN)
+        assert torch.equal(alone.labels[0], ip.labels[p]) and int(alone.updates[0]) == int(ip.updates[p])
+        assert torch.allclose(alone.centroids[0], ip.centroids[p], atol=1e-6)

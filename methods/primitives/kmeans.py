@@ -43,28 +43,40 @@ Empty clusters (``empty``)
     cluster's sum and becomes the new centroid on its own; labels are not changed (the next
     assignment moves the point). Nothing is relocated when every point sits on its centroid (fewer
     distinct points than clusters), and a cluster that is still empty keeps its previous centroid.
-    Two details differ from scikit-learn 1.9: it pairs the ``e`` farthest points with the empty
-    clusters in ``argpartition`` order (the same set; the order is unspecified for ``e ≥ 2``), and it
-    moves a still-empty cluster onto the largest one.
+    scikit-learn 1.9 differs in two details: it pairs the ``e`` farthest points with the empty
+    clusters in ``argpartition`` order (the same set of points; the order is unspecified for
+    ``e ≥ 2``), and it moves a still-empty cluster onto the largest one. (Distances here come from the
+    assignment's ``‖x‖² − 2x·c + ‖c‖²``; for ``cosine`` the distance is ``1 − cos``.)
   ``SKLEARN`` holds the options that make this scikit-learn's ``KMeans(algorithm="lloyd", n_init=1,
   tol=1e-4)`` from the same initial centroids (PQCache's reference clustering). Its ``n_iter_`` counts
   one iteration more than ``updates`` when it stops on unchanged labels (it runs the no-op update).
   faiss (``faiss_backend``) instead splits the largest cluster into an empty one and never stops early.
 
 Speed (CPU)
-  An assignment is one GEMM per chunk of points: the points carry a trailing 1 and the centroids
-  ``[c, −‖c‖²/2]``, so the product is ``x·c − ‖c‖²/2`` (largest = nearest) without a separate bias
-  pass. The scores are laid out ``[P, k, chunk]`` and reduced over ``k`` by ``max_pool2d`` on a
-  channels-last view, whose CPU kernel keeps the running maximum and its index in vector registers
-  (``Tensor.max(dim)`` scans one row at a time and costs several times the GEMM). Chunks hold
-  ``CPU_DISTANCE_BUDGET`` scores (4 MiB, so they stay in cache). Centroid sums use ``index_put_``
-  with ``accumulate=True`` (a single pass; ``index_add_`` dispatches one op per row on CPU). On
-  CUDA the reduction is ``Tensor.max(dim=1)`` and chunks are larger (``DISTANCE_BUDGET``).
+  An assignment step is one GEMM: the points carry a trailing 1 and the centroids ``[c, −‖c‖²/2]``,
+  so the product is ``x·c − ‖c‖²/2`` (largest = nearest) without a separate bias pass. The scores
+  are laid out ``[g, k, chunk]`` and reduced over ``k`` by ``max_pool2d`` on a channels-last view,
+  whose CPU kernel keeps the running maximum and its index in vector registers (``Tensor.min(dim)``
+  scans one row at a time: 4-10x slower, as costly as the GEMM). A step covers ``chunk`` points
+  (up to ``CPU_CHUNK``) of ``g`` problems (``group_size``), ``CPU_DISTANCE_BUDGET`` scores (4 MiB)
+  in all, so the block is still in cache when the reduction reads it, and the GEMMs are large
+  enough for MKL to run near its peak. Centroid sums use ``index_put_`` with ``accumulate=True``
+  straight from the chunk (``index_add_`` dispatches one op per row on CPU; ``scatter_add_`` is
+  3x slower). The float32 working copy (points, ``ip`` coordinate, trailing 1) is built once when
+  it fits ``WORK_CACHE_BYTES``. Profile of the earlier version (one [P, chunk, k] ``baddbmm`` + ``min``
+  per 64 MiB chunk, ``scatter_add_`` sums): ``min`` 30 %, the broadcast copy of ``‖c‖²`` into the
+  block 25-40 %, ``baddbmm`` 20 %, ``scatter_add_`` 7-25 %. Now the GEMM is 55-65 % of the time.
+  On CUDA the reduction is ``Tensor.max(dim=1)`` and a step covers all problems with up to
+  ``DISTANCE_BUDGET`` scores.
+  Threads: every op follows ``torch.get_num_threads()`` except the sums (``index_put_`` with
+  accumulation is serial). On a CPU shared with other busy processes one thread is often faster
+  than two: every parallel op waits for its slowest thread.
 
 Memory: the input is read in chunks of ``chunk`` points (default ``default_chunk``); at most
-``P × chunk × k`` float32 scores and one float32 copy of a chunk exist at a time, plus a few float32
-values per point (norms; distances with ``empty="relocate"``), so an fp16 input is never converted as
-a whole. Scores are float32 whatever the input dtype; centroids are float32.
+``g × chunk × k`` float32 scores and one float32 copy of a chunk exist at a time (or the whole
+working copy, when it fits ``WORK_CACHE_BYTES``), plus a few float32 values per point (norms;
+distances with ``empty="relocate"``), so a large fp16 input is never converted as a whole. Scores are
+float32 whatever the input dtype; centroids are float32.
 Ties in the assignment go to the lowest centroid index (both reductions keep the first maximum).
 Determinism: on CPU a call is bitwise reproducible (``index_put_`` accumulates serially); on CUDA sums
 may differ in the last bits between runs. Host reads: ``stop_when_stable`` and ``tol`` read one flag
@@ -89,7 +101,7 @@ SKLEARN = {"stop_when_stable": True, "tol": 1e-4, "empty": "relocate"}
 # float32 scores in flight in one assignment step: 64 MiB on CUDA (over all problems), 4 MiB on CPU
 # (a block that stays in the L2/L3 cache between the GEMM that writes it and the reduction that reads
 # it is ~3x faster than one that streams through memory). On CPU a step covers up to CPU_CHUNK points
-# of as many problems as fit: MKL's GEMM is ~1.4x faster on one [k, 4096] block than on 32 [k, 128].
+# of as many problems as fit: MKL's GEMM is ~1.4x faster on one [256, 4096] block than on 32 [256, 128].
 DISTANCE_BUDGET = 1 << 24
 CPU_DISTANCE_BUDGET = 1 << 20
 CPU_CHUNK = 4096
@@ -243,11 +255,11 @@ class _Points:
 
     def at(self, rows: Tensor | None, index: Tensor) -> Tensor:
         """Working-space coordinates ``[A, m, D]`` of the points ``index`` ``[A, m]``."""
-        x = _pick(rows, self.x)
-        points = torch.gather(x, 1, index[..., None].expand(-1, -1, self.d)).float()
+        owner = torch.arange(index.shape[0], device=index.device) if rows is None else rows
+        points = self.x[owner[:, None], index].float()
         if self.phi is None:
             return points
-        room = _pick(rows, self.phi)[:, None] - torch.gather(_pick(rows, self.raw), 1, index)
+        room = self.phi[owner][:, None] - self.raw[owner[:, None], index]
         return torch.cat([points, room.clamp_min(0).sqrt()[..., None]], dim=-1)
 
     def mean_variance(self, valid: Tensor | None) -> Tensor:
