@@ -152,6 +152,12 @@ def test_default_chunk_bounds_the_distance_block():
     cpu = default_chunk(16, 64, 131072)  # CPU: up to CPU_CHUNK points of as many problems as fit in 4 MiB
     assert cpu == CPU_CHUNK and cpu * group_size(16, 64, cpu) * 64 == CPU_DISTANCE_BUDGET
     assert group_size(32, 256, default_chunk(32, 256)) == 1 and default_chunk(1, 10**6) == MIN_CHUNK
+    torch.set_num_threads(2)  # several threads: 4x larger steps (fewer barriers)
+    try:
+        many = default_chunk(16, 64, 131072)
+        assert many == 4 * CPU_CHUNK and many * group_size(16, 64, many) * 64 == 4 * CPU_DISTANCE_BUDGET
+    finally:
+        torch.set_num_threads(1)
     assert default_chunk(1, 1, 50) == 50 and default_chunk(10**6, 10**6) >= 1
 
 

@@ -60,7 +60,7 @@ Speed (CPU)
   scans one row at a time: 4-10x slower, as costly as the GEMM). A step covers ``chunk`` points
   (up to ``CPU_CHUNK``) of ``g`` problems (``group_size``), ``CPU_DISTANCE_BUDGET`` scores (4 MiB)
   in all, so the block is still in cache when the reduction reads it, and the GEMMs are large
-  enough for MKL to run near its peak. Centroid sums use ``index_put_`` with ``accumulate=True``
+  enough for MKL to run near its peak (with several threads, 4x larger steps: fewer barriers). Centroid sums use ``index_put_`` with ``accumulate=True``
   straight from the chunk (``index_add_`` dispatches one op per row on CPU; ``scatter_add_`` is
   3x slower). The float32 working copy (points, ``ip`` coordinate, trailing 1) is built once when
   it fits ``WORK_CACHE_BYTES``. Profile of the earlier version (one [P, chunk, k] ``baddbmm`` + ``min``
@@ -102,9 +102,13 @@ SKLEARN = {"stop_when_stable": True, "tol": 1e-4, "empty": "relocate"}
 # (a block that stays in the L2/L3 cache between the GEMM that writes it and the reduction that reads
 # it is ~3x faster than one that streams through memory). On CPU a step covers up to CPU_CHUNK points
 # of as many problems as fit: MKL's GEMM is ~1.4x faster on one [256, 4096] block than on 32 [256, 128].
+# With several threads, steps are 4x larger (16 MiB, still within the L3 cache): every step costs a
+# few thread barriers, and on a CPU shared with other busy processes a barrier can wait for a whole
+# scheduler slice (measured on the 2-core machine under load: 12 s with 4 MiB steps vs 36 s).
 DISTANCE_BUDGET = 1 << 24
 CPU_DISTANCE_BUDGET = 1 << 20
 CPU_CHUNK = 4096
+CPU_PARALLEL_SCALE = 4
 MIN_CHUNK = 128
 # The working copy of the points (float32, with the bias column) is built once when it is at most this
 # large, instead of being refilled chunk by chunk in every sweep.
@@ -127,23 +131,31 @@ def _on_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+def _cpu_step() -> tuple[int, int]:
+    """(scores, points per problem) of one CPU step: ``CPU_DISTANCE_BUDGET`` and ``CPU_CHUNK`` on one
+    thread, ``CPU_PARALLEL_SCALE`` times both on several (see the constants)."""
+    scale = 1 if torch.get_num_threads() == 1 else CPU_PARALLEL_SCALE
+    return CPU_DISTANCE_BUDGET * scale, CPU_CHUNK * scale
+
+
 def default_chunk(problems: int, k: int, n: int | None = None, device: torch.device | str | None = None) -> int:
     """Points of each problem per assignment step (``MIN_CHUNK`` at least). CUDA: all problems at
     once within ``DISTANCE_BUDGET`` scores (P=16, k=64: 16384 points, 64 MiB of scores plus one
-    64 MiB float32 chunk). CPU: ``CPU_DISTANCE_BUDGET // k`` points, at most ``CPU_CHUNK``, of
-    ``group_size`` problems at a time."""
+    64 MiB float32 chunk). CPU, one thread: ``CPU_DISTANCE_BUDGET // k`` points, at most
+    ``CPU_CHUNK``, of ``group_size`` problems at a time (larger with several threads)."""
     if _on_cuda(device):
         rows = max(MIN_CHUNK, DISTANCE_BUDGET // max(1, problems * k))
     else:
-        rows = max(MIN_CHUNK, min(CPU_CHUNK, CPU_DISTANCE_BUDGET // max(1, k)))
+        budget, most = _cpu_step()
+        rows = max(MIN_CHUNK, min(most, budget // max(1, k)))
     return rows if n is None else max(1, min(rows, n))
 
 
 def group_size(problems: int, k: int, step: int, device: torch.device | str | None = None) -> int:
-    """Problems per assignment step: all on CUDA, as many as ``CPU_DISTANCE_BUDGET`` allows on CPU."""
+    """Problems per assignment step: all on CUDA, as many as the CPU step's score budget allows."""
     if _on_cuda(device):
         return problems
-    return max(1, min(problems, CPU_DISTANCE_BUDGET // max(1, k * step)))
+    return max(1, min(problems, _cpu_step()[0] // max(1, k * step)))
 
 
 # ----------------------------------------------------------------------------- working space
