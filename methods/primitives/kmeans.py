@@ -678,7 +678,7 @@ def kmeans(
     return KMeansResult(
         centroids=centroids[..., :d].contiguous(),
         labels=labels,
-        iterations=int(updates.max()),
+        iterations=int(updates.max()) if adaptive else iters,
         inertia=inertia,
         counts=counts,
         phi=phi,
