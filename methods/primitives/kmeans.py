@@ -340,13 +340,14 @@ def _sweep(
     *,
     accumulate: bool,
     compare: bool,
+    measure: bool = True,
     keep_distance: bool = False,
 ) -> _Sweep:
     """One pass over the points of the problems ``rows`` (all when None; ``table`` holds their
     centroids): assign each point to its nearest centroid (written into ``labels``) and, in the same
     pass, accumulate the per-cluster sums the next update needs (``accumulate``), note which problems
-    changed a valid label (``compare``), sum the distances and keep them per point
-    (``keep_distance``, for the relocation). Steps cover ``points.group`` problems × ``points.step``
+    changed a valid label (``compare``), sum the distances (``measure``; else ``inertia`` stays 0) and
+    keep them per point (``keep_distance``, for the relocation). Steps cover ``points.group`` problems × ``points.step``
     points."""
     count, k, _ = table.shape
     n, step, width, device = points.n, points.step, points.width, table.device
@@ -371,7 +372,7 @@ def _sweep(
             block = points.chunk(problems, start, stop)
             out = scores[: size * k * (stop - start)].view(size, k, stop - start)
             score, index = _best(torch.bmm(block_table, block.transpose(1, 2), out=out))
-            dist = points.distance(score, problems, start, stop)
+            dist = points.distance(score, problems, start, stop) if measure or keep_distance else None
             keep = None if keep_all is None else keep_all[:, start:stop]
             if compare:
                 differs = index != labels[problems, start:stop]
@@ -379,8 +380,9 @@ def _sweep(
             labels[problems, start:stop] = index
             if keep is not None:
                 index = index.masked_fill(~keep, k)
-                dist = dist.masked_fill(~keep, 0.0)
-            inertia[part] += dist.sum(dim=1)
+                dist = None if dist is None else dist.masked_fill(~keep, 0.0)
+            if dist is not None:
+                inertia[part] += dist.sum(dim=1)
             if distance is not None:
                 distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
             counts += torch.bincount((index + offset).view(-1), minlength=count * (k + 1))
@@ -646,8 +648,10 @@ def kmeans(
     while True:
         current = _pick(rows, centroids)
         final = _pick(rows, last)
+        # On a fixed schedule only the final sweep's distances (the inertia) are needed.
         sweep = _sweep(points, _table(current, inner), rows, labels, valid, accumulate=sweeps < iters,
-                       compare=stop_when_stable and sweeps > 0, keep_distance=empty == "relocate" and sweeps < iters)
+                       compare=stop_when_stable and sweeps > 0, measure=adaptive or sweeps >= iters,
+                       keep_distance=empty == "relocate" and sweeps < iters)
         sweeps += 1
         done = final if sweep.changed is None else final | ~sweep.changed
         if rows is None:
