@@ -6,7 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.primitives.kmeans import DISTANCE_BUDGET, assign, default_chunk, kmeans
+from kvbench.methods.primitives import kmeans as kmeans_module
+from kvbench.methods.primitives.kmeans import (
+    CPU_CHUNK,
+    CPU_DISTANCE_BUDGET,
+    DISTANCE_BUDGET,
+    MIN_CHUNK,
+    SKLEARN,
+    _best,
+    assign,
+    default_chunk,
+    group_size,
+    kmeans,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -112,21 +124,57 @@ def test_batched_equals_one_by_one(metric: str, init: str):
         assert torch.allclose(alone.inertia[0], together.inertia[p], rtol=1e-5)
 
 
-def test_chunked_assignment_equals_one_block():
-    x, _ = blobs(problems=2, per=50, spread=1.0, seed=4)
-    whole = kmeans(x, 7, iters=5, seed=1, chunk=10_000)
-    pieces = kmeans(x, 7, iters=5, seed=1, chunk=7)
-    assert torch.equal(whole.labels, pieces.labels)
-    assert torch.allclose(whole.centroids, pieces.centroids, atol=1e-5)
-    assert torch.equal(assign(x, whole.centroids, chunk=3), whole.labels)
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_chunked_assignment_equals_one_block(metric: str, monkeypatch):
+    x, _ = blobs(problems=3, per=50, spread=1.0, seed=4)
+    valid = torch.ones(3, 200, dtype=torch.bool)
+    valid[1, 150:] = False
+    options = dict(iters=8, seed=1, metric=metric, valid=valid, **SKLEARN)
+    whole = kmeans(x, 7, chunk=10_000, **options)
+    assert len(set(whole.updates.tolist())) > 1  # problems leave the batch at different sweeps
+    pieces = kmeans(x, 7, chunk=7, **options)
+    monkeypatch.setattr(kmeans_module, "WORK_CACHE_BYTES", 0)  # refill a buffer per chunk instead
+    monkeypatch.setattr(kmeans_module, "CPU_DISTANCE_BUDGET", 7 * 7 * 2)  # 2 problems per step
+    refilled = kmeans(x, 7, chunk=7, **options)
+    for other in (pieces, refilled):
+        assert torch.equal(whole.labels, other.labels) and torch.equal(whole.updates, other.updates)
+        assert torch.allclose(whole.centroids, other.centroids, atol=1e-5)
+        assert torch.allclose(whole.inertia, other.inertia, rtol=1e-5)
+    assert torch.equal(assign(x, whole.centroids, metric, chunk=3, phi=whole.phi, extra=whole.extra), whole.labels)
 
 
 def test_default_chunk_bounds_the_distance_block():
     # The PQCache shape of the brief: 16 problems of 131072 points, 64 clusters.
-    rows = default_chunk(16, 64, 131072)
-    assert rows * 16 * 64 == DISTANCE_BUDGET  # 64 MiB of float32 distances at a time
-    assert rows * 16 * 64 * 4 + rows * 16 * 64 * 4 <= 2**28  # plus one float32 chunk of 64 points: 256 MiB
+    rows = default_chunk(16, 64, 131072, "cuda")
+    assert rows * 16 * 64 == DISTANCE_BUDGET  # 64 MiB of float32 scores at a time on CUDA
+    assert rows * 16 * 64 * 4 + rows * 16 * 65 * 4 <= 2**28  # plus one float32 chunk of 65 columns: 256 MiB
+    assert group_size(16, 64, rows, "cuda") == 16
+    cpu = default_chunk(16, 64, 131072)  # CPU: up to CPU_CHUNK points of as many problems as fit in 4 MiB
+    assert cpu == CPU_CHUNK and cpu * group_size(16, 64, cpu) * 64 == CPU_DISTANCE_BUDGET
+    assert group_size(32, 256, default_chunk(32, 256)) == 1 and default_chunk(1, 10**6) == MIN_CHUNK
+    torch.set_num_threads(2)  # several threads: 4x larger steps (fewer barriers)
+    try:
+        many = default_chunk(16, 64, 131072)
+        assert many == 4 * CPU_CHUNK and many * group_size(16, 64, many) * 64 == 4 * CPU_DISTANCE_BUDGET
+    finally:
+        torch.set_num_threads(1)
     assert default_chunk(1, 1, 50) == 50 and default_chunk(10**6, 10**6) >= 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("problems, k, c", [(1, 5, 64), (1, 7, 13), (3, 64, 40)])
+def test_best_is_the_first_maximum_over_centroids(threads: int, problems: int, k: int, c: int):
+    """The pooled reduction (split into column blocks for the threads when there are few problems)
+    equals ``max`` over dim 1, ties included: integer scores tie often, and the first index wins."""
+    scores = torch.randint(0, 4, (problems, k, c), generator=torch.Generator().manual_seed(k)).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        value, index = _best(scores)
+    finally:
+        torch.set_num_threads(before)
+    first = (scores == scores.amax(dim=1, keepdim=True)).float().argmax(dim=1)  # first maximum
+    assert torch.equal(value, scores.amax(dim=1)) and torch.equal(index, first)
 
 
 def test_half_precision_input_gives_the_float32_result():
@@ -254,6 +302,10 @@ def test_faiss_backend_agrees_with_torch(metric: str):
     assert torch.equal(assign(x, theirs.centroids, metric, phi=theirs.phi, extra=theirs.extra), theirs.labels)
     with pytest.raises(NotImplementedError):
         faiss_backend.kmeans(x, 8, iters=10, stop_when_stable=True)
+    with pytest.raises(NotImplementedError, match="tol"):
+        faiss_backend.kmeans(x, 8, iters=10, tol=1e-4)
+    with pytest.raises(NotImplementedError, match="splits"):
+        faiss_backend.kmeans(x, 8, iters=10, empty="relocate")
 
 
 def test_faiss_backend_cosine_returns_plain_mean_centroids():

@@ -8,7 +8,8 @@ How it differs from the torch implementation:
   * the initial centroids are the torch implementation's (``init`` "random", "kmeans++", "given"),
     handed to faiss, so the two start from the same points; ``init="faiss"`` lets faiss sample its own;
   * faiss splits the largest cluster into an empty one instead of keeping the empty centroid;
-  * faiss has no early stop: ``stop_when_stable=True`` is refused;
+  * faiss has no early stop: ``stop_when_stable=True`` and ``tol`` > 0 are refused, and so is an
+    ``empty`` rule (faiss has its own, the split above);
   * ``cosine`` runs faiss's spherical k-means on L2-normalised points (centroids renormalised every
     iteration); the returned centroids are then the plain means of the raw points of each final
     cluster (ClusterKV's centroid), so they are not the torch iterates;
@@ -49,6 +50,8 @@ def kmeans(
     init_centroids: Tensor | None = None,
     shared_init: bool = True,
     stop_when_stable: bool = False,
+    tol: float = 0.0,
+    empty: str | None = None,
     chunk: int | None = None,
     valid: Tensor | None = None,
 ) -> KMeansResult:
@@ -58,8 +61,11 @@ def kmeans(
         raise ValueError(f"unknown k-means metric {metric!r}; use one of {METRICS}")
     if init not in INITS + ("faiss",):
         raise ValueError(f"unknown k-means init {init!r}; use one of {INITS + ('faiss',)}")
-    if stop_when_stable:
-        raise NotImplementedError("faiss k-means runs a fixed number of iterations; use stop_when_stable=False")
+    if stop_when_stable or tol:
+        raise NotImplementedError("faiss k-means runs a fixed number of iterations; use stop_when_stable=False, tol=0")
+    if empty is not None:
+        raise NotImplementedError(f"faiss splits the largest cluster into an empty one; empty={empty!r} is the "
+                                  "torch k-means' rule (kmeans.kmeans)")
     problems, n, d = x.shape
 
     if metric == "ip":
@@ -130,11 +136,13 @@ def pq_fit(
     init: str = "random",
     shared_init: bool = True,
     stop_when_stable: bool = False,
+    tol: float = 0.0,
+    empty: str | None = None,
     chunk: int | None = None,
     valid: Tensor | None = None,
 ) -> PQCodebook:
     """``pq.pq_fit`` with every sub-space clustered by faiss."""
     return fit_with(
-        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid,
-        init=init, shared_init=shared_init, stop_when_stable=stop_when_stable, chunk=chunk,
+        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid, init=init,
+        shared_init=shared_init, stop_when_stable=stop_when_stable, tol=tol, empty=empty, chunk=chunk,
     )

@@ -20,58 +20,142 @@ Initialisation
     ``shared_init=True`` uses the same point indices for every problem, as both papers' code does.
     With fewer (valid) points than clusters every point is used once and the list wraps around, so
     some centroids start as duplicates; ties go to the lowest centroid index, so duplicates stay
-    empty and keep their value (``k`` is never clipped: shapes stay batchable).
+    empty (``k`` is never clipped: shapes stay batchable).
   * ``"kmeans++"``: D²-weighted seeding (RAFT's default, which ClusterKV's accuracy code uses).
   * ``"given"``: start from ``init_centroids`` ``[P, k, d]``.
 
-Iterations: ``iters`` centroid updates (each after one assignment), or fewer with
-``stop_when_stable`` once an assignment changes no label (ClusterKV's "until convergence", capped).
-A final assignment always follows the last update, so ``labels`` match the returned ``centroids``.
-An empty cluster keeps its previous centroid (ClusterKV's rule; scikit-learn and faiss relocate it).
+Iterations and stopping, per problem
+  Each problem runs at most ``iters`` centroid updates (each after one assignment) and stops earlier
+  on its own when asked; the problems still running are the only ones computed. A final assignment
+  always follows the last update, so ``labels`` match the returned ``centroids``.
+  * ``stop_when_stable``: stop once an assignment changes no (valid) label — ClusterKV's "until
+    convergence", capped; the centroids are then a fixed point and no further update is run.
+  * ``tol`` > 0: scikit-learn's tolerance. After an update, stop (after one final assignment) when
+    ``Σ_c ‖c_new − c_old‖² ≤ tol · mean_j var(x_j)``, the variance per coordinate over the problem's
+    valid points, in the working space (``d + 1`` coordinates for ``ip``).
+  ``iterations`` is the largest number of updates any problem ran, ``updates`` the count per problem.
+
+Empty clusters (``empty``)
+  * ``"keep"``: an empty cluster keeps its previous centroid (ClusterKV's rule).
+  * ``"relocate"``: scikit-learn's rule (``_relocate_empty_clusters_dense``). After an assignment, the
+    ``e`` empty clusters of a problem take its ``e`` points farthest from their own (old) centroid: the
+    farthest point goes to the lowest-numbered empty cluster, and so on. Each point leaves its old
+    cluster's sum and becomes the new centroid on its own; labels are not changed (the next
+    assignment moves the point). Nothing is relocated when every point sits on its centroid (fewer
+    distinct points than clusters), and a cluster that is still empty keeps its previous centroid.
+    scikit-learn 1.9 differs in two details: it pairs the ``e`` farthest points with the empty
+    clusters in ``argpartition`` order (the same set of points; the order is unspecified for
+    ``e ≥ 2``), and it moves a still-empty cluster onto the largest one. (Distances here come from the
+    assignment's ``‖x‖² − 2x·c + ‖c‖²``; for ``cosine`` the distance is ``1 − cos``.)
+  ``SKLEARN`` holds the options that make this scikit-learn's ``KMeans(algorithm="lloyd", n_init=1,
+  tol=1e-4)`` from the same initial centroids (PQCache's reference clustering). Its ``n_iter_`` counts
+  one iteration more than ``updates`` when it stops on unchanged labels (it runs the no-op update).
+  faiss (``faiss_backend``) instead splits the largest cluster into an empty one and never stops early.
+
+Speed (CPU)
+  An assignment step is one GEMM: the points carry a trailing 1 and the centroids ``[c, −‖c‖²/2]``,
+  so the product is ``x·c − ‖c‖²/2`` (largest = nearest) without a separate bias pass. The scores
+  are laid out ``[g, k, chunk]`` and reduced over ``k`` by ``max_pool2d`` on a channels-last view,
+  whose CPU kernel keeps the running maximum and its index in vector registers (``Tensor.min(dim)``
+  scans one row at a time: 4-10x slower, as costly as the GEMM). A step covers ``chunk`` points
+  (up to ``CPU_CHUNK``) of ``g`` problems (``group_size``), ``CPU_DISTANCE_BUDGET`` scores (4 MiB)
+  in all, so the block is still in cache when the reduction reads it, and the GEMMs are large
+  enough for MKL to run near its peak (with several threads, 4x larger steps: fewer barriers). Centroid sums use ``index_put_`` with ``accumulate=True``
+  straight from the chunk (``index_add_`` dispatches one op per row on CPU; ``scatter_add_`` is
+  3x slower). The float32 working copy (points, ``ip`` coordinate, trailing 1) is built once when
+  it fits ``WORK_CACHE_BYTES``. Profile of the earlier version (one [P, chunk, k] ``baddbmm`` + ``min``
+  per 64 MiB chunk, ``scatter_add_`` sums): ``min`` 30 %, the broadcast copy of ``‖c‖²`` into the
+  block 25-40 %, ``baddbmm`` 20 %, ``scatter_add_`` 7-25 %. Now the GEMM is 55-65 % of the time.
+  On CUDA the reduction is ``Tensor.max(dim=1)`` and a step covers all problems with up to
+  ``DISTANCE_BUDGET`` scores.
+  Threads: every op follows ``torch.get_num_threads()`` except the sums (``index_put_`` with
+  accumulation is serial). On a CPU shared with other busy processes one thread is often faster
+  than two: every parallel op waits for its slowest thread.
 
 Memory: the input is read in chunks of ``chunk`` points (default ``default_chunk``); at most
-``P × chunk × k`` float32 distances and one float32 copy of a chunk exist at a time, so an fp16 input
-is never converted as a whole. Distances are float32 whatever the input dtype; centroids are float32.
-The default budget is 64 MiB of distances per step (``MIN_CHUNK`` points at least).
-Ties in the assignment go to the lowest centroid index (``torch.min``/``max`` return the first).
-Determinism: on CPU a call is bitwise reproducible; on CUDA ``scatter_add_`` sums in atomic order, so
-centroids may differ in the last bits between runs. Only ``stop_when_stable`` reads a value back to
-the host (one flag per iteration).
+``g × chunk × k`` float32 scores and one float32 copy of a chunk exist at a time (or the whole
+working copy, when it fits ``WORK_CACHE_BYTES``), plus a few float32 values per point (norms;
+distances with ``empty="relocate"``), so a large fp16 input is never converted as a whole. Scores are
+float32 whatever the input dtype; centroids are float32.
+Ties in the assignment go to the lowest centroid index (both reductions keep the first maximum).
+Determinism: on CPU a call is bitwise reproducible (``index_put_`` accumulates serially); on CUDA sums
+may differ in the last bits between runs. Host reads: ``stop_when_stable`` and ``tol`` read one flag
+per problem per iteration, ``empty="relocate"`` the number of empty clusters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 METRICS = ("l2", "cosine", "ip")
 INITS = ("random", "kmeans++", "given")
+EMPTY_RULES = ("keep", "relocate")
 
-# float32 distances in flight in one assignment step, over all problems (64 MiB).
+# scikit-learn's KMeans(algorithm="lloyd", tol=1e-4) semantics (PQCache's reference clustering).
+SKLEARN = {"stop_when_stable": True, "tol": 1e-4, "empty": "relocate"}
+
+# float32 scores in flight in one assignment step: 64 MiB on CUDA (over all problems), 4 MiB on CPU
+# (a block that stays in the L2/L3 cache between the GEMM that writes it and the reduction that reads
+# it is ~3x faster than one that streams through memory). On CPU a step covers up to CPU_CHUNK points
+# of as many problems as fit: MKL's GEMM is ~1.4x faster on one [256, 4096] block than on 32 [256, 128].
+# With several threads, steps are 4x larger (16 MiB, still within the L3 cache): every step costs a
+# few thread barriers, and on a CPU shared with other busy processes a barrier can wait for a whole
+# scheduler slice (measured on the 2-core machine under load: 12 s with 4 MiB steps vs 36 s).
 DISTANCE_BUDGET = 1 << 24
+CPU_DISTANCE_BUDGET = 1 << 20
+CPU_CHUNK = 4096
+CPU_PARALLEL_SCALE = 4
 MIN_CHUNK = 128
+# The working copy of the points (float32, with the bias column) is built once when it is at most this
+# large, instead of being refilled chunk by chunk in every sweep.
+WORK_CACHE_BYTES = 1 << 28
 
 
 @dataclass
 class KMeansResult:
     centroids: Tensor  # [P, k, d] float32
     labels: Tensor  # [P, n] int64 (nearest centroid; computed for invalid points too)
-    iterations: int  # centroid updates actually run
+    iterations: int  # centroid updates run: the most over the problems
     inertia: Tensor  # [P] float32: Σ over valid points of ‖x − c‖² (l2; augmented space for ip) or 1 − cos
     counts: Tensor  # [P, k] int64: valid points per cluster under ``labels``
     phi: Tensor | None = None  # [P] (ip only): the squared-norm bound of the augmentation
     extra: Tensor | None = None  # [P, k] (ip only): the centroids' augmented coordinate
+    updates: Tensor | None = None  # [P] int64: centroid updates each problem ran
 
 
-def default_chunk(problems: int, k: int, n: int | None = None) -> int:
-    """Points per assignment step: ``DISTANCE_BUDGET`` float32 distances over all problems.
+def _on_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
 
-    P=16, k=64 gives 16384 points per step: 64 MiB of distances plus one 64 MiB float32 chunk."""
-    rows = max(MIN_CHUNK, DISTANCE_BUDGET // max(1, problems * k))
+
+def _cpu_step() -> tuple[int, int]:
+    """(scores, points per problem) of one CPU step: ``CPU_DISTANCE_BUDGET`` and ``CPU_CHUNK`` on one
+    thread, ``CPU_PARALLEL_SCALE`` times both on several (see the constants)."""
+    scale = 1 if torch.get_num_threads() == 1 else CPU_PARALLEL_SCALE
+    return CPU_DISTANCE_BUDGET * scale, CPU_CHUNK * scale
+
+
+def default_chunk(problems: int, k: int, n: int | None = None, device: torch.device | str | None = None) -> int:
+    """Points of each problem per assignment step (``MIN_CHUNK`` at least). CUDA: all problems at
+    once within ``DISTANCE_BUDGET`` scores (P=16, k=64: 16384 points, 64 MiB of scores plus one
+    64 MiB float32 chunk). CPU, one thread: ``CPU_DISTANCE_BUDGET // k`` points, at most
+    ``CPU_CHUNK``, of ``group_size`` problems at a time (larger with several threads)."""
+    if _on_cuda(device):
+        rows = max(MIN_CHUNK, DISTANCE_BUDGET // max(1, problems * k))
+    else:
+        budget, most = _cpu_step()
+        rows = max(MIN_CHUNK, min(most, budget // max(1, k)))
     return rows if n is None else max(1, min(rows, n))
+
+
+def group_size(problems: int, k: int, step: int, device: torch.device | str | None = None) -> int:
+    """Problems per assignment step: all on CUDA, as many as the CPU step's score budget allows."""
+    if _on_cuda(device):
+        return problems
+    return max(1, min(problems, _cpu_step()[0] // max(1, k * step)))
 
 
 # ----------------------------------------------------------------------------- working space
@@ -121,96 +205,228 @@ def _normalize(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def _scorer(centroids: Tensor, metric: str, measure: bool) -> Callable[[Tensor], tuple[Tensor, Tensor | None]]:
-    """A function mapping a float32 block ``[P, c, D]`` to (nearest centroid, distance to it — only
-    when ``measure``)."""
+Select = Tensor | slice | None  # problems: an index tensor, a range of them, or all
+
+
+def _pick(rows: Select, t: Tensor) -> Tensor:
+    """The rows (problems) ``rows`` of ``t``."""
+    if rows is None:
+        return t
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def _compose(rows: Tensor | None, part: slice) -> Select:
+    """The problems ``part`` of the selection ``rows``, in the caller's numbering."""
+    return part if rows is None else rows[part]
+
+
+class _Points:
+    """The points as the sweeps read them: float32 chunks ``[g, c, D + 1]`` of the working space
+    (``D = d``, or ``d + 1`` with the ``ip`` coordinate) for ``g ≤ group`` problems, ending in a
+    constant 1 that meets the centroid table's bias column (see ``_table``). The squared norms of all
+    points are computed once. When the whole working copy fits in ``WORK_CACHE_BYTES`` it is built
+    once and chunks are views of it (no copy per sweep); otherwise one buffer is refilled per chunk."""
+
+    def __init__(self, x: Tensor, metric: str, phi: Tensor | None, step: int, group: int) -> None:
+        problems, n, d = x.shape
+        self.x, self.metric, self.phi, self.step, self.group = x, metric, phi, step, group
+        self.n, self.d = n, d
+        self.width = d + (phi is not None)
+        self.raw = torch.cat([_sq_norm(x[:, s : s + step].float()) for s in range(0, n, step)], dim=1)  # [P, n]
+        self._cache: Tensor | None = None
+        if problems * n * (self.width + 1) * 4 <= WORK_CACHE_BYTES:
+            self._buffer = torch.empty(problems * n * (self.width + 1), dtype=torch.float32, device=x.device)
+            self._cache = self._fill(slice(None), 0, n)
+        else:
+            self._buffer = torch.empty(group * min(step, n) * (self.width + 1), dtype=torch.float32, device=x.device)
+
+    def chunk(self, rows: Select, start: int, stop: int) -> Tensor:
+        if self._cache is not None:
+            return _pick(rows, self._cache[:, start:stop])
+        return self._fill(rows, start, stop)
+
+    def _fill(self, rows: Select, start: int, stop: int) -> Tensor:
+        block = _pick(rows, self.x[:, start:stop])
+        count = block.shape[0]
+        out = self._buffer[: count * (stop - start) * (self.width + 1)].view(count, stop - start, self.width + 1)
+        out[..., : self.d].copy_(block)
+        if self.phi is not None:
+            room = _pick(rows, self.phi)[:, None] - _pick(rows, self.raw)[:, start:stop]
+            torch.sqrt(room.clamp_min(0), out=out[..., self.d])
+        out[..., self.width].fill_(1.0)
+        return out
+
+    def distance(self, score: Tensor, rows: Select, start: int, stop: int) -> Tensor:
+        """Distance ``[A, c]`` to the chosen centroid from its score (see ``_table``)."""
+        raw = _pick(rows, self.raw)[:, start:stop]
+        if self.metric == "cosine":
+            return 1.0 - score / raw.sqrt().clamp_min(1e-12)
+        if self.phi is not None:  # augmented points have squared norm max(φ, ‖x‖²)
+            raw = torch.maximum(raw, _pick(rows, self.phi)[:, None])
+        return (raw - 2.0 * score).clamp_min(0)
+
+    def at(self, rows: Tensor | None, index: Tensor) -> Tensor:
+        """Working-space coordinates ``[A, m, D]`` of the points ``index`` ``[A, m]``."""
+        owner = torch.arange(index.shape[0], device=index.device) if rows is None else rows
+        points = self.x[owner[:, None], index].float()
+        if self.phi is None:
+            return points
+        room = self.phi[owner][:, None] - self.raw[owner[:, None], index]
+        return torch.cat([points, room.clamp_min(0).sqrt()[..., None]], dim=-1)
+
+    def mean_variance(self, valid: Tensor | None) -> Tensor:
+        """``mean_j var(x_j)`` over each problem's valid points ``[P]`` (scikit-learn's ``_tolerance``
+        scale), two passes in float64 over chunks of all problems."""
+        problems = self.x.shape[0]
+        weight = None if valid is None else valid.double()
+        total = torch.full((problems,), float(self.n), dtype=torch.float64, device=self.x.device)
+        if weight is not None:
+            total = weight.sum(dim=1).clamp_min(1)
+        mean = torch.zeros(problems, self.width, dtype=torch.float64, device=self.x.device)
+        for start in range(0, self.n, self.step):
+            stop = min(self.n, start + self.step)
+            block = _rows(self.x, start, stop, self.phi).double()
+            mean += (block if weight is None else block * weight[:, start:stop, None]).sum(dim=1)
+        mean /= total[:, None]
+        spread = torch.zeros(problems, dtype=torch.float64, device=self.x.device)
+        for start in range(0, self.n, self.step):
+            stop = min(self.n, start + self.step)
+            square = (_rows(self.x, start, stop, self.phi).double() - mean[:, None]).square().sum(-1)
+            spread += (square if weight is None else square * weight[:, start:stop]).sum(dim=1)
+        return (spread / total / self.width).float()
+
+
+def _table(centroids: Tensor, metric: str) -> Tensor:
+    """The centroids as GEMM operand ``[P, k, D + 1]``: a point's score is its product with a row.
+
+    l2/ip: ``[c, −‖c‖²/2]`` → ``x·c − ‖c‖²/2 = (‖x‖² − ‖x − c‖²) / 2``, largest for the nearest ``c``.
+    cosine: ``[c/‖c‖, 0]`` → ``x·ĉ``, which ranks the centroids as the cosine does (``‖x‖`` is common)."""
     if metric == "cosine":
-        unit_t = _normalize(centroids).transpose(1, 2)
+        return F.pad(_normalize(centroids), (0, 1))
+    return torch.cat([centroids, -0.5 * _sq_norm(centroids)[..., None]], dim=-1)
 
-        def nearest_cosine(block: Tensor) -> tuple[Tensor, Tensor | None]:
-            similarity, index = torch.bmm(_normalize(block), unit_t).max(dim=-1)
-            return index, (1.0 - similarity) if measure else None
 
-        return nearest_cosine
-
-    c_t = centroids.transpose(1, 2)
-    c_sq = _sq_norm(centroids)[:, None, :]  # [P, 1, k]
-
-    def nearest_l2(block: Tensor) -> tuple[Tensor, Tensor | None]:
-        # ‖x‖² − 2x·c + ‖c‖²; ‖x‖² is the same for every centroid, so it joins only after the argmin.
-        partial = torch.baddbmm(c_sq, block, c_t, alpha=-2.0)  # the only [P, c, k] buffer
-        value, index = partial.min(dim=-1)
-        return index, (value + _sq_norm(block)).clamp_min(0) if measure else None
-
-    return nearest_l2
+def _best(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Largest score and its centroid (lowest index on ties) per point, from ``scores`` ``[g, k, c]``."""
+    problems, k, c = scores.shape
+    if scores.device.type != "cpu":
+        return scores.max(dim=1)
+    # [g, k, c] is the channels-last layout of a [g, c/w, k, w] image: pooling over the whole height
+    # reduces over k with the points in the vector lanes (see the module notes). The kernel runs its
+    # g·w output pixels in parallel, so a single problem is split into w column blocks for the threads.
+    threads = torch.get_num_threads()
+    w = next((w for w in (4 * threads, 2 * threads, threads) if problems < threads and c % w == 0), 1)
+    image = scores.view(problems, k, w, c // w).permute(0, 3, 1, 2)
+    value, index = F.max_pool2d(image, (k, 1), return_indices=True)  # [g, c/w, 1, w], channels-last
+    index = index.permute(0, 2, 3, 1).reshape(problems, c)  # flat positions h·w + column block
+    return value.permute(0, 2, 3, 1).reshape(problems, c), index if w == 1 else index // w
 
 
 @dataclass
 class _Sweep:
-    inertia: Tensor | None  # [P], when measured
-    counts: Tensor  # [P, k] int64
-    sums: Tensor | None  # [P, k, D] float32, when accumulated
-    changed: Tensor | None  # bool scalar, when compared
+    inertia: Tensor  # [A]
+    counts: Tensor  # [A, k] int64
+    sums: Tensor | None  # [A, k, D] float32, when accumulated
+    changed: Tensor | None  # [A] bool, when compared
+    distance: Tensor | None  # [A, n] float32 (invalid points −inf), when kept
 
 
 def _sweep(
-    x: Tensor,
-    centroids: Tensor,
-    metric: str,
-    phi: Tensor | None,
-    step: int,
-    valid: Tensor | None,
+    points: _Points,
+    table: Tensor,
+    rows: Tensor | None,
     labels: Tensor,
+    valid: Tensor | None,
     *,
     accumulate: bool,
     compare: bool,
-    measure: bool,
+    measure: bool = True,
+    keep_distance: bool = False,
 ) -> _Sweep:
-    """One pass over the points: assign each to its nearest centroid (written into ``labels``) and,
-    in the same pass, accumulate the per-cluster sums the next update needs (``accumulate``), note
-    whether any valid label changed (``compare``) and sum the distances (``measure``)."""
-    problems, n, _ = x.shape
-    k, width = centroids.shape[1], centroids.shape[2]
-    nearest = _scorer(centroids, metric, measure)
-    device = x.device
-    # Bin k collects the invalid points, so they never move a centroid.
-    counts = torch.zeros(problems, k + 1, dtype=torch.long, device=device)
-    sums = torch.zeros(problems, k + 1, width, dtype=torch.float32, device=device) if accumulate else None
-    inertia = torch.zeros(problems, dtype=torch.float32, device=device) if measure else None
-    changed = torch.zeros((), dtype=torch.bool, device=device) if compare else None
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        block = _rows(x, start, stop, phi)
-        index, distance = nearest(block)
-        if compare:
-            differs = index != labels[:, start:stop]
-            if valid is not None:
-                differs &= valid[:, start:stop]
-            changed |= differs.any()
-        labels[:, start:stop] = index
-        if valid is not None:
-            keep = valid[:, start:stop]
-            index = index.masked_fill(~keep, k)
+    """One pass over the points of the problems ``rows`` (all when None; ``table`` holds their
+    centroids): assign each point to its nearest centroid (written into ``labels``) and, in the same
+    pass, accumulate the per-cluster sums the next update needs (``accumulate``), note which problems
+    changed a valid label (``compare``), sum the distances (``measure``; else ``inertia`` stays 0) and
+    keep them per point (``keep_distance``, for the relocation). Steps cover ``points.group`` problems × ``points.step``
+    points."""
+    count, k, _ = table.shape
+    n, step, width, device = points.n, points.step, points.width, table.device
+    # Bin k of every problem collects the invalid points, so they never move a centroid.
+    counts = torch.zeros(count * (k + 1), dtype=torch.long, device=device)
+    sums = torch.zeros(count, k + 1, width, dtype=torch.float32, device=device) if accumulate else None
+    inertia = torch.zeros(count, dtype=torch.float32, device=device)
+    changed = torch.zeros(count, dtype=torch.bool, device=device) if compare else None
+    distance = torch.empty(count, n, dtype=torch.float32, device=device) if keep_distance else None
+    group = min(points.group, count)
+    scores = torch.empty(group * k * min(step, n), dtype=torch.float32, device=device)
+    for first in range(0, count, group):
+        part = slice(first, min(count, first + group))
+        size = part.stop - part.start
+        problems = _compose(rows, part)  # in the numbering of x and labels
+        block_table = table[part]
+        keep_all = None if valid is None else _pick(problems, valid)
+        owner = torch.arange(part.start, part.stop, device=device)[:, None]
+        offset = owner * (k + 1)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            block = points.chunk(problems, start, stop)
+            out = scores[: size * k * (stop - start)].view(size, k, stop - start)
+            score, index = _best(torch.bmm(block_table, block.transpose(1, 2), out=out))
+            dist = points.distance(score, problems, start, stop) if measure or keep_distance else None
+            keep = None if keep_all is None else keep_all[:, start:stop]
+            if compare:
+                differs = index != labels[problems, start:stop]
+                changed[part] |= (differs if keep is None else differs & keep).any(dim=1)
+            labels[problems, start:stop] = index
+            if keep is not None:
+                index = index.masked_fill(~keep, k)
+                dist = None if dist is None else dist.masked_fill(~keep, 0.0)
+            if dist is not None:
+                inertia[part] += dist.sum(dim=1)
             if distance is not None:
-                distance = distance.masked_fill(~keep, 0.0)
-        if inertia is not None:
-            inertia += distance.sum(dim=1)
-        counts.scatter_add_(1, index, torch.ones_like(index))
-        if sums is not None:
-            sums.scatter_add_(1, index[..., None].expand(-1, -1, width), block)
+                distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
+            counts += torch.bincount((index + offset).view(-1), minlength=count * (k + 1))
+            if sums is not None:  # (a [g, c, D] view of the chunk: flattening it would copy)
+                sums.index_put_((owner.expand_as(index), index), block[..., :width], accumulate=True)
     return _Sweep(
         inertia=inertia,
-        counts=counts[:, :k],
+        counts=counts.view(count, k + 1)[:, :k],
         sums=None if sums is None else sums[:, :k],
         changed=changed,
+        distance=distance,
     )
+
+
+def _relocate(sweep: _Sweep, points: _Points, rows: Tensor | None, labels: Tensor) -> None:
+    """scikit-learn's empty-cluster relocation, in place on ``sweep.sums``/``counts`` (module notes)."""
+    counts, sums = sweep.counts, sweep.sums
+    empty = counts == 0
+    most = int(empty.sum(dim=1).max())
+    if most == 0:
+        return
+    distance = sweep.distance
+    count, n = distance.shape
+    far_distance, far = distance.topk(min(most, n), dim=1)  # farthest first
+    most = far.shape[1]
+    # The empty clusters in ascending order first (a stable sort of the "filled" flags).
+    targets = torch.sort(~empty, dim=1, stable=True).indices[:, :most]
+    slot = torch.arange(most, device=far.device)[None, :]
+    # sklearn relocates nothing when every point sits on its centroid; invalid points (−inf) never move.
+    take = (slot < empty.sum(dim=1, keepdim=True)) & (distance.amax(dim=1, keepdim=True) > 0) & (far_distance >= 0)
+    source = torch.gather(labels if rows is None else labels.index_select(0, rows), 1, far)
+    moved = points.at(rows, far) * take[..., None]
+    problem = torch.arange(count, device=far.device)[:, None].expand_as(far)
+    sums.index_put_((problem, source), -moved, accumulate=True)
+    counts.index_put_((problem, source), -take.long(), accumulate=True)
+    target_sums = torch.where(take[..., None], moved, torch.gather(sums, 1, targets[..., None].expand_as(moved)))
+    sums.scatter_(1, targets[..., None].expand_as(moved), target_sums)
+    counts.scatter_(1, targets, torch.where(take, 1, torch.gather(counts, 1, targets)))
 
 
 def _means(sums: Tensor, counts: Tensor, previous: Tensor) -> Tensor:
     """Plain arithmetic means; an empty cluster keeps its previous centroid."""
-    filled = counts > 0
     means = sums / counts.clamp_min(1).to(sums.dtype)[..., None]
-    return torch.where(filled[..., None], means, previous)
+    return torch.where((counts > 0)[..., None], means, previous)
 
 
 # ----------------------------------------------------------------------------- initialisation
@@ -325,6 +541,19 @@ def _check(x: Tensor, metric: str, valid: Tensor | None) -> None:
         raise ValueError(f"valid must be a bool tensor {tuple(x.shape[:2])}, got {valid.dtype} {tuple(valid.shape)}")
 
 
+def _label(x: Tensor, centroids: Tensor, metric: str, phi: Tensor | None, chunk: int | None,
+           valid: Tensor | None) -> tuple[Tensor, _Sweep]:
+    """One assignment of every point to working-space ``centroids`` ``[P, k, D]`` (no update)."""
+    problems, n, _ = x.shape
+    step = chunk or default_chunk(problems, centroids.shape[1], n, x.device)
+    inner = "l2" if metric == "ip" else metric
+    labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
+    points = _Points(x, inner, phi, step, group_size(problems, centroids.shape[1], step, x.device))
+    sweep = _sweep(points, _table(centroids, inner), None, labels, valid,
+                   accumulate=False, compare=False)
+    return labels, sweep
+
+
 def assign(
     x: Tensor,
     centroids: Tensor,
@@ -343,7 +572,7 @@ def assign(
     problems, n, d = x.shape
     if centroids.dim() != 3 or centroids.shape[0] != problems or centroids.shape[2] != d:
         raise ValueError(f"centroids {tuple(centroids.shape)} do not fit points {tuple(x.shape)}")
-    cent = centroids.float()
+    cent = centroids.to(device=x.device, dtype=torch.float32)
     if metric == "ip":
         if phi is None or extra is None:
             raise ValueError("assign(metric='ip') needs phi and extra from the KMeansResult")
@@ -351,11 +580,7 @@ def assign(
         phi = phi.float()
     else:
         phi = None
-    labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
-    step = chunk or default_chunk(problems, cent.shape[1], n)
-    _sweep(x, cent, "l2" if metric == "ip" else metric, phi, step, None, labels,
-           accumulate=False, compare=False, measure=False)
-    return labels
+    return _label(x, cent, metric, phi, chunk, None)[0]
 
 
 def kmeans(
@@ -369,6 +594,8 @@ def kmeans(
     init_centroids: Tensor | None = None,
     shared_init: bool = True,
     stop_when_stable: bool = False,
+    tol: float = 0.0,
+    empty: str = "keep",
     chunk: int | None = None,
     valid: Tensor | None = None,
 ) -> KMeansResult:
@@ -376,14 +603,21 @@ def kmeans(
 
     ``valid`` ``[P, n]`` (bool) marks the points that count, for ragged problems padded to one ``n``:
     invalid points are never initial centroids, never move a centroid and add nothing to the inertia,
-    but they still get a label (their nearest centroid)."""
+    but they still get a label (their nearest centroid). Stopping (``stop_when_stable``, ``tol``) and
+    the empty-cluster rule (``empty``) are per problem, see the module notes; ``**SKLEARN`` gives
+    scikit-learn's semantics."""
     _check(x, metric, valid)
     if k < 1:
         raise ValueError(f"k must be positive, got {k}")
     if init not in INITS:
         raise ValueError(f"unknown k-means init {init!r}; use one of {INITS}")
+    if empty not in EMPTY_RULES:
+        raise ValueError(f"unknown empty-cluster rule {empty!r}; use one of {EMPTY_RULES}")
+    if not tol >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol}")
     problems, n, d = x.shape
-    step = chunk or default_chunk(problems, k, n)
+    device = x.device
+    step = chunk or default_chunk(problems, k, n, device)
     phi = _phi(x, valid, step) if metric == "ip" else None
     inner = "l2" if metric == "ip" else metric
 
@@ -391,39 +625,69 @@ def kmeans(
         if init_centroids is None or init_centroids.shape != (problems, k, d):
             shape = None if init_centroids is None else tuple(init_centroids.shape)
             raise ValueError(f"init='given' needs init_centroids of shape {(problems, k, d)}, got {shape}")
-        centroids = init_centroids.to(device=x.device, dtype=torch.float32, copy=True)
-        if phi is not None:
-            centroids = _augment_centroids(centroids, phi)
+        centroids = init_centroids.to(device=device, dtype=torch.float32, copy=True)
     else:
         index = initial_rows(x, k, init=init, metric=metric, seed=seed, shared_init=shared_init,
                              valid=valid, chunk=step)
         centroids = _gather_rows(x, index)
-        if phi is not None:
-            centroids = _augment_centroids(centroids, phi)  # == the augmented points themselves
+    if phi is not None:
+        centroids = _augment_centroids(centroids, phi)  # for initial rows: the augmented points themselves
 
-    labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
-    updates = 0
+    points = _Points(x, inner, phi, step, group_size(problems, k, step, device))
+    threshold = tol * points.mean_variance(valid) if tol > 0 else None
+    # With a data-dependent stop each problem leaves the batch on its own (host reads per iteration);
+    # otherwise all problems run the same schedule and nothing is read back.
+    adaptive = stop_when_stable or threshold is not None
+    labels = torch.zeros(problems, n, dtype=torch.long, device=device)
+    updates = torch.zeros(problems, dtype=torch.long, device=device)
+    inertia = torch.zeros(problems, dtype=torch.float32, device=device)
+    counts = torch.zeros(problems, k, dtype=torch.long, device=device)
+    last = torch.full((problems,), iters == 0, dtype=torch.bool, device=device)  # next sweep is final
+    rows: Tensor | None = None  # the problems still running (None: all)
+    sweeps = 0
     while True:
-        update = updates < iters
-        # Distances only matter for the inertia of the final sweep, which is either the one after
-        # the last update or, with stop_when_stable, any sweep that finds no change.
-        sweep = _sweep(x, centroids, inner, phi, step, valid, labels, accumulate=update,
-                       compare=stop_when_stable and updates > 0, measure=stop_when_stable or not update)
-        if sweep.changed is not None and not bool(sweep.changed):
-            break  # converged: another update would reproduce the same centroids
-        if not update:
-            break  # this sweep was the final assignment
-        centroids = _means(sweep.sums, sweep.counts, centroids)
-        updates += 1
+        current = _pick(rows, centroids)
+        final = _pick(rows, last)
+        # On a fixed schedule only the final sweep's distances (the inertia) are needed.
+        sweep = _sweep(points, _table(current, inner), rows, labels, valid, accumulate=sweeps < iters,
+                       compare=stop_when_stable and sweeps > 0, measure=adaptive or sweeps >= iters,
+                       keep_distance=empty == "relocate" and sweeps < iters)
+        sweeps += 1
+        done = final if sweep.changed is None else final | ~sweep.changed
+        if rows is None:
+            inertia = torch.where(done, sweep.inertia, inertia)
+            counts = torch.where(done[:, None], sweep.counts, counts)
+        else:
+            inertia[rows] = torch.where(done, sweep.inertia, inertia[rows])
+            counts[rows] = torch.where(done[:, None], sweep.counts, counts[rows])
+        if (bool(done.all()) if adaptive else sweeps > iters):
+            break
+        if empty == "relocate":
+            _relocate(sweep, points, rows, labels)
+        moved = _means(sweep.sums, sweep.counts, current)
+        going = ~done
+        finished_now = _pick(rows, updates) + 1 >= iters
+        if threshold is not None:
+            shift = (moved - current).square().sum(dim=(1, 2))
+            finished_now = finished_now | (shift <= _pick(rows, threshold))
+        index = torch.arange(problems, device=device) if rows is None else rows
+        if adaptive:
+            keep = going.nonzero().squeeze(1)
+            index, moved, finished_now = index[keep], moved[keep], finished_now[keep]
+            rows = index
+        centroids[index] = moved
+        updates[index] += 1
+        last[index] = finished_now
 
     return KMeansResult(
         centroids=centroids[..., :d].contiguous(),
         labels=labels,
-        iterations=updates,
-        inertia=sweep.inertia,
-        counts=sweep.counts,
+        iterations=int(updates.max()) if adaptive else iters,
+        inertia=inertia,
+        counts=counts,
         phi=phi,
         extra=None if phi is None else centroids[..., d].contiguous(),
+        updates=updates,
     )
 
 
@@ -438,14 +702,11 @@ def finish(
 ) -> KMeansResult:
     """A ``KMeansResult`` for centroids found elsewhere (the faiss backend): one final assignment with
     this module's rules. For ``ip`` the centroids carry the augmented coordinate (``[P, k, d + 1]``)."""
-    problems, n, _ = x.shape
-    d = x.shape[-1]
-    step = chunk or default_chunk(problems, centroids.shape[1], n)
+    problems, n, d = x.shape
+    step = chunk or default_chunk(problems, centroids.shape[1], n, x.device)
     phi = _phi(x, valid, step) if metric == "ip" else None
     cent = centroids.to(device=x.device, dtype=torch.float32)
-    labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
-    sweep = _sweep(x, cent, "l2" if metric == "ip" else metric, phi, step, valid, labels,
-                   accumulate=False, compare=False, measure=True)
+    labels, sweep = _label(x, cent, metric, phi, chunk, valid)
     return KMeansResult(
         centroids=cent[..., :d].contiguous(),
         labels=labels,
@@ -454,4 +715,5 @@ def finish(
         counts=sweep.counts,
         phi=phi,
         extra=None if phi is None else cent[..., d].contiguous(),
+        updates=torch.full((problems,), iterations, dtype=torch.long, device=x.device),
     )

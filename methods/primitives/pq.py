@@ -27,7 +27,7 @@ GQA_RULES = ("softmax_sum", "logit_sum", "max")
 class PQCodebook:
     centroids: Tensor  # [G, m, 2**b, d/m] float32
     codes: Tensor  # [G, n, m], dtype code_dtype(b)
-    iterations: int = 0  # k-means updates run (the same for every sub-space problem)
+    iterations: int = 0  # k-means updates run: the most over the sub-space problems (they may stop early)
     metric: str = "l2"
     phi: Tensor | None = None  # [G, m] (ip only), see kmeans
     extra: Tensor | None = None  # [G, m, 2**b] (ip only), see kmeans
@@ -104,17 +104,20 @@ def pq_fit(
     init: str = "random",
     shared_init: bool = True,
     stop_when_stable: bool = False,
+    tol: float = 0.0,
+    empty: str = "keep",
     chunk: int | None = None,
     valid: Tensor | None = None,
 ) -> PQCodebook:
     """Train ``m`` codebooks of ``2**b`` centroids per group and encode ``keys`` ``[G, n, d]``.
 
     One batched ``kmeans`` call solves all ``G·m`` sub-space problems. ``init="random"`` with shared
-    indices matches the PQCache authors' initialisation (the same random points for every group).
-    ``valid`` ``[G, n]`` excludes padded tokens from the fit (they still get codes)."""
+    indices matches the PQCache authors' initialisation (the same random points for every group);
+    ``**kmeans.SKLEARN`` (``stop_when_stable``, ``tol``, ``empty``) their scikit-learn stopping and
+    empty-cluster rules. ``valid`` ``[G, n]`` excludes padded tokens from the fit (they still get codes)."""
     return fit_with(
-        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid,
-        init=init, shared_init=shared_init, stop_when_stable=stop_when_stable, chunk=chunk,
+        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid, init=init,
+        shared_init=shared_init, stop_when_stable=stop_when_stable, tol=tol, empty=empty, chunk=chunk,
     )
 
 
