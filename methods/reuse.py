@@ -407,12 +407,23 @@ def _attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: tor
     return torch.softmax(logits, dim=-1)
 
 
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks of ``x`` with ties given their average rank (as Spearman's coefficient defines them)."""
+    values, order = torch.sort(x)
+    _, inverse, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    average = ends - (counts.double() - 1) / 2  # 1-based average rank of each group of equal values
+    ranks = torch.empty(x.numel(), dtype=torch.float64)
+    ranks[order] = average[inverse]
+    return ranks
+
+
 def _spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """Spearman rank correlation of two equally long vectors (None when either is constant)."""
+    """Spearman rank correlation of two equally long vectors (average ranks for ties; None when either
+    is constant, e.g. layer 0, whose KV cannot deviate)."""
     if a.numel() < 2:
         return None
-    ra = torch.argsort(torch.argsort(a)).double()
-    rb = torch.argsort(torch.argsort(b)).double()
+    ra, rb = _ranks(a), _ranks(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denominator = float(ra.norm() * rb.norm())
-    return float((ra * rb).sum()) / denominator if denominator else None
+    return float((ra * rb).sum()) / denominator if denominator > 1e-12 else None

@@ -280,3 +280,13 @@ def test_profile_deviation_measures_reuse_against_a_full_prefill(tiny_llama, ran
     assert exact["attention_mean"] < 1e-4 and max(exact["blended_kv_mean"]) < 1e-6  # recompute all = full
     assert reuse["attention_mean"] > blend["attention_mean"] > exact["attention_mean"]
     assert all(-1 <= r <= 1 for r in reuse["spearman"] if r is not None)
+
+
+def test_spearman_matches_scipy_with_ties_and_is_undefined_for_constants():
+    scipy = pytest.importorskip("scipy.stats")
+    from kvbench.methods.reuse import _spearman
+
+    a = torch.tensor([1.0, 2, 2, 3, 5, 5, 5, 0, 7])
+    b = torch.tensor([3.0, 1, 4, 1, 5, 9, 2, 6, 5])
+    assert _spearman(a, b) == pytest.approx(scipy.spearmanr(a, b).statistic, abs=1e-12)
+    assert _spearman(torch.zeros(6), b[:6]) is None  # layer 0: no deviation to rank
