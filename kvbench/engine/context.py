@@ -136,7 +136,10 @@ class GenerationContext:
         if selection is None or selection.attended == kv.n:
             # Nothing left out (slots are unique): the dense path, bit-identical to ``full``.
             keys, values = kv.keys, kv.values
-            out = attention.dense(module, query, keys[None], values[None], scaling)
+            if kv.repeat > 1:  # one stored row per query head (per-query-head eviction): no GQA repeat
+                out = attention.selected(query, keys, values, scaling)
+            else:
+                out = attention.dense(module, query, keys[None], values[None], scaling)
             attended = kv.n
         else:
             keys, values = kv.gather(selection.slots, selection.cached)
