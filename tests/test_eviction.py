@@ -422,3 +422,20 @@ def test_swap_remove_evicts_in_place_and_reports_the_moves():
     assert kv.positions[:, -1].tolist() == [n] * heads
     with pytest.raises(ValueError, match="distinct"):
         kv.swap_remove(torch.tensor([[0, 0], [1, 2], [3, 4]]))
+
+
+def test_h2o_without_a_window_still_keeps_the_token_it_just_generated():
+    """budget.local=0: nothing recent is protected, except the current token, which would otherwise be
+    the first victim (it has received the attention of one query only)."""
+    s, d = 30, 4
+    query, key = spike_pattern(s=s, spikes=((7, 6.0),))
+    budget = ResolvedBudget(context=s, sink=2, local=0, select=4)
+    method = create_method({"name": "h2o"})
+    kv = prefill(method, query, key, budget)
+    for step in range(6):
+        kv.append(torch.zeros(1, 1, d), torch.zeros(1, 1, d))
+        probs = torch.full((1, kv.n), 1.0 / kv.n)
+        probs[0, -1] = 1e-6  # the new token attends almost nothing to itself: the lowest score
+        method.after_attention(0, None, None, kv, probs)
+        held = kv.positions[0].tolist()
+        assert kv.seen - 1 in held and kv.n == 2 + 4  # the current token survived its own step
