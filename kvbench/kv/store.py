@@ -188,17 +188,11 @@ class LayerKV:
         if slots.dim() != 2 or slots.shape[0] % self.n_kv_heads:
             raise ValueError(f"keep() expects [kv_heads={self.n_kv_heads} (or a multiple), m] slots, got {tuple(slots.shape)}")
         repeat = slots.shape[0] // self.n_kv_heads
-        keys, values, positions = self.keys, self.values, self.positions
-        if repeat > 1:
-            keys, values = keys.repeat_interleave(repeat, dim=0), values.repeat_interleave(repeat, dim=0)
-            positions = positions.repeat_interleave(repeat, dim=0)
-            self.n_kv_heads *= repeat
-            self.repeat *= repeat
         slots, _ = torch.sort(slots.to(self.home), dim=1)
-        idx = slots.unsqueeze(-1).expand(-1, -1, self.head_dim)
-        k = torch.gather(keys, 1, idx)
-        v = torch.gather(values, 1, idx)
-        pos = torch.gather(positions, 1, slots)
+        heads = (torch.arange(slots.shape[0], device=self.home) // repeat)[:, None]  # row -> stored head
+        k, v, pos = self._k[heads, slots], self._v[heads, slots], self._pos[heads, slots]  # no repeated copy
+        self.n_kv_heads *= repeat
+        self.repeat *= repeat
         m = slots.shape[1]
         self._k = self._alloc(m, self.head_dim, self.dtype)
         self._v = self._alloc(m, self.head_dim, self.dtype)
