@@ -22,9 +22,14 @@ if want niah_retrieval; then  # retrieval methods at absolute budgets
     profile.recall=true
 fi
 if want recall; then  # recall of the exact top-B on one ~4k essay prompt (ClusterKV Fig. 11 on our models)
+  # every method at the same settings: 16 sinks, no local window, B = 16 + budget.tokens = 256 / 512 / 1024
   for model in smollm2_135m qwen25_05b; do
-    $RUN -m model=$model method=oracle,quest,clusterkv,pqcache,sparq,infllm budget.tokens=256,512,1024 \
-      budget.comm_ratio=0.0078125 'task.lengths=[4096]' 'task.depths=[0.5]' task.max_new_tokens=16 profile.recall=true
+    $RUN -m model=$model method=oracle,quest,clusterkv,pqcache,sparq,infllm budget.tokens=240,496,1008 budget.sink=16 \
+      budget.local=0 budget.comm_ratio=0.0078125 'task.lengths=[4096]' 'task.depths=[0.5]' task.max_new_tokens=16 \
+      profile.recall=true
+    $RUN -m model=$model method=oracle method.per_query_head=true budget.tokens=240,496,1008 budget.sink=16 \
+      budget.local=0 budget.comm_ratio=0.0078125 'task.lengths=[4096]' 'task.depths=[0.5]' task.max_new_tokens=16 \
+      profile.recall=true
     $RUN -m model=$model method=clusterkv method.metric=cosine,l2,ip budget.tokens=256,512,1024 \
       'task.lengths=[4096]' 'task.depths=[0.5]' task.max_new_tokens=16 profile.recall=true
   done

@@ -1,12 +1,35 @@
-"""What a run measures beyond the always-on timings (the ``profile.*`` config keys)."""
+"""What a run measures beyond the always-on timings (the ``profile.*`` config keys).
+
+``recall_rule`` picks the definition of ``recall`` (see :mod:`kvbench.telemetry` for each):
+
+* ``attended`` (default) — the ClusterKV paper's Fig. 11 quantity, the same for every method: per
+  query head, the prompt tokens the step attends against the exact top-B of raw ``q·k`` over all
+  prompt keys, ``B = sink + budget`` tokens;
+* ``softmax_sum`` / ``logit_sum`` / ``max`` — kvbench's earlier rule, kept so that runs recorded with
+  it keep their meaning: only the tokens a method *chose* (sinks and the local window left out), against
+  the exact top-k of its candidates with k = the number it chose; per query head for a per-query-head
+  selection, else per KV head with the named GQA reduction. Its values depend on each method's
+  selection shape and budget split, so they do not compare across methods.
+
+The rule is part of the run's config (``config.yaml``), hence of its run id.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbench.errors import ConfigError
+
+RECALL_RULES = ("attended", "softmax_sum", "logit_sum", "max")
+
 
 @dataclass(frozen=True)
 class Profile:
-    recall: bool = False  # recall of the exact top-k (an exact scoring pass per decode step)
-    recall_rule: str = "softmax_sum"  # GQA rule of the exact reference for per-KV-head selections
+    recall: bool = False  # recall of the exact top-B (an exact scoring pass per decode step)
+    recall_rule: str = "attended"  # one of RECALL_RULES
     deviation: bool = False  # reuse methods: KV and attention deviation from a full prefill (costs one, untimed)
+
+    def __post_init__(self) -> None:
+        if self.recall_rule not in RECALL_RULES:
+            raise ConfigError(f"unknown profile.recall_rule={self.recall_rule!r}",
+                              f"use one of {', '.join(RECALL_RULES)} (attended: the ClusterKV Fig. 11 recall)")

@@ -9,9 +9,26 @@ Definitions (shared by every method so that tables compare like with like):
   ``(T(n) - TT2T) / (n - 2)``); ``tpot_p50_s`` / ``tpot_p90_s`` their percentiles.
 * ``attended_per_layer`` — mean tokens attended per head at a decode step, per layer;
   ``kept_per_layer`` — tokens each layer holds right after prefill.
-* ``recall`` — ``|selected ∩ exact top-k| / k`` over the method's ranked part, averaged over layers,
-  heads and steps (only with ``profile.recall=true``: it costs an exact pass, excluded from the
-  step times).
+* ``recall`` — how much of the exact top-B a step attends (only with ``profile.recall=true``: it
+  costs an exact scoring pass, excluded from the step times), averaged over query heads, then over
+  the decode steps of every layer that selects (layers a method leaves dense, such as Quest's and
+  ClusterKV's layers 0-1, have none), then over layers. The default rule,
+  ``profile.recall_rule=attended``, is the ClusterKV paper's Fig. 11 quantity and is the same for
+  every method:
+
+  - **B** = ``sink + budget`` tokens: the prompt tokens a method attends at a decode step
+    (``ResolvedBudget.total``; the layer's own budget under PyramidKV-style per-layer budgets);
+    ``recall_b`` records it. With ``budget.tokens=T`` and ``budget.sink=S``, B = S + T whatever the
+    method, so every method compared at the same ``budget.*`` keys is scored against the same B;
+  - **exact set**, per query head: the B prompt tokens with the largest raw ``q·k`` over *all* prompt
+    keys, sinks included (generated tokens excluded, as in ClusterKV's ``stat_topk``);
+  - **predicted set**, per query head: the prompt tokens the step attends — sinks, local window and
+    selected tokens alike; a per-KV-head selection gives every query head of the group the same set;
+  - ``recall = |predicted ∩ exact| / B`` (``B`` capped at the held prompt).
+
+  ``recall_rule=softmax_sum|logit_sum|max`` is the earlier rule (kept for old runs, not comparable
+  across methods): the chosen part only, against the exact top-k of the candidates with k = the number
+  chosen (see :mod:`kvbench.profile`).
 * ``select_s`` / ``fetch_s`` / ``compute_s`` — the decode time split into the method's selection
   (index search, e.g. PQ scoring), the store's gather of the selected K/V (host→device fetch) and the
   rest (the model's layers and attention). Host-side clocks: on CUDA, asynchronous kernels are
@@ -54,6 +71,7 @@ class Telemetry:
         self.attended: list[list[int]] = [[] for _ in range(n_layers)]
         self.available: list[list[int]] = [[] for _ in range(n_layers)]
         self.recall: list[list[float]] = [[] for _ in range(n_layers)]
+        self.recall_b: int | None = None  # B of the ``attended`` recall rule (the last layer's)
         self.kept_after_prefill: list[int] | None = None
         self.kv_bytes_after_prefill: int | None = None
         self.prefill_s: float | None = None
@@ -94,6 +112,7 @@ class Telemetry:
             "kv_bytes_after_prefill": self.kv_bytes_after_prefill,
             "recall": _mean(recall_all),
             "recall_per_layer": recall_layers if recall_all else None,
+            **({"recall_b": self.recall_b} if self.recall_b is not None else {}),
             **({"prepared": self.prepared} if self.prepared else {}),
             **({"prefill": self.prefill_plan} if self.prefill_plan else {}),
         }

@@ -14,7 +14,8 @@ recent = half the budget (``local_fraction: 0.5``), all from kvbench's shared bu
 * **Decode.** Every step attends all held tokens (``sink + budget`` plus the current one), adds the
   step's attention probabilities to the scores of the held slots (the new token starts with its own
   attention), and evicts, per KV head, the lowest-scoring token that is neither a sink nor among the
-  ``local`` most recent positions (the current token included). The cache therefore stays at
+  ``local`` most recent positions (the current token included, also with ``budget.local=0``: a token
+  is never evicted at the step that produced it). The cache therefore stays at
   ``sink + budget`` tokens after every step, and a token evicted once never returns. "Recent" is by
   position (``kv.positions``), since eviction reorders slots (``swap_remove``: O(1) per step, no copy
   of the layer; ``swap_remove: false`` uses the order-keeping ``remove``).
@@ -113,7 +114,8 @@ class H2O(EvictionMethod):
         if kv.n > self._limit(layer):
             budget = self.ctx.budget
             positions = kv.positions
-            protected = (positions < budget.sink) | (positions >= kv.seen - budget.local)
+            # the token just generated always stays (with budget.local=0 nothing else recent is kept)
+            protected = (positions < budget.sink) | (positions >= kv.seen - max(budget.local, 1))
             victim = self._rank(scores).masked_fill(protected, float("inf")).argmin(dim=1, keepdim=True)
             if self.swap:
                 dst, src = kv.swap_remove(victim)

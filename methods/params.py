@@ -33,6 +33,7 @@ from kvbench.params import Params, param
 GqaReduction = Literal["sum", "mean", "max"]  # attention_scores.GQA_REDUCTIONS (eviction methods)
 GqaRule = Literal["softmax_sum", "logit_sum", "max"]  # primitives.pq.GQA_RULES (retrieval scoring)
 HeadGranularity = Literal["per_query_head", "shared"]
+HeadSelection = Literal["query_head", "kv_head"]  # eviction under GQA (KVCache-Factory's kv_cache_granularity)
 KMeansInit = Literal["random", "kmeans++"]
 
 
@@ -86,10 +87,13 @@ class SnapKVParams(SinkParams):
     """No ``local_fraction``: the kept window is ``min(window, budget)`` (``budget.local`` overrides)."""
 
     sink: int = param(32, "the PQCache-table methods' 32 sinks (budget.sink=0: SnapKV's own)", min=0)
-    window: int = param(32, "observation window = kept recent window (authors); KVCache-Factory: 8", min=1)
-    kernel: int = param(5, "pooling kernel, odd (authors); KVCache-Factory: 7", min=1)
-    pooling: Literal["avg", "max"] = param("avg", "vote pooling: avg (authors) | max (KVCache-Factory)")
-    gqa: GqaReduction = param("sum", "votes over a KV head's query heads: sum | mean (same picks) | max")
+    window: int = param(32, "observation window = kept recent window (the authors' LongBench configs: 32)", min=1)
+    kernel: int = param(7, "pooling kernel, odd (the authors' LongBench configs: 7; code default 5)", min=1)
+    pooling: Literal["avg", "max"] = param("max", "vote pooling (the authors' LongBench configs: max; code default avg)")
+    granularity: HeadSelection = param(
+        "query_head", "query_head: every query head keeps its own tokens, K/V stored per query head (the authors' "
+        "code) | kv_head: one set per KV head from votes reduced by method.gqa")
+    gqa: GqaReduction = param("sum", "granularity=kv_head: votes over a KV head's query heads: sum | mean | max")
 
     def validate(self) -> None:
         if self.kernel > 1 and self.kernel % 2 == 0:
@@ -99,6 +103,9 @@ class SnapKVParams(SinkParams):
 
 @dataclass(frozen=True)
 class PyramidKVParams(SnapKVParams):
+    window: int = param(8, "observation window = kept recent window (the authors' KVCache-Factory: 8)", min=1)
+    kernel: int = param(7, "pooling kernel, odd (KVCache-Factory: 7)", min=1)
+    pooling: Literal["avg", "max"] = param("max", "vote pooling (KVCache-Factory: max)")
     beta: float = param(20.0, "pyramid steepness: the top layer keeps C/beta, the bottom 2C - C/beta")
     rounding: Literal["exact", "authors"] = param(
         "exact", "exact: layers sum to L x C | authors: floored step (up to (L-2)/2 more per layer)")
@@ -139,12 +146,14 @@ class InfLLMParams(RetrievalParams):
 
 @dataclass(frozen=True)
 class QuestParams(RetrievalParams):
-    sink: int = param(16, "ClusterKV's 16 sinks, outside the budget", min=0)
+    sink: int = param(0, "Quest keeps no sinks; 16 is ClusterKV's own setting (method.sink=16 to align with it)",
+                      min=0)
     local_fraction: float = param(0.0, "no window inside the budget: pages compete for all of it", min=0, max=1)
     dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (Quest/ClusterKV: 0-1)", min=0)
     cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
                                      min=0)
     page_size: int = param(16, "tokens per page", min=1)
+    min_pages: int = param(3, "pages attended at least: max(min_pages, budget // page_size) (Quest's code: 3)", min=1)
     gqa: HeadGranularity = param("per_query_head", "each query head ranks pages | shared: one ranking per KV head")
 
 

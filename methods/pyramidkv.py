@@ -2,8 +2,11 @@
 
 Lower layers, whose attention is spread out, keep more tokens; higher layers, whose attention is
 concentrated, keep fewer, for the same total. Every layer scores tokens exactly as ``snapkv`` does
-(observation-window votes, pooling, GQA reduction) and keeps its sinks, its window (``local``) and its
-own number of selected tokens ``select_l``.
+(observation-window votes, pooling; per query head by default, ``granularity``) and keeps its sinks,
+its window (``local``) and its own number of selected tokens ``select_l``. The defaults are the
+authors' (KVCache-Factory ``run_longbench.py``): observation window 8, kernel 7, max pooling, and
+``query_head`` granularity (KV stored per query head under GQA; see ``snapkv``). PQCache's released
+code has no PyramidKV, so the same defaults apply under its protocol.
 
 The schedule (the authors' ``PyramidKVCluster``): with ``C`` the uniform selected budget of a layer
 (SnapKV's ``select``: the budget minus the window), ``L`` layers and ``A`` the tokens a layer can

@@ -1,15 +1,27 @@
-"""``quest``: query-aware page selection by key min/max bounds (Tang et al., 2024), as ClusterKV runs it.
+"""``quest``: query-aware page selection by key min/max bounds (Tang et al., 2024), as Quest runs it.
 
 Keys are grouped into pages of ``page_size`` (16) consecutive positions. Each page keeps the
 element-wise minimum ``m`` and maximum ``M`` of its keys (per KV head). For a query ``q`` the page's
 score ``Σ_c max(q_c·M_c, q_c·m_c)`` is an upper bound of ``q·k`` for every key of the page; the top
-pages are attended whole. Defaults follow ClusterKV's alignment (seed-clusterkv.md §2, §5.2 #12):
-layers 0-1 dense, 16 sink tokens, per-query-head selection (each query head ranks its KV head's pages
-with its own query), and ``floor(select / page_size)`` pages — page-granular, so up to
-``page_size - 1`` tokens of the budget stay unused. Pages are aligned to absolute positions; the
-partial pages at either end of the middle (a sink not aligned to pages, the newest tokens) are always
-attended, as Quest always attends the current page. ``gqa: shared`` ranks pages once per KV head by
-the group's summed bounds instead.
+pages are attended whole. What Quest's code does (``evaluation/quest_attention.py``, and ClusterKV's
+reimplementation ``accuracy/quest_attention.py``), and kvbench's defaults:
+
+* **no sinks** (``sink: 0``): pages cover every token from position 0, generated ones included;
+* **``max(min_pages, B // page_size)`` pages** with ``min_pages`` 3, where ``B`` is the selected
+  budget (``budget.select``; Quest has no local window, ``local_fraction: 0``);
+* **partial pages inside the budget**: pages are aligned at the first non-sink slot, so the only
+  partial page is the newest one; it is always attended and counts as one of the pages. (Quest ranks
+  it with the others; kvbench always keeps it so that every head attends the same number of slots);
+* layers 0-1 dense; per-query-head selection (each query head ranks its KV head's pages with its own
+  query); ``gqa: shared`` ranks pages once per KV head by the group's summed bounds instead.
+
+So at most ``pages × page_size`` tokens of the budget are attended, plus the current token (which
+Quest counts inside its newest page). A budget whose tokens cover every candidate attends them all
+(kvbench's covering rule: such a run is token-identical to ``full``).
+
+The 16 sink tokens ClusterKV retains are ClusterKV's own setting, not Quest's; ``method.sink=16``
+(or ``budget.sink=16`` for every method) reproduces that alignment, with pages starting after the
+sinks (at position 16, so still aligned to multiples of 16).
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from kvbench.methods import register
 from kvbench.methods.base import Selection
 from kvbench.methods.params import QuestParams
 from kvbench.methods.retrieval import RetrievalMethod
-from kvbench.methods.selection import topk_sorted
+from kvbench.methods.selection import compose, topk_sorted
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,41 +57,42 @@ class Quest(RetrievalMethod):
 
     def start(self, ctx) -> None:
         super().start(ctx)
-        self._bounds: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # layer -> (first page, low, high)
+        self._bounds: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # layer -> (first slot, low, high)
 
-    def _page_bounds(self, layer: int, kv: LayerKV, first: int, last: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bounds of pages ``[first, last)``, kept per layer and extended as pages fill (device metadata)."""
-        start, low, high = self._bounds.get(layer, (first, None, None))
-        done = start + (0 if low is None else low.shape[1])
-        if low is None or start != first:
-            start, done, low, high = first, first, None, None
-        if last > done:
-            new_low, new_high = page_bounds(kv.keys[:, done * page : last * page].float(), page)
+    def _page_bounds(self, layer: int, kv: LayerKV, start: int, pages: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounds of the ``pages`` full pages from slot ``start``, kept per layer and extended as pages
+        fill (device metadata)."""
+        cached = self._bounds.get(layer)
+        low, high = (cached[1], cached[2]) if cached is not None and cached[0] == start else (None, None)
+        done = 0 if low is None else low.shape[1]
+        if pages > done:
+            new_low, new_high = page_bounds(kv.keys[:, start + done * page : start + pages * page].float(), page)
             low = new_low if low is None else torch.cat([low, new_low], dim=1)
             high = new_high if high is None else torch.cat([high, new_high], dim=1)
             self._bounds[layer] = (start, low, high)
-        return low[:, : last - first], high[:, : last - first]
+        return low[:, :pages], high[:, :pages]
 
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
-        page = self.params.page_size
-        spec = self.ctx.spec
+        p = self.params
+        page, spec, select = p.page_size, self.ctx.spec, self.ctx.budget.select
         lay = self.layout(kv)
-        first = -(-lay.sink_end // page)  # first page fully inside the middle
-        last = lay.middle_end // page  # pages [first, last) are full and inside the middle
-        per_head = self.params.gqa == "per_query_head" and spec.group > 1
+        per_head = p.gqa == "per_query_head" and spec.group > 1
         rows = spec.n_heads if per_head else spec.n_kv_heads
-        fixed_ranges = [(0, first * page), (max(last, first) * page, kv.n)]
-        fixed = torch.cat([torch.arange(a, b, device=kv.home) for a, b in fixed_ranges])
-        n_pages = max(last - first, 0)
-        take = min(self.ctx.budget.select // page, n_pages)
-        if take == 0:
-            return Selection(slots=fixed.expand(rows, -1))
-        low, high = self._page_bounds(layer, kv, first, last, page)
+        start, end = lay.sink_end, lay.middle_end  # pages over the middle, aligned at its first slot
+        full = (end - start) // page
+        tail = torch.arange(start + full * page, end, device=kv.home)  # the newest, partial page
+        budget_pages = max(p.min_pages, select // page) if select > 0 else 0
+        if end - start <= max(select, budget_pages * page):  # the budget covers every candidate
+            return compose(lay, lay.candidates(kv.home).expand(rows, -1))
+        if budget_pages == 0:
+            return Selection(slots=lay.fixed(kv.home).expand(rows, -1))
+        take = min(budget_pages - (1 if tail.numel() else 0), full)
+        if take <= 0:
+            return compose(lay, tail.expand(rows, -1))
+        low, high = self._page_bounds(layer, kv, start, full, page)
         q = query[0, :, 0, :].to(kv.home).float().view(spec.n_kv_heads, spec.group, -1)
         scores = upper_bound_scores(q, low, high)  # [kv_heads, group, pages]
-        scores = scores.reshape(rows, n_pages) if per_head else scores.sum(dim=1)
-        chosen = topk_sorted(scores, take) + first  # page ids
-        selected = (chosen[:, :, None] * page + torch.arange(page, device=kv.home)).reshape(rows, -1)
-        slots, _ = torch.sort(torch.cat([fixed.expand(rows, -1), selected], dim=1), dim=1)
-        candidates = torch.arange(first * page, last * page, device=kv.home)
-        return Selection(slots=slots, selected=selected, candidates=candidates)
+        scores = scores.reshape(rows, full) if per_head else scores.sum(dim=1)
+        chosen = topk_sorted(scores, take)  # page indices from ``start``
+        pages = (start + chosen[:, :, None] * page + torch.arange(page, device=kv.home)).reshape(rows, -1)
+        return compose(lay, torch.cat([pages, tail.expand(rows, -1)], dim=1))

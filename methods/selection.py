@@ -1,8 +1,11 @@
-"""Shared pieces of decode-time selection: the sink / middle / local layout and exact top-k.
+"""Shared pieces of decode-time selection: the sink / middle / local layout, exact top-k, recall.
 
 Every retrieval method attends ``sink + selected + local window + current token`` (PQCache §2.2,
 ClusterKV §1.7 with ``local`` = the unclustered recent tokens). These helpers compute that layout from
 a store that never evicted (slots are positions) and compose the final, sorted slot lists.
+
+:func:`attended_recall` is the recall the engine reports by default (``profile.recall_rule=attended``,
+see :mod:`kvbench.telemetry`): one definition for every method, whatever its selection's shape.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from kvbench.methods.base import Selection
 from kvbench.methods.primitives.pq import GQA_RULES, group_scores
 from kvbench.methods.primitives.pq import topk_ascending as topk_sorted
 
-__all__ = ["GQA_RULES", "Layout", "layout", "compose", "aggregate", "topk_sorted", "group_logits", "exact_topk"]
+__all__ = ["GQA_RULES", "Layout", "layout", "compose", "aggregate", "topk_sorted", "group_logits", "exact_topk",
+           "attended_recall"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,39 @@ def exact_topk(
     else:
         scores = aggregate(logits, rule, scale, cand)
     return cand[topk_sorted(scores, k)]
+
+
+def attended_recall(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    prompt: int, b: int) -> torch.Tensor:
+    """Recall of the exact top-``b`` prompt tokens per query head: ``[H]`` fractions in ``[0, 1]``.
+
+    The ClusterKV paper's Fig. 11 quantity (``|I_T ∩ I_T^true| / B``; its code's ``stat_topk``):
+
+    * **exact set** of query head ``h``: the ``b`` prompt tokens (``positions < prompt``, sinks included)
+      with the largest raw ``q_h · k`` (no softmax, no group reduction), ranked over every held prompt
+      key of the head's KV head; ties go to the lower slot;
+    * **predicted set**: the prompt tokens among ``slots`` — everything the method attends at this
+      step (sinks, local window and selected alike; generated tokens never count). ``slots`` is
+      ``[rows, a]``: rows = query heads (a per-query-head selection), or KV heads, whose set every query
+      head of the group attends;
+    * ``|predicted ∩ exact| / b``. With ``b`` larger than the held prompt the denominator is the held
+      prompt (the method can then attend all of it, which scores 1).
+
+    ``query`` ``[1, H, 1, d]``, ``keys`` ``[kv_heads, n, d]``, ``positions`` ``[kv_heads, n]``. Which
+    method produced ``slots`` plays no part: two methods attending the same tokens score the same.
+    """
+    heads, kv_heads = query.shape[1], keys.shape[0]
+    group = heads // kv_heads
+    logits = group_logits(query, keys, group).reshape(heads, -1)  # row h: query head h against KV head h // group
+    in_prompt = (positions < prompt).to(logits.device).repeat_interleave(group, dim=0)
+    k = min(int(b), int(in_prompt.sum(dim=1).min()))
+    if k <= 0:
+        raise ValueError(f"recall needs a positive budget and held prompt tokens, got b={b}")
+    exact = topk_sorted(logits.masked_fill(~in_prompt, float("-inf")), k)
+    truth = torch.zeros_like(in_prompt).scatter_(1, exact, True)
+    rows = slots.shape[0]
+    if heads % rows:
+        raise ValueError(f"cannot map {rows} selection rows onto {heads} query heads")
+    attended = slots.to(logits.device).repeat_interleave(heads // rows, dim=0)
+    predicted = torch.zeros_like(in_prompt).scatter_(1, attended, True)
+    return (predicted & truth).sum(dim=1).float() / k

@@ -2,27 +2,39 @@
 
 At prefill, after a layer's dense attention, the last ``window`` prompt queries (the observation
 window, 32) take their causal softmax attention over the prompt; the attention they give each
-earlier token is summed into a vote (per query head). Votes are smoothed along the sequence by a 1-D
-pooling (``kernel`` 5, ``pooling: avg``), so a selected token brings its neighbours; the pooled votes
-are reduced over the query heads of each KV head (``gqa``: ``sum`` | ``mean`` | ``max``), and every
-KV head keeps its top-``select`` tokens, the last ``local`` prompt tokens and the sinks. Nothing is
-evicted during decode: generated tokens are appended, so decode step ``t`` attends ``kept + t``
+earlier token is summed into a vote per query head, and votes are smoothed along the sequence by a
+1-D pooling (``kernel`` 7, ``pooling: max``), so a selected token brings its neighbours. Every query
+head keeps its own top-``select`` tokens, plus the last ``local`` prompt tokens and the sinks. Nothing
+is evicted during decode: generated tokens are appended, so decode step ``t`` attends ``kept + t``
 tokens (SnapKV compresses the prompt only).
+
+GQA (``granularity``):
+
+* ``query_head`` (default) — what the authors' code does (``repeat_kv`` before ``update_kv`` in
+  ``snapkv/monkeypatch/*_hijack_4_37.py``) and KVCache-Factory's default ``kv_cache_granularity``: each
+  query head selects from its own votes, so the query heads of one KV head keep different tokens. The
+  store then holds K/V repeated per query head (``LayerKV.keep`` with one row per query head), and
+  its bytes are what such a cache holds: ``group`` times a per-KV-head cache of the same budget. Each
+  query head still attends ``sink + budget`` tokens, the same as every method at that budget.
+* ``kv_head`` — one set per KV head: the votes of a KV head's query heads are reduced (``gqa``:
+  ``sum`` | ``mean`` | ``max``) *before* pooling, as KVCache-Factory's ``kv_head`` mode does
+  (``pyramidkv_utils._grouped_window_attn_cache``); the cache holds the model's KV heads only.
 
 Budget (kvbench's shared accounting, ``kvbench/budget.py``): the kept window is the budget's
 ``local`` part (``local = min(window, B)``, ``select = B - local``; ``budget.local`` overrides the
 kept window, the observation window stays ``window`` queries); "(C)" compensation applies.
 
-Defaults are SnapKV's authors' (window 32, kernel 5, avg pooling); KVCache-Factory runs SnapKV with
-window 8, kernel 7, max pooling (``window=8 kernel=7 pooling=max``). Choices where the paper is silent:
+Defaults are the authors' LongBench configs (``experiments/LongBench/config/ablation_c*_w32_k7_maxpool.json``:
+window 32, kernel 7, max pooling; their code's defaults are kernel 5 and avg pooling: ``kernel=5
+pooling=avg``). Under PQCache's protocol the same defaults apply: PQCache's released code has no SnapKV
+or PyramidKV (``vq_pred.py`` only names ``snapkv`` in an output-path list) and its paper gives none of
+their settings, so kvbench runs the SnapKV authors' choice there too. Choices where the paper is silent:
 
 * ``sink`` 32: the same 32 attention sinks outside the budget as every PQCache-table method, so a
   comparison keeps the same number of tokens (SnapKV itself has no sinks, and its votes pick the first
   tokens anyway; ``budget.sink=0`` gives the original, then votes choose among all prefix tokens).
 * Votes cover the prefix before the kept window, ``[0, s - local)``, and are pooled over that range
   with zero padding at its edges (the authors' code); sinks are then excluded from the ranking.
-* Pooling is per query head, before the GQA reduction (as kvpress); the two orders agree for
-  ``avg`` with ``sum``/``mean``. ``sum`` and ``mean`` always pick the same tokens.
 * Votes are in float32 whatever the model dtype.
 
 Because the votes come from the prompt's end, what SnapKV keeps depends on what sits there: with the
@@ -58,6 +70,7 @@ class SnapKV(EvictionMethod):
         super().__init__(cfg)
         p = self.params
         self.window, self.kernel, self.pooling, self.gqa = p.window, p.kernel, p.pooling, p.gqa
+        self.per_query_head = p.granularity == "query_head"
 
     def resolve_budget(self, budget: BudgetConfig, context: int, capacity: int, n_layers: int) -> ResolvedBudget:
         """The shared budget with the kept window as its local part (``budget.local`` overrides it)."""
@@ -73,12 +86,14 @@ class SnapKV(EvictionMethod):
         return budget.layer_budget(layer) - budget.local
 
     def scores(self, query: torch.Tensor, key: torch.Tensor, local: int) -> torch.Tensor:
-        """Pooled, group-reduced votes ``[kv_heads, s - local]`` for the prefix before the kept window."""
+        """Pooled votes for the prefix before the kept window: ``[q_heads, s - local]`` per query head,
+        or ``[kv_heads, s - local]`` reduced over the group (before pooling) at ``kv_head`` granularity."""
         spec = self.ctx.spec
         s = key.shape[-2]
         votes = window_votes(query[0], key[0], self.window, spec.head_dim**-0.5)[:, : s - local]
-        votes = pool1d(votes, self.kernel, self.pooling)
-        return group_reduce(votes, spec.group, self.gqa)
+        if not self.per_query_head:
+            votes = group_reduce(votes, spec.group, self.gqa)
+        return pool1d(votes, self.kernel, self.pooling)
 
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
         budget = self.ctx.budget
@@ -90,4 +105,4 @@ class SnapKV(EvictionMethod):
         votes = self.scores(query, key, local).to(kv.home)
         chosen = topk_sorted(votes[:, budget.sink :], select) + budget.sink
         fixed = torch.cat([torch.arange(budget.sink, device=kv.home), torch.arange(s - local, s, device=kv.home)])
-        kv.keep(torch.cat([fixed.expand(kv.n_kv_heads, -1), chosen], dim=1))
+        kv.keep(torch.cat([fixed.expand(chosen.shape[0], -1), chosen], dim=1))  # one row per query head: repeated K/V

@@ -10,10 +10,12 @@ Protocols (``task.protocol``):
 * ``wei8`` — the 8-shot chain-of-thought prompt of Wei et al. (2022), ``Q: ... A: ... The answer is N.``,
   cut at the next ``"Q:"``.
 
-Extraction (``task.extraction``): ``answer_is`` (default) takes the number after the last "The answer
-is", falling back to the last number of the output; ``last_number`` is the PQCache code's rule (commas
-removed, last match of ``\\d*\\.?\\d+``). Correct iff the floats are equal; the gold answer is the
-number after ``####``. Score = 100 × correct (accuracy).
+Extraction (``task.extraction``; ``null``, the default, takes the protocol's own): ``last_number`` —
+PQCache's evaluation (``GSM8k/evaluation_gsm8k.py`` ``evaluate_pred_answer``: commas removed, the last
+match of ``\\d*\\.?\\d+`` in the output cut at "\\nQuestion: "), the ``pqcache`` protocol's rule;
+``answer_is`` — the number after the last "The answer is", falling back to the last number of the
+output, the ``wei8`` protocol's (its exemplars end "The answer is N."). Correct iff the floats are
+equal; the gold answer is the number after ``####``. Score = 100 × correct (accuracy).
 
 ``task.question_position=start`` (kvbench's variant; no paper runs it) puts the test question before
 the exemplars and ends the prompt by asking for "the first question".
@@ -94,7 +96,7 @@ class GSM8kCoT(Task):
         "split": "test",
         "max_new_tokens": 256,
         "use_template": False,
-        "extraction": "answer_is",
+        "extraction": None,
         "question_position": "end",
     }
 
@@ -102,11 +104,17 @@ class GSM8kCoT(Task):
         super().__init__(cfg)
         if self.cfg["protocol"] not in ("pqcache", "wei8"):
             raise ConfigError(f"unknown task.protocol {self.cfg['protocol']!r}", "use pqcache or wei8")
-        if self.cfg["extraction"] not in ("answer_is", "last_number"):
-            raise ConfigError(f"unknown task.extraction {self.cfg['extraction']!r}", "use answer_is or last_number")
+        if self.cfg["extraction"] not in (None, "answer_is", "last_number"):
+            raise ConfigError(f"unknown task.extraction {self.cfg['extraction']!r}",
+                              "use answer_is, last_number, or null (the protocol's own)")
         if self.cfg["question_position"] not in ("end", "start"):
             raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
         self._exemplars: str | None = None
+
+    @property
+    def extraction(self) -> str:
+        """The answer-extraction rule: ``task.extraction``, else the protocol's (PQCache's: the last number)."""
+        return self.cfg["extraction"] or ("last_number" if self.cfg["protocol"] == "pqcache" else "answer_is")
 
     # ------------------------------------------------------------------ data
     def data_files(self) -> list[Path]:
@@ -166,11 +174,11 @@ class GSM8kCoT(Task):
             "exemplars_sha256": hashlib.sha256(shots.encode()).hexdigest()[:16],
             "chat_template": bool(self.cfg["use_template"]),
             "max_new_tokens": int(self.cfg["max_new_tokens"]),
-            "extraction": self.cfg["extraction"],
+            "extraction": self.extraction,
             "question_position": self.cfg["question_position"],
         }
 
     # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> float:
-        predicted = extract(prediction, self.cfg["extraction"])
+        predicted = extract(prediction, self.extraction)
         return 100.0 if predicted is not None and predicted == float(sample.reference) else 0.0

@@ -2,12 +2,22 @@
 
 Protocol (``task.protocol``, see ``infinitebench_protocol.PROTOCOLS``): ``open`` — the open-model
 completion templates, no chat template, the official generation lengths; ``chat`` — the GPT-4
-instruction templates inside the model's chat template; ``infllm`` — ``chat`` with InfLLM's longer
-generation lengths (PQCache's InfiniteBench pipeline). Every prompt is middle-truncated to
+instruction templates inside the model's chat template. Both middle-truncate every prompt to
 ``task.max_length`` tokens (128K by default, or the model's context minus the generation length when
-that is smaller) as ``eval_yarn_mistral.py`` does:
-``ids[:L // 2] + ids[-L // 2:]``. Scoring uses the official scorers, with ``task.scorer_version``
-picking the En.Dia / En.MC revision (``kvbench.tasks.metrics_infinitebench``).
+that is smaller) as ``eval_yarn_mistral.py`` does: ``ids[:L // 2] + ids[-L // 2:]``.
+
+``infllm`` — what InfLLM's ``benchmark/pred.py`` does (PQCache's InfiniteBench pipeline is its InfLLM
+fork), per model (``infinitebench_protocol.INFLLM_CONV``): InfLLM's prompts, the chat template with the
+user message only, tokenised with special tokens except for Mistral (whose template writes ``<s>``),
+InfLLM's generation lengths, and InfLLM's **suffix truncation after the template**: a prompt longer
+than ``max_len - max_new_tokens`` keeps its first 128 tokens and its last
+``max_len - max_new_tokens - 128``, decoded and re-tokenised as the script does. ``max_len`` is
+``task.max_length`` when set, else InfLLM's config: 32000 for Mistral; **none** for Llama-3 (its config
+does not truncate: a prompt longer than the model's context fails with a message naming
+``task.max_length``); other models (InfLLM has no config for them) the model's context.
+
+Scoring uses the official scorers, with ``task.scorer_version`` picking the En.Dia / En.MC revision
+(``kvbench.tasks.metrics_infinitebench``).
 
 Data: ``task.data_dir`` with the official ``<task>.jsonl`` files (book tasks read their text from
 ``context``; ``task.file`` names another file, e.g. ``passkey_8192.first5.jsonl``), or the hub's
@@ -43,7 +53,9 @@ import numpy as np
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.infinitebench_protocol import CHAT_TEMPLATES, MAX_NEW_TOKENS, OPEN_TEMPLATES, PROTOCOLS, SYNTHETIC, TASKS
+from kvbench.tasks.infinitebench_protocol import (CHAT_TEMPLATES, INFLLM_CONV, INFLLM_INIT_TOKENS, INFLLM_TEMPLATES,
+                                                  MAX_NEW_TOKENS, OPEN_TEMPLATES, PROTOCOLS, SYNTHETIC, TASKS,
+                                                  infllm_conv)
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -62,6 +74,15 @@ def truncate_middle(ids: list[int], max_length: int) -> list[int]:
     if len(ids) <= max_length:
         return ids
     return ids[: max_length // 2] + ids[-max_length // 2:]
+
+
+def truncate_suffix(tokenizer: Any, ids: list[int], limit: int, special_tokens: bool) -> list[int]:
+    """InfLLM's ``truncation: suffix`` (``benchmark/pred.py``): over ``limit`` tokens, keep the first 128 and
+    the last ``limit - 128``, decode them (special tokens kept as text) and tokenise the text again."""
+    if len(ids) <= limit:
+        return ids
+    text = tokenizer.decode(ids[:INFLLM_INIT_TOKENS] + ids[-(limit - INFLLM_INIT_TOKENS):])
+    return tokenizer(text, add_special_tokens=special_tokens).input_ids
 
 
 def labels_for(task: str, row: dict[str, Any]) -> list[str]:
@@ -172,7 +193,7 @@ class InfiniteBench(Task):
 
     # ------------------------------------------------------------------ protocol
     def template(self, task: str) -> str:
-        table = OPEN_TEMPLATES if self.protocol_cfg["templates"] == "open" else CHAT_TEMPLATES
+        table = {"open": OPEN_TEMPLATES, "chat": CHAT_TEMPLATES, "infllm": INFLLM_TEMPLATES}[self.protocol_cfg["templates"]]
         text = table[task]
         if self.cfg["question_position"] == "start":
             for slot in ("{input}", "{question}"):
@@ -187,15 +208,38 @@ class InfiniteBench(Task):
             return int(self.cfg["max_new_tokens"])
         return MAX_NEW_TOKENS[self.protocol_cfg["max_new_tokens"]][task]
 
+    @property
+    def infllm(self) -> bool:
+        return self.cfg["protocol"] == "infllm"
+
     def max_length(self) -> int:
         return int(self.cfg["max_length"] or self.protocol_cfg["max_length"])
 
-    def length_limit(self, model: Any, task: str) -> int:
-        """Truncation limit of one task's prompts: ``task.max_length`` when set, else the protocol's
-        (128K) or, for a shorter model, its context minus the task's generation length."""
+    def length_limit(self, model: Any, task: str) -> int | None:
+        """Truncation limit of one task's prompts (``None``: not truncated). ``open`` / ``chat``:
+        ``task.max_length`` when set, else 128K or, for a shorter model, its context minus the task's
+        generation length. ``infllm``: ``max_len - max_new_tokens`` with InfLLM's ``max_len``."""
+        if self.infllm:
+            conv = INFLLM_CONV[infllm_conv(model.spec.name)]
+            if self.cfg["max_length"]:
+                max_len = int(self.cfg["max_length"])
+            elif conv["truncation"] is None:
+                return None
+            else:
+                max_len = conv["max_len"] or model.spec.max_length
+            return max_len - self.max_new_tokens(task)
         if self.cfg["max_length"]:
             return int(self.cfg["max_length"])
         return min(self.max_length(), model.spec.max_length - self.max_new_tokens(task))
+
+    def truncate(self, model: Any, task: str, ids: list[int]) -> list[int]:
+        limit = self.length_limit(model, task)
+        if limit is None:
+            return ids
+        if self.infllm:
+            special = INFLLM_CONV[infllm_conv(model.spec.name)]["special_tokens"]
+            return truncate_suffix(model.tokenizer, ids, limit, special)
+        return truncate_middle(ids, limit)
 
     def protocol(self) -> dict[str, Any]:
         return {
@@ -203,8 +247,14 @@ class InfiniteBench(Task):
             "protocol": self.cfg["protocol"],
             "templates": self.protocol_cfg["templates"],
             "chat_template": self.protocol_cfg["chat"],
-            "truncation": f"middle to {self.max_length()} tokens"
-            + ("" if self.cfg["max_length"] else " or the model's context minus the generation, if smaller"),
+            "truncation": (
+                "InfLLM's suffix rule after the template (first 128 tokens + the tail) to "
+                + (f"{self.cfg['max_length']} tokens" if self.cfg["max_length"] else
+                   "InfLLM's max_len (Mistral 32000, Llama-3 none, other models their context)")
+                + " minus the generation"
+                if self.infllm else
+                f"middle to {self.max_length()} tokens"
+                + ("" if self.cfg["max_length"] else " or the model's context minus the generation, if smaller")),
             "max_new_tokens": {n: self.max_new_tokens(n) for n in self.names},
             "scorer_version": self.cfg["scorer_version"],
             "question_position": self.cfg["question_position"],
@@ -238,11 +288,16 @@ class InfiniteBench(Task):
         for letter, option in zip(OPTIONS, options):
             fields[f"OPTION_{letter}"] = option
         if task == "math_find":
-            found = re.findall(r"The \w+ number", row["input"])
+            # InfLLM's pred.py: greedy "The .+ of" minus " of" (the same words on the released questions)
+            found = re.findall(r"The .+ of" if self.infllm else r"The \w+ number", row["input"])
             if not found:
                 raise ConfigError(f"math_find sample without 'The ... number' in its question: {row['input'][:80]!r}",
                                   "check the data file")
-            fields["prefix"] = f"What is {found[0].lower()} in the following list?"
+            target = found[0].lower()[:-3] if self.infllm else found[0].lower()
+            fields["prefix"] = f"What is {target} in the following list?"
+        if task == "kv_retrieval":
+            quoted = re.findall(r'"[^"]*"', row.get("input", ""))
+            fields["key"] = quoted[0] if quoted else ""  # InfLLM's input[6:44]: the quoted key
         if task == "code_run":
             fields["func_call"] = re.findall(r"func_[0-9]+\(\-?[0-9]+\)", row["input"])[0]
             fields["func"] = fields["func_call"].split("(")[0]
@@ -269,6 +324,11 @@ class InfiniteBench(Task):
 
     def _encode(self, model: Any, task: str, row: dict[str, Any]) -> list[int]:
         prompt = self.format_prompt(task, row)
+        if self.infllm and model.chat.available:  # InfLLM's build_chat: the user message only
+            text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                       add_generation_prompt=True, chat_template=model.chat.template)
+            special = INFLLM_CONV[infllm_conv(model.spec.name)]["special_tokens"]
+            return model.tokenizer(text, add_special_tokens=special).input_ids
         return model.chat.encode(prompt, use_template=self.protocol_cfg["chat"] and model.chat.available)
 
     def sample_ids(self) -> list[str] | None:
@@ -290,7 +350,7 @@ class InfiniteBench(Task):
                 rows = ((str(row.get("id", i)), row, {}) for i, row in enumerate(self.limited(self._rows(task))))
             for row_id, row, meta in rows:
                 encoded = self._encode(model, task, row)
-                ids = truncate_middle(encoded, self.length_limit(model, task))
+                ids = self.truncate(model, task, encoded)
                 if len(ids) < len(encoded):
                     meta = {**meta, "truncated_from": len(encoded)}
                 yield Sample(

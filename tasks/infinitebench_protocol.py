@@ -2,9 +2,12 @@
 
 Prompt sets (``OpenBMB/InfiniteBench`` ``src/prompt.py``): ``open`` — the completion-style templates
 used for open models (YaRN-Mistral, Yi, ChatGLM3), no chat template; ``chat`` — the instruction-style
-templates of the GPT-4 runs, wrapped in the model's chat template (InfLLM and lm-eval use these).
+templates of the GPT-4 runs, wrapped in the model's chat template (lm-eval uses these); ``infllm`` —
+InfLLM's own ``benchmark/config/dataset2prompt.json`` (PQCache's InfiniteBench pipeline is its InfLLM
+fork): the ``chat`` set except for kv_retrieval (the key named in the instruction, ``{key}``),
+longbook_qa_eng and code_debug.
 ``math_find``'s ``{prefix}`` is "What is the <largest|smallest|median> number in the following list?",
-taken from the sample's question with ``The \\w+ number``.
+taken from the sample's question with ``The \\w+ number`` (InfLLM: ``The .+ of``, see ``infinitebench.py``).
 """
 
 from __future__ import annotations
@@ -85,9 +88,51 @@ CHAT_TEMPLATES = {
                            "nothing else.",
 }
 
+#: InfLLM's prompts (``benchmark/config/dataset2prompt.json``): the chat set with three differences
+INFLLM_TEMPLATES = {
+    **CHAT_TEMPLATES,
+    "kv_retrieval": "Extract the value corresponding to the specified key {key} in the JSON object below.\n\n{context}"
+                    "\n\n{input}",
+    "longbook_qa_eng": "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nPlease "
+                       "answer as short as possible. The answer is:",
+    "code_debug": "There is ONLY ONE function in the large project that is deliberately made to include an obvious "
+                  "error. Please find the function that contains the most obvious errors. I will give you four options "
+                  "to narrow your scope. You can inspect the options and think. Eventually, tell me the answer using "
+                  "one single letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate error?\nA. "
+                  "{OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\nGive me your answer for the function that "
+                  "has the deliberate and obvious error in A, B, C, or D. Your answer MUST be chosen from one of the "
+                  "four options without any explanation. If you cannot determine answers accurately, you also MUST "
+                  "provide the answer you think is most likely. Absolutely do not say you do not know or you need "
+                  "more information.",
+}
+
+#: InfLLM's per-model settings (PQCache's InfLLM fork: ``config/*-inf-llm.yaml`` and ``benchmark/pred.py``):
+#: ``truncation`` ``suffix`` (the first :data:`INFLLM_INIT_TOKENS` tokens plus the tail, after the chat
+#: template) or ``None`` (the Llama-3 config: none at all); ``max_len`` = prompt plus generation (``None``:
+#: the model's context); ``special_tokens``: whether the templated text is tokenised with the tokenizer's
+#: special tokens (not for ``mistral-inst``, whose template writes ``<s>`` itself)
+INFLLM_CONV = {
+    "llama-3-inst": {"truncation": None, "max_len": None, "special_tokens": True},
+    "mistral-inst": {"truncation": "suffix", "max_len": 32000, "special_tokens": False},
+    "chat": {"truncation": "suffix", "max_len": None, "special_tokens": True},  # InfLLM's qwen / minicpm rule
+}
+INFLLM_INIT_TOKENS = 128
+
+
+def infllm_conv(model_name: str) -> str:
+    """InfLLM's ``conv_type`` for a kvbench model name (its PQCache configs: llama-3-inst, mistral-inst); any
+    other chat model gets ``chat`` (kvbench: suffix truncation to the model's context)."""
+    name = model_name.lower()
+    if "llama" in name and "3" in name:
+        return "llama-3-inst"
+    if "mistral" in name:
+        return "mistral-inst"
+    return "chat"
+
+
 #: named protocols: prompt set, chat template, generation lengths, truncation length (tokens)
 PROTOCOLS = {
     "open": {"templates": "open", "chat": False, "max_new_tokens": "official", "max_length": 128 * 1024},
     "chat": {"templates": "chat", "chat": True, "max_new_tokens": "official", "max_length": 128 * 1024},
-    "infllm": {"templates": "chat", "chat": True, "max_new_tokens": "infllm", "max_length": 128 * 1024},
+    "infllm": {"templates": "infllm", "chat": True, "max_new_tokens": "infllm", "max_length": None},
 }

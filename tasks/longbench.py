@@ -16,6 +16,14 @@ The official protocol (THUDM/LongBench ``pred.py`` / ``eval.py``), step by step:
 ``task.max_length`` is the truncation limit: an integer, or ``null`` for the protocol's value for
 this model (``task.protocol``: ``official``, ``pqcache``, ``quest``, ``kvcache_factory`` — see
 ``LENGTH_LIMITS``) falling back to the model's context minus the longest generation.
+
+``task.protocol=pqcache`` also formats chat prompts as PQCache's ``vq_pred.py`` does (step 3):
+Llama-3 / 3.1 get the chat template with the system message "You are a helpful assistant."; Mistral
+gets the raw string ``[INST]{prompt}[/INST]`` (no spaces, no template). In both cases the rendered text
+is tokenised *with* the tokenizer's special tokens, as the script does — so a Llama-3.1 prompt starts
+with two ``<|begin_of_text|>`` tokens (the template writes one, the tokenizer adds one), reproduced on
+purpose. Models the script has no rule for keep their own template (``meta.prompt_format`` records
+which format a sample got).
 ``task.question_position=start`` moves the question of the QA datasets before the context (PQCache
 Table 3): the template's ``Question: {input}`` line goes to the front, everything else stays.
 LongBench-E (``task.e=true``) reads the ``<name>_e`` files and also reports the 0-4k / 4-8k / 8k+
@@ -34,7 +42,8 @@ import numpy as np
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.longbench_protocol import DATASETS, GROUPS, LENGTH_LIMITS, NO_CHAT, QA, Dataset
+from kvbench.tasks.longbench_protocol import (DATASETS, GROUPS, LENGTH_LIMITS, NO_CHAT, PQCACHE_SYSTEM_PROMPT, QA,
+                                              Dataset, pqcache_chat_style)
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"
@@ -57,6 +66,22 @@ def middle_truncate(tokenizer: Any, prompt: str, max_length: int) -> tuple[str, 
         return prompt, False
     half = int(max_length / 2)
     return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True), True
+
+
+def pqcache_ids(model: Any, prompt: str) -> tuple[list[int], str] | None:
+    """Token ids of a chat-style prompt as PQCache's ``vq_pred.py`` builds them, with the format's name;
+    ``None`` for a model its ``build_chat`` has no rule for (or, for the template style, no template)."""
+    style = pqcache_chat_style(model.spec.name)
+    tokenizer = model.tokenizer
+    if style == "system" and model.chat.available:
+        messages = [{"role": "system", "content": PQCACHE_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             chat_template=model.chat.template)
+    elif style == "inst":
+        text = f"[INST]{prompt}[/INST]"
+    else:
+        return None
+    return tokenizer(text, add_special_tokens=True).input_ids, f"pqcache_{style}"
 
 
 @register
@@ -131,7 +156,9 @@ class LongBench(Task):
             "protocol": self.cfg["protocol"],
             "truncation": "middle, before the chat template",
             "max_length": self.cfg["max_length"],
-            "chat_template": f"all but {', '.join(NO_CHAT)}",
+            "chat_template": f"all but {', '.join(NO_CHAT)}"
+            + ("; PQCache's vq_pred.py format where it has one (meta.prompt_format)" if self.cfg["protocol"] == "pqcache"
+               else ""),
             "question_position": self.cfg["question_position"],
             "max_new_tokens": {n: d.max_new_tokens for n, d in self.datasets.items()},
             "longbench_e": bool(self.cfg["e"]),
@@ -171,17 +198,20 @@ class LongBench(Task):
                 prompt = template.format(**row)
                 prompt, truncated = middle_truncate(model.tokenizer, prompt, limit)
                 use_chat = name not in NO_CHAT and model.chat.available
+                built = pqcache_ids(model, prompt) if self.cfg["protocol"] == "pqcache" and name not in NO_CHAT else None
+                fmt = built[1] if built else ("model_template" if use_chat else "raw")
                 yield Sample(
                     id=f"{name}-{row.get('_id', index)}",
                     reference={"answers": row["answers"], "all_classes": row.get("all_classes")},
                     prompt=prompt,
+                    input_ids=built[0] if built else None,
                     use_template=use_chat,
                     max_new_tokens=dataset.max_new_tokens,
                     min_new_tokens=1 if name == "samsum" else 0,
                     stop_tokens=("\n",) if name == "samsum" else (),
                     subset=name,
                     meta={"dataset": name, "length": row.get("length"), "truncated": truncated, "max_length": limit,
-                          "chat_template": use_chat},
+                          "chat_template": use_chat or built is not None, "prompt_format": fmt},
                 )
 
     # ------------------------------------------------------------------ scoring

@@ -74,3 +74,21 @@ LENGTH_LIMITS: dict[str, dict[str, int]] = {
     "quest": {"llama31_8b_instruct": 1047500, "glm4_9b_chat": 31500},
     "kvcache_factory": {"llama31_8b_instruct": 7500, "mistral7b_instruct_v02": 31500},
 }
+
+#: PQCache's ``vq_pred.py`` ``build_chat``: the system message it gives Llama-3 models
+PQCACHE_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def pqcache_chat_style(model_name: str) -> str | None:
+    """How PQCache's ``vq_pred.py`` wraps a chat-style LongBench prompt, keyed on the model's name as
+    its ``build_chat`` is: ``system`` — the tokenizer's chat template with the system message
+    :data:`PQCACHE_SYSTEM_PROMPT` (names with "llama" and "3": Llama-3 / 3.1); ``inst`` — the raw string
+    ``[INST]{prompt}[/INST]``, no spaces (Mistral, and Llama-2 names); ``None`` — a model the script has
+    no rule for (kvbench then uses the model's own template, as the official protocol does)."""
+    name = model_name.lower()
+    if "llama" in name:
+        return "system" if "3" in name else "inst"
+    if "mistral" in name:
+        return "inst"
+    return None
+

@@ -93,8 +93,11 @@ def test_a_small_budget_keeps_and_attends_exactly_the_resolved_budget(fixture, n
             assert ctx.store[layer].n == kept[layer]
         else:  # prompt-only compression: generated tokens accumulate
             assert attended == [kept[layer] + step for step in range(1, 8)]
-    assert t["kv_bytes_ratio"] == pytest.approx(sum(kept) / (s * layers))
-    assert t["kv_bytes_after_prefill"] == sum(kept) * t["kv_bytes_full"] // (s * layers)
+    # SnapKV / PyramidKV keep a set per query head (their authors' code): K/V stored per query head
+    rows = 1 if name == "h2o" else loaded.spec.group
+    assert {ctx.store[layer].n_kv_heads for layer in range(layers)} == {loaded.spec.n_kv_heads * rows}
+    assert t["kv_bytes_ratio"] == pytest.approx(rows * sum(kept) / (s * layers))
+    assert t["kv_bytes_after_prefill"] == rows * sum(kept) * t["kv_bytes_full"] // (s * layers)
 
 
 class _Watch(PyramidKV):
@@ -133,7 +136,9 @@ def test_pyramid_layers_attend_only_their_own_kept_tokens(tiny_llama, random_ids
 
 def test_authors_rounding_may_keep_a_whole_layer_without_tripping_the_guard(tiny_llama, random_ids):
     # at a large budget the pyramid's bottom layer can keep every prompt token (max clamps to s - window)
-    out = generate(tiny_llama, create_method({"name": "pyramidkv", "rounding": "authors"}), random_ids(400, seed=45),
+    # window 32 (the default is now the authors' 8, whose larger select makes this prompt "short": uniform)
+    out = generate(tiny_llama, create_method({"name": "pyramidkv", "rounding": "authors", "window": 32}),
+                   random_ids(400, seed=45),
                    max_new_tokens=3, budget=BudgetConfig(token_ratio=0.6))
     b = out.budget
     assert b.sink + b.layer_budget(0) == 400 and out.telemetry["kept_per_layer"][0] == 400
@@ -214,9 +219,43 @@ def test_gqa_reductions_pick_differently(name, loved, liked, loved_key, liked_ke
     budget = ResolvedBudget(context=24, sink=0, local=4, select=1)
     picks = {}
     for rule in ("sum", "mean", "max"):
-        cfg = {"name": name, "gqa": rule, **({"kernel": 1, "window": 4} if name == "snapkv" else {})}
+        cfg = {"name": name, "gqa": rule,
+               **({"kernel": 1, "window": 4, "granularity": "kv_head"} if name == "snapkv" else {})}
         picks[rule] = prefill(create_method(cfg), query, key, budget, group=2).positions[0, 0].item()
     assert picks == {"sum": liked, "mean": liked, "max": loved}
+
+
+def test_snapkv_per_query_head_keeps_each_heads_own_tokens_in_a_repeated_store():
+    query, key = gqa_pattern(5, 11, (12.0, 0.0), (11.0, 6.0))
+    budget = ResolvedBudget(context=24, sink=0, local=4, select=1)
+    kv = prefill(create_method({"name": "snapkv", "kernel": 1, "window": 4}), query, key, budget, group=2)
+    assert kv.n_kv_heads == 2 and kv.repeat == 2  # one stored row per query head
+    # head 0 (e0) loves token 5; head 1 (e1) sees only token 11's e1 part
+    assert kv.positions.tolist() == [[5, 20, 21, 22, 23], [11, 20, 21, 22, 23]]
+    assert torch.equal(kv.keys[0, 0], key[0, 5]) and torch.equal(kv.keys[1, 0], key[0, 11])
+    kv.append(torch.ones(1, 1, 4), torch.ones(1, 1, 4))  # a decode token of the one KV head: stored twice
+    assert kv.n == 6 and kv.positions[:, -1].tolist() == [24, 24] and torch.equal(kv.keys[:, -1], torch.ones(2, 4))
+    assert kv.nbytes() == 2 * 6 * kv.token_bytes()
+
+
+def test_snapkv_kv_head_granularity_reduces_the_group_before_pooling():
+    """KVCache-Factory's kv_head order: reduce the group's votes, then pool. Head 0 votes for token 10,
+    head 1 for token 12 (less); with max pooling over 3 the reduced votes tie at 9-11 (head 0's spike)
+    and the lowest wins, where pooling each head first would make 11 (both spikes) the clear winner."""
+    s, d = 24, 4
+    query = torch.zeros(2, s, d)
+    query[0, :, 0] = 1.0
+    query[1, :, 1] = 1.0
+    key = torch.zeros(1, s, d)
+    key[0, 10, 0] = 12.0
+    key[0, 12, 1] = 3.0
+    budget = ResolvedBudget(context=s, sink=0, local=4, select=1)
+    method = create_method({"name": "snapkv", "window": 4, "kernel": 3, "pooling": "max", "granularity": "kv_head"})
+    kv = prefill(method, query, key, budget, group=2)
+    assert kv.n_kv_heads == 1 and kv.positions[0, 0].item() == 9
+    votes = window_votes(query, key, 4, d**-0.5)[:, : s - 4]
+    pooled_first = group_reduce(pool1d(votes, 3, "max"), 2, "sum")
+    assert pooled_first.argmax().item() == 11  # the other order picks differently: the test discriminates
 
 
 def test_group_reduce_rules():
@@ -383,3 +422,20 @@ def test_swap_remove_evicts_in_place_and_reports_the_moves():
     assert kv.positions[:, -1].tolist() == [n] * heads
     with pytest.raises(ValueError, match="distinct"):
         kv.swap_remove(torch.tensor([[0, 0], [1, 2], [3, 4]]))
+
+
+def test_h2o_without_a_window_still_keeps_the_token_it_just_generated():
+    """budget.local=0: nothing recent is protected, except the current token, which would otherwise be
+    the first victim (it has received the attention of one query only)."""
+    s, d = 30, 4
+    query, key = spike_pattern(s=s, spikes=((7, 6.0),))
+    budget = ResolvedBudget(context=s, sink=2, local=0, select=4)
+    method = create_method({"name": "h2o"})
+    kv = prefill(method, query, key, budget)
+    for step in range(6):
+        kv.append(torch.zeros(1, 1, d), torch.zeros(1, 1, d))
+        probs = torch.full((1, kv.n), 1.0 / kv.n)
+        probs[0, -1] = 1e-6  # the new token attends almost nothing to itself: the lowest score
+        method.after_attention(0, None, None, kv, probs)
+        held = kv.positions[0].tolist()
+        assert kv.seen - 1 in held and kv.n == 2 + 4  # the current token survived its own step

@@ -51,3 +51,20 @@ def test_pqcache_protocol_needs_its_prompt_file(tmp_path):
     with pytest.raises(ConfigError, match="PQCache's GSM8k prompt"):
         list(task.samples(None))
     assert next(iter(create_task({"name": "gsm8k_cot", "data_dir": str(tmp_path), "protocol": "wei8"}).samples(None))).reference == 1.0
+
+
+def test_extraction_defaults_to_the_protocols_rule(tmp_path):
+    """protocol=pqcache scores the last number, as PQCache's evaluation does; wei8 the "The answer is" number."""
+    from kvbench.tasks.base import Sample
+
+    sample = Sample(id="x", reference=18.0)
+    tail = "The answer is 18. Then 42 more"  # the two rules disagree
+    pq = create_task({"name": "gsm8k_cot", "data_dir": str(tmp_path)})
+    assert pq.extraction == "last_number" and pq.score(sample, tail) == 0.0
+    assert pq.score(sample, "9 * 2 = 18") == 100.0
+    wei = create_task({"name": "gsm8k_cot", "protocol": "wei8"})
+    assert wei.extraction == "answer_is" and wei.score(sample, tail) == 100.0
+    explicit = create_task({"name": "gsm8k_cot", "extraction": "answer_is"})
+    assert explicit.extraction == "answer_is" and explicit.score(sample, tail) == 100.0
+    with pytest.raises(ConfigError, match="extraction"):
+        create_task({"name": "gsm8k_cot", "extraction": "first"})

@@ -89,3 +89,50 @@ def test_real_passkey_file(tiny_llama):
     samples = list(task.samples(tiny_llama))
     assert len(samples) == 2 and samples[0].reference == ["69682"] and samples[0].subset == "passkey"
     assert task.score(samples[0], "69682.") == 100.0 and task.score(samples[0], "12345") == 0.0
+
+
+def test_infllm_protocol_is_infllms_pred_script(tiny_llama, tmp_path):
+    """InfLLM's prompts, the user-only chat template, and its suffix truncation after the template:
+    the first 128 tokens plus the tail; none for Llama-3 names, 32000 for Mistral."""
+    from types import SimpleNamespace
+
+    from kvbench.tasks.infinitebench import truncate_suffix
+    from kvbench.tasks.infinitebench_protocol import infllm_conv
+
+    assert [infllm_conv(n) for n in ("llama31_8b_instruct", "mistral7b_instruct_v02", "qwen25_05b")] == [
+        "llama-3-inst", "mistral-inst", "chat"]
+    row = {"id": 0, "context": "HEAD " + "The grass is green. " * 400 + " TAIL", "input": "What is the pass key?",
+           "answer": "12345"}
+    (tmp_path / "passkey.jsonl").write_text(json.dumps(row) + "\n")
+    tok = tiny_llama.tokenizer
+
+    def sample(name, **cfg):
+        model = SimpleNamespace(spec=SimpleNamespace(name=name, max_length=16384), tokenizer=tok, chat=tiny_llama.chat)
+        task = create_task({"name": "infinitebench", "protocol": "infllm", "data_dir": str(tmp_path), **cfg})
+        return next(iter(task.samples(model))), task
+
+    full, _ = sample("llama31_8b_instruct")  # Llama-3: no truncation (the prompt is ~8.5k tokens)
+    assert "truncated_from" not in full.meta and tok.decode(full.input_ids).startswith("<|im_start|>user\n")
+    cut, task = sample("llama31_8b_instruct", max_length=1000)  # an explicit max_len: 1000 - 32 generated
+    assert len(cut.input_ids) == 1000 - 32 and cut.meta["truncated_from"] == len(full.input_ids)
+    assert cut.input_ids[:128] == full.input_ids[:128] and cut.input_ids[128:] == full.input_ids[-(1000 - 32 - 128):]
+    assert tok.decode(cut.input_ids).rstrip().endswith("<|im_start|>assistant")  # the template's tail survives
+    assert "suffix" in task.protocol()["truncation"]
+    assert truncate_suffix(tok, list(range(10)), 20, True) == list(range(10))
+    other, _ = sample("qwen25_05b")  # no InfLLM config: the model's context (16384) is enough here
+    assert other.input_ids == full.input_ids
+
+
+def test_infllm_prompts(tiny_llama):
+    task = create_task({"name": "infinitebench", "protocol": "infllm", "subsets": ["kv_retrieval"]})
+    row = {"context": "JSON data:\n{}", "input": 'Key: "ab-12"\nThe value associated with the specified key is: '}
+    assert task.format_prompt("kv_retrieval", row).startswith('Extract the value corresponding to the specified key '
+                                                               '"ab-12" in the JSON object below.')
+    row = {"context": "[1, 2]", "input": "You should answer with only one number, no other words. "
+                                         "The largest number of the list is: "}
+    assert task.format_prompt("math_find", row).startswith("What is the largest number in the following list?")
+    # InfLLM's "The .+ of" also takes words other than "number", where the other protocols' "The \w+ number" fails
+    row["input"] = "The largest element of the list is: "
+    assert task.format_prompt("math_find", row).startswith("What is the largest element in the following list?")
+    with pytest.raises(ConfigError, match="math_find"):
+        create_task({"name": "infinitebench", "protocol": "chat", "subsets": ["math_find"]}).format_prompt("math_find", row)

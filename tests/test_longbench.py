@@ -87,3 +87,43 @@ def test_scores_through_the_task(tiny_llama, tmp_path):
     records = [{"subset": "hotpotqa", "score": 100.0, "meta": {}}, {"subset": "hotpotqa", "score": 0.0, "meta": {}},
                {"subset": "trec", "score": 50.0, "meta": {}}]
     assert task.aggregate(records) == {"score": 50.0, "n": 3, "scored": 3, "per_subset": {"hotpotqa": 50.0, "trec": 50.0}}
+
+
+def test_pqcache_protocol_formats_prompts_as_its_pred_script(tiny_llama, tmp_path):
+    """PQCache's vq_pred.py: Llama-3(.1) gets the template with "You are a helpful assistant.", Mistral the
+    raw "[INST]{prompt}[/INST]"; both rendered texts are tokenised with special tokens; models it has no
+    rule for keep their own template; the no-chat datasets stay raw."""
+    from types import SimpleNamespace
+
+    from kvbench.tasks.longbench_protocol import pqcache_chat_style
+
+    assert [pqcache_chat_style(n) for n in ("llama31_8b_instruct", "mistral7b_instruct_v02", "llama2-7b-chat-4k",
+                                            "smollm2_135m")] == ["system", "inst", "inst", None]
+    row = {"input": "Which city?", "context": "Paris is nice.", "answers": ["Paris"], "length": 3,
+           "all_classes": None, "_id": "q1"}
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "trec.jsonl").write_text(json.dumps({**row, "_id": "t1"}) + "\n")
+    tok = tiny_llama.tokenizer
+
+    def samples(name, protocol="pqcache"):
+        model = SimpleNamespace(spec=SimpleNamespace(name=name, max_length=16384), tokenizer=tok, chat=tiny_llama.chat)
+        task = create_task({"name": "longbench", "subsets": ["hotpotqa", "trec"], "data_dir": str(tmp_path),
+                            "protocol": protocol})
+        return {s.subset: s for s in task.samples(model)}, task
+
+    prompt = DATASETS["hotpotqa"].prompt.format(**row)
+    llama, task = samples("llama31_8b_instruct")
+    text = tok.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."},
+                                    {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    assert llama["hotpotqa"].input_ids == tok(text, add_special_tokens=True).input_ids
+    assert "You are a helpful assistant." in tok.decode(llama["hotpotqa"].input_ids)
+    assert llama["hotpotqa"].meta["prompt_format"] == "pqcache_system"
+    assert llama["trec"].input_ids is None and not llama["trec"].use_template  # raw, as in every protocol
+    assert "vq_pred.py" in task.protocol()["chat_template"]
+    mistral, _ = samples("mistral7b_instruct_v02")
+    assert mistral["hotpotqa"].input_ids == tok(f"[INST]{prompt}[/INST]", add_special_tokens=True).input_ids
+    other, _ = samples("smollm2_135m")
+    assert other["hotpotqa"].input_ids is None and other["hotpotqa"].use_template
+    assert other["hotpotqa"].meta["prompt_format"] == "model_template"
+    official, _ = samples("llama31_8b_instruct", protocol="official")
+    assert official["hotpotqa"].input_ids is None  # only the pqcache protocol uses PQCache's format

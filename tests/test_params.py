@@ -172,7 +172,7 @@ def test_method_rules():
 
 
 def test_budget_defaults_come_from_the_params():
-    assert create_method({"name": "quest"}).defaults().sink == 16
+    assert create_method({"name": "quest"}).defaults().sink == 0  # Quest keeps no sinks (16 was ClusterKV's setting)
     assert create_method({"name": "quest", "sink": 8, "local_fraction": 0.25}).defaults().local_fraction == 0.25
     assert create_method({"name": "streamingllm"}).defaults().compensable
     assert not create_method({"name": "pqcache"}).defaults().compensable

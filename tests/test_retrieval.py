@@ -58,10 +58,20 @@ def test_quest_upper_bound_dominates_every_key():
     assert torch.allclose(bound, exact.amax(-1), atol=1e-5) is False  # a bound, not the max
 
 
-def test_quest_attends_whole_pages(tiny_llama, random_ids):
-    out = gen(tiny_llama, "quest", random_ids(700, seed=13), n=2, tokens=160)
-    # layers >= 2: 16 sinks + 10 pages of 16 + the partial last page (700 % 16 = 12 tokens) + current
-    assert out.telemetry["attended_first_step"][2:] == [16 + 160 + 12 + 1] * 2
+def test_quest_attends_whole_pages_inside_the_budget(tiny_llama, random_ids):
+    """Quest's own accounting (no sinks, max(3, B // 16) pages, the partial newest page one of them);
+    the defaults changed from ClusterKV's alignment (16 free sinks, free partial pages)."""
+    ids = random_ids(700, seed=13)
+    first = lambda out: out.telemetry["attended_first_step"]  # noqa: E731
+    # 700 candidates = 43 pages + a partial page of 12; B = 160: 10 pages = 9 full + the partial one
+    out = gen(tiny_llama, "quest", ids, n=2, tokens=160)
+    assert out.budget.sink == 0 and first(out)[2:] == [9 * 16 + 12 + 1] * 2  # + the current token
+    assert first(out)[:2] == [701, 701]  # layers 0-1 dense
+    # a budget under three pages still gets three: 2 full + the partial one
+    assert first(gen(tiny_llama, "quest", ids, n=2, tokens=20))[2:] == [2 * 16 + 12 + 1] * 2
+    # ClusterKV's alignment: 16 sinks outside the budget, pages from position 16 (684 = 42 pages + 12)
+    aligned = gen(tiny_llama, "quest", ids, n=2, tokens=160, method={"sink": 16})
+    assert first(aligned)[2:] == [16 + 9 * 16 + 12 + 1] * 2
 
 
 def test_sparq_with_all_components_is_the_exact_top_k(tiny_llama, random_ids):
@@ -109,3 +119,33 @@ def test_infllm_reps_follow_the_comm_ratio(tiny_llama, random_ids):
         blocks = (700 - 32 - out.budget.local) // 128  # full blocks in the middle at the first step
         per_block = reps * tiny_llama.spec.n_kv_heads * tiny_llama.spec.head_dim * 4
         assert out.telemetry["bytes_h2d_index"] == blocks * per_block * tiny_llama.spec.n_layers
+
+
+def test_quest_picks_the_pages_whose_bound_is_highest_and_keeps_the_partial_page():
+    from types import SimpleNamespace
+
+    from kvbench.budget import ResolvedBudget
+    from kvbench.kv.store import LayerKV
+
+    torch.manual_seed(3)
+    d, n = 8, 16 * 10 + 5  # 10 full pages and a partial page of 5 before the current token
+    keys = torch.randn(1, n + 1, d) * 0.1
+    query = torch.zeros(1, 2, 1, d)
+    query[0, 0, 0, 0] = 1.0  # query head 0 looks along e0, head 1 along e1
+    query[0, 1, 0, 1] = 1.0
+    keys[0, 16 * 3 + 7, 0] = 5.0  # one key of page 3 for head 0
+    keys[0, 16 * 6 + 2, 0] = 4.0  # page 6 for head 0
+    keys[0, 16 * 8, 1] = 5.0  # page 8 for head 1
+    keys[0, 16 * 1 + 9, 1] = 4.0  # page 1 for head 1
+    kv = LayerKV(1, d, dtype=torch.float32, device=torch.device("cpu"))
+    kv.append(keys, keys.clone())
+    method = create_method({"name": "quest"})
+    spec = SimpleNamespace(n_heads=2, n_kv_heads=1, group=2, head_dim=d)
+    method.ctx = SimpleNamespace(spec=spec, budget=ResolvedBudget(context=n, sink=0, local=0, select=48))
+    method._bounds = {}
+    sel = method.select(2, query, kv)
+    page = lambda p: list(range(16 * p, 16 * p + 16))  # noqa: E731
+    partial = list(range(160, 165))
+    # 3 pages of budget: the partial page and each head's two best pages, then the current token
+    assert sel.slots[0].tolist() == page(3) + page(6) + partial + [n]
+    assert sel.slots[1].tolist() == page(1) + page(8) + partial + [n]

@@ -22,7 +22,7 @@ from kvbench.engine.driver import ModelDriver
 from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
 from kvbench.profile import Profile
-from kvbench.methods.selection import exact_topk
+from kvbench.methods.selection import attended_recall, exact_topk
 from kvbench.telemetry import Clock, Telemetry
 
 if TYPE_CHECKING:
@@ -136,7 +136,10 @@ class GenerationContext:
         if selection is None or selection.attended == kv.n:
             # Nothing left out (slots are unique): the dense path, bit-identical to ``full``.
             keys, values = kv.keys, kv.values
-            out = attention.dense(module, query, keys[None], values[None], scaling)
+            if kv.repeat > 1:  # one stored row per query head (per-query-head eviction): no GQA repeat
+                out = attention.selected(query, keys, values, scaling)
+            else:
+                out = attention.dense(module, query, keys[None], values[None], scaling)
             attended = kv.n
         else:
             keys, values = kv.gather(selection.slots, selection.cached)
@@ -145,31 +148,46 @@ class GenerationContext:
             attended = selection.attended
         probs = attention.probabilities(query, keys, scaling) if self.method.needs_attention_probs else None
         self.method.after_attention(layer, query, selection, kv, probs)
-        recall = self._recall(query, selection, kv, scaling) if self.profile.recall else None
+        recall = self._recall(layer, query, selection, kv, scaling) if self.profile.recall else None
         self.telemetry.record_decode(layer, attended, kv.seen, recall)
         return out
 
-    def _recall(self, query: torch.Tensor, selection: Selection | None, kv, scaling: float) -> float | None:
-        if selection is None or selection.selected is None or selection.candidates is None:
+    def _recall(self, layer: int, query: torch.Tensor, selection: Selection | None, kv, scaling: float) -> float | None:
+        """Recall of this step under ``profile.recall_rule`` (definitions: :mod:`kvbench.telemetry`).
+
+        ``attended`` (default): every prompt token the step attends against the exact top-B of each
+        query head, ``B = sink + the layer's budget`` (:func:`~kvbench.methods.selection.attended_recall`).
+        ``softmax_sum`` / ``logit_sum`` / ``max``: the earlier rule, kept for old runs — only the part
+        the method *chose* against the exact top-k of its candidates, ``k`` = the number it chose, per
+        query head for a per-query-head selection, else per KV head under that GQA rule.
+        A layer that attends everything by design (``selection is None``) has no recall.
+        """
+        if selection is None:
             return None
-        k = selection.selected.shape[1]
-        if k == 0:
-            return None
+        rule = self.profile.recall_rule
         start = self.clock.now()
-        reference = exact_topk(
-            query,
-            kv.keys,
-            selection.candidates,
-            k,
-            group=self.spec.group,
-            per_query_head=selection.rows == self.spec.n_heads and self.spec.group > 1,
-            rule=self.profile.recall_rule,
-            scale=scaling,
-        )
-        hit = torch.zeros(reference.shape[0], kv.n, dtype=torch.bool, device=reference.device)
-        hit.scatter_(1, reference, True)
-        found = hit.gather(1, selection.selected.to(reference.device)).sum(dim=1).float() / k
-        value = float(found.mean())
+        if rule == "attended":
+            b = self.budget.sink + self.budget.layer_budget(layer)
+            value = float(attended_recall(query, kv.keys, kv.positions, selection.slots, self.budget.context, b).mean())
+            self.telemetry.recall_b = b
+        else:
+            if selection.selected is None or selection.candidates is None or selection.selected.shape[1] == 0:
+                return None
+            k = selection.selected.shape[1]
+            reference = exact_topk(
+                query,
+                kv.keys,
+                selection.candidates,
+                k,
+                group=self.spec.group,
+                per_query_head=selection.rows == self.spec.n_heads and self.spec.group > 1,
+                rule=rule,
+                scale=scaling,
+            )
+            hit = torch.zeros(reference.shape[0], kv.n, dtype=torch.bool, device=reference.device)
+            hit.scatter_(1, reference, True)
+            found = hit.gather(1, selection.selected.to(reference.device)).sum(dim=1).float() / k
+            value = float(found.mean())
         self.telemetry.excluded_s += self.clock.now() - start
         return value
 

@@ -15,6 +15,11 @@ memory, and the counts are still exact: they are what the same run would move on
 
 Slots are positions until a method evicts; after :meth:`LayerKV.keep` (eviction) slot order no longer
 equals position order for every head, so position logic must read :attr:`LayerKV.positions`.
+
+A layer normally stores one row per KV head. An eviction method that keeps a different token set per
+*query* head under GQA (SnapKV and PyramidKV as their authors run them) calls :meth:`LayerKV.keep` with
+one row per query head: the layer then stores K/V repeated per query head (``n_kv_heads`` becomes the
+number of query heads, ``repeat`` the group size), so its bytes count what such a cache really holds.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class LayerKV:
         self.home = torch.device("cpu") if offload else self.device
         self._pin = offload and self.device.type == "cuda"
         self.n = 0  # slots in use
+        self.repeat = 1  # stored rows per model KV head (> 1 after a per-query-head keep)
         self.seen = 0  # tokens ever appended (the next token's position)
         self.stats = TransferStats()
         self.cache: BlockCache | None = None
@@ -138,6 +144,8 @@ class LayerKV:
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Append new tokens ``[kv_heads, t, head_dim]`` at ``positions`` ``[t]`` (default: the next ones)."""
         t = keys.shape[1]
+        if self.repeat > 1:
+            keys, values = keys.repeat_interleave(self.repeat, dim=0), values.repeat_interleave(self.repeat, dim=0)
         self.reserve(t)
         blocking = not self._pin
         self._k[:, self.n : self.n + t].copy_(keys, non_blocking=not blocking)
@@ -177,14 +185,19 @@ class LayerKV:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
 
     def keep(self, slots: torch.Tensor) -> None:
-        """Evict every slot not in ``slots`` (``[kv_heads, m]``, same m per head); keeps slot order."""
-        if slots.dim() != 2 or slots.shape[0] != self.n_kv_heads:
-            raise ValueError(f"keep() expects [kv_heads={self.n_kv_heads}, m] slots, got {tuple(slots.shape)}")
+        """Evict every slot not in ``slots`` (``[kv_heads, m]``, same m per head); keeps slot order.
+
+        ``slots`` with ``r × kv_heads`` rows (``r > 1``: one row per query head of a GQA group) keeps a
+        different set per row: the layer then stores its K/V repeated ``r`` times (row ``h`` from KV head
+        ``h // r``), and later appends are repeated alike (see the module docstring)."""
+        if slots.dim() != 2 or slots.shape[0] % self.n_kv_heads:
+            raise ValueError(f"keep() expects [kv_heads={self.n_kv_heads} (or a multiple), m] slots, got {tuple(slots.shape)}")
+        repeat = slots.shape[0] // self.n_kv_heads
         slots, _ = torch.sort(slots.to(self.home), dim=1)
-        idx = slots.unsqueeze(-1).expand(-1, -1, self.head_dim)
-        k = torch.gather(self.keys, 1, idx)
-        v = torch.gather(self.values, 1, idx)
-        pos = torch.gather(self.positions, 1, slots)
+        heads = (torch.arange(slots.shape[0], device=self.home) // repeat)[:, None]  # row -> stored head
+        k, v, pos = self._k[heads, slots], self._v[heads, slots], self._pos[heads, slots]  # no repeated copy
+        self.n_kv_heads *= repeat
+        self.repeat *= repeat
         m = slots.shape[1]
         self._k = self._alloc(m, self.head_dim, self.dtype)
         self._v = self._alloc(m, self.head_dim, self.dtype)

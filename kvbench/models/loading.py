@@ -123,11 +123,21 @@ def _spec_from(cfg: Any, model: Any, tokenizer: Any, dtype: torch.dtype, device:
 
 
 def _stop_ids(cfg: Any, model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Ids that end a generation: ``model.stop_ids``, ``model.stop_tokens`` and the model's EOS ids.
+
+    Stop tokens are looked up in the vocabulary itself (added tokens included), not through
+    ``convert_tokens_to_ids``, which answers the unknown token's id for a missing token: SmolLM2's
+    converted tokenizer *is* a case where a real stop token (``<|endoftext|>``, id 0) is also the unknown
+    token, and comparing against the unknown id dropped it. A configured token the vocabulary lacks is
+    a config mistake and fails the load."""
     ids: list[int] = [int(i) for i in (cfg.get("stop_ids") or [])]
-    for token in cfg.get("stop_tokens") or []:
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id is not None and token_id != tokenizer.unk_token_id:
-            ids.append(int(token_id))
+    tokens = list(cfg.get("stop_tokens") or [])
+    vocab = tokenizer.get_vocab() if tokens else {}
+    for token in tokens:
+        if token not in vocab:
+            raise ConfigError(f"model {cfg.get('name')}: stop token {token!r} is not in its tokenizer's vocabulary",
+                              "fix model.stop_tokens (or give the id in model.stop_ids)")
+        ids.append(int(vocab[token]))
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if source is None:
             continue
