@@ -310,7 +310,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     paths = check_paths(args.paths or ["results/runs"])
     where = parse_where(args.where)
     if args.figure:
-        print(comparison_figure(paths, Path(args.figure), where=where))
+        print(comparison_figure(paths, Path(args.figure), where=where, kind=args.figure_kind))
         return 0
     if args.pivot:
         rows, cols = (part.split(",") if part else [] for part in args.pivot)
@@ -379,7 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="one metric as a grid: comma-separated columns down and across, e.g. method question")
     p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
     p_report.add_argument("--figure", metavar="FILE.png",
-                          help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves)")
+                          help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves, "
+                               "rag: CacheBlend's figures)")
+    p_report.add_argument("--figure-kind", metavar="KIND",
+                          help="which figure, for tasks with several (rag: quality_ttft (default), ratio, deviation, "
+                               "selection)")
     p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
                           help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
                                "unknown columns are refused with the valid ones")

@@ -1,8 +1,11 @@
-"""Figures: needle-in-a-haystack heatmaps in the style of the papers (greener = better)."""
+"""Figures: needle-in-a-haystack heatmaps in the style of the papers (greener = better), perplexity
+curves, and panels of labelled series (:func:`series_panels`: the CacheBlend figures of the rag task,
+whose data :mod:`kvbench.tasks.rag_figures` prepares)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +130,128 @@ def perplexity_curves(curves: dict[str, list[list[float]]], path: Path, *, title
         ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
+
+
+# ---------------------------------------------------------------------- series panels (the rag figures)
+@dataclass
+class Series:
+    """One labelled series of a :class:`Panel`.
+
+    ``kind``: ``line`` (points joined in the given order), ``points`` (markers only) or ``hline`` (a
+    reference value ``y[0]`` across the panel, for a method that has no x value, such as full recompute
+    on a recompute-ratio axis). ``low``/``high`` bound each point (error bars; for an ``hline``, a
+    shaded band); with ``band`` a line's bounds are shaded instead of drawn as bars. ``notes`` are short
+    texts written next to the points (a recompute ratio beside its point)."""
+
+    label: str
+    x: list[float]
+    y: list[float]
+    kind: str = "line"
+    low: list[float] | None = None
+    high: list[float] | None = None
+    band: bool = False
+    notes: list[str] | None = None
+    color: str | None = None
+    marker: str = "o"
+    linestyle: str = "-"
+
+
+@dataclass
+class Panel:
+    """One axes: a title, axis labels (with units), its series, and an optional one-line ``note``
+    printed inside the axes. ``xpercent`` shows x fractions as percentages, ``xinteger`` only whole x
+    ticks (layers); ``shade`` is an x interval to shade (the top 15 % of tokens of a deviation curve);
+    ``xlim``/``ylim`` fix an end of an axis (None: automatic), e.g. time axes that start at 0."""
+
+    title: str
+    xlabel: str
+    ylabel: str
+    series: list[Series] = field(default_factory=list)
+    note: str = ""
+    xpercent: bool = False
+    shade: tuple[float, float] | None = None
+    xinteger: bool = False
+    xlim: tuple[float | None, float | None] | None = None
+    ylim: tuple[float | None, float | None] | None = None
+
+
+def series_panels(panels: list[Panel], path: Path, *, title: str, caption: str = "", columns: int = 2,
+                  panel_size: tuple[float, float] = (4.6, 3.4)) -> Path:
+    """Panels of line/point/reference series in a grid, with a figure title and a caption under it
+    (the metric definitions), as a paper prints a figure. Each panel has its own legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    columns = max(1, min(columns, len(panels)))
+    rows = -(-len(panels) // columns)
+    width = max(panel_size[0] * columns, 6.0)
+    caption = _wrap(caption, int(width * 17)) if caption else ""
+    caption_in = 0.12 + 0.125 * (caption.count("\n") + 1) if caption else 0.0
+    height = panel_size[1] * rows + 0.5 + caption_in
+    fig, axes = plt.subplots(rows, columns, figsize=(width, height), dpi=150, squeeze=False, layout="constrained")
+    fig.get_layout_engine().set(rect=(0, caption_in / height, 1, 1 - caption_in / height))
+    for index, ax in enumerate(axes.flat):
+        if index >= len(panels):
+            ax.axis("off")
+            continue
+        _draw_panel(ax, panels[index])
+    fig.suptitle(_wrap(title, int(width * 11)), fontsize=11)
+    if caption:
+        fig.text(0.01, 0.01, caption, fontsize=7.5, va="bottom", ha="left", color="#333333")
+    return _save(fig, path)
+
+
+def _pinned(data: Any, limits: tuple[float | None, float | None]) -> tuple[float, float]:
+    """Axis limits with the given ends pinned and the free ones 6 % of the span beyond the data (the
+    automatic margin would be computed on the data alone, and sit too close once an end is pinned at 0)."""
+    low, high = (float(v) for v in data)
+    lo = limits[0] if limits[0] is not None else None
+    hi = limits[1] if limits[1] is not None else None
+    span = (hi if hi is not None else high) - (lo if lo is not None else low) or 1.0
+    return (lo if lo is not None else low - 0.06 * span, hi if hi is not None else high + 0.06 * span)
+
+
+def _draw_panel(ax: Any, panel: Panel) -> None:
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    for series in panel.series:
+        color = series.color
+        if series.kind == "hline":
+            line = ax.axhline(series.y[0], color=color, linestyle=series.linestyle, linewidth=1.3, label=series.label)
+            if series.low is not None and series.high is not None:
+                ax.axhspan(series.low[0], series.high[0], color=line.get_color(), alpha=0.1, linewidth=0)
+            continue
+        style = series.linestyle if series.kind == "line" else "none"
+        yerr = None
+        if series.low is not None and series.high is not None and not series.band:
+            yerr = [[max(0.0, y - lo) for y, lo in zip(series.y, series.low)],
+                    [max(0.0, hi - y) for y, hi in zip(series.y, series.high)]]
+        drawn = ax.errorbar(series.x, series.y, yerr=yerr, color=color, marker=series.marker, linestyle=style,
+                            linewidth=1.4, markersize=5.5, capsize=2.5, elinewidth=0.9, label=series.label)
+        color = drawn.lines[0].get_color()
+        if series.band and series.low is not None and series.high is not None:
+            ax.fill_between(series.x, series.low, series.high, color=color, alpha=0.15, linewidth=0)
+        for x, y, note in zip(series.x, series.y, series.notes or []):
+            if note:
+                ax.annotate(note, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
+    if panel.shade is not None:
+        ax.axvspan(*panel.shade, color="#999999", alpha=0.12, linewidth=0)
+    if panel.xpercent:
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    if panel.xinteger:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if panel.xlim is not None:
+        ax.set_xlim(*_pinned(ax.dataLim.intervalx, panel.xlim))
+    if panel.ylim is not None:
+        ax.set_ylim(*_pinned(ax.dataLim.intervaly, panel.ylim))
+    ax.set_title(panel.title, fontsize=9)
+    ax.set_xlabel(panel.xlabel, fontsize=8.5)
+    ax.set_ylabel(panel.ylabel, fontsize=8.5)
+    ax.tick_params(labelsize=7.5)
+    ax.grid(alpha=0.25, linewidth=0.6)
+    if panel.note:
+        ax.text(0.98, 0.97, panel.note, transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
+                bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#bbbbbb", "alpha": 0.9})
+    if panel.series:
+        ax.legend(fontsize=7, loc="best", framealpha=0.9)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 COLUMNS = {
     "config.model.name": "model",
@@ -202,9 +202,25 @@ def pivot_table(
     return to_markdown(grid)
 
 
-def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None) -> Path:
+class FigureRun(tuple):
+    """One run handed to a task's ``comparison_figure``: it unpacks as ``(title, records)`` — all a
+    heatmap or a curve needs — and carries the run's resolved ``config`` for figures that place runs by
+    their settings (the rag figures: method, recompute ratio, selection)."""
+
+    config: dict[str, Any]
+
+    def __new__(cls, title: str, records: list[dict[str, Any]], config: dict[str, Any] | None = None) -> FigureRun:
+        run = super().__new__(cls, (title, records))
+        run.config = config or {}
+        return run
+
+
+def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None,
+                      kind: str | None = None) -> Path:
     """The matching runs (all of one task) in the task's comparison figure: NIAH heatmaps side by side,
-    PG19 perplexity curves overlaid. Each run is titled by the columns that differ between them."""
+    PG19 perplexity curves overlaid, the rag task's CacheBlend figures. Each run is titled by the columns
+    that differ between them. ``kind`` picks one of the task's figures (``Task.figure_kinds``; the
+    first is the default, and a note on stderr names the others)."""
     from kvbench.errors import ConfigError
     from kvbench.results import RunDir
     from kvbench.tasks import REGISTRY
@@ -216,6 +232,14 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     tasks = sorted(frame["task"].unique())
     if len(tasks) > 1:
         raise ConfigError(f"the matching runs span several tasks ({', '.join(tasks)})", "add --where task=<name>")
+    task = REGISTRY.get(tasks[0])
+    kinds = task.figure_kinds
+    if kind is not None and kind not in kinds:
+        fix = f"use --figure-kind {' or '.join(kinds)}" if kinds else "drop --figure-kind: it has a single figure"
+        raise ConfigError(f"task {task.name} has no figure kind {kind!r}", fix)
+    if kind is None and len(kinds) > 1:
+        print(f"kvbench: note: drew the {kinds[0]} figure; --figure-kind {'|'.join(kinds[1:])} draws the others",
+              file=sys.stderr)
     frame = frame.assign(_dense=frame.get("budget", "") != "full cache")  # the uncompressed reference first
     frame = frame.sort_values([c for c in ("model", "question", "_dense", "budget", "method") if c in frame.columns])
     shown = [c for c in ("model", "method", "budget", "question", "lengths") if c in frame.columns
@@ -229,10 +253,11 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
         if row.get("score") == row.get("score") and row.get("score") is not None:
             second += f"  ({row['score']:.1f})"
         title = f"{title}\n{second.strip()}" if second.strip() else title
-        runs.append((title, RunDir(Path(row["run_dir"])).records()))
+        run = RunDir(Path(row["run_dir"]))
+        runs.append(FigureRun(title, run.records(), run.config()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return REGISTRY.get(tasks[0]).comparison_figure(runs, out)
+    return task.comparison_figure(runs, out, kind=kind) if kind is not None else task.comparison_figure(runs, out)
 
 
 def _differing_columns(frame) -> list[str]:

@@ -12,7 +12,8 @@ Two lists of checks, run in order:
   shared groups (``budget.token_ratio=abc``, negative counts), the task's keys against its defaults'
   types and its own checks, prompt lengths the model cannot hold (tasks whose prompts are exactly
   ``task.lengths`` tokens), a missing local ``model.path``, an output folder that cannot be written,
-  a ``task.data_dir`` that is not a folder and data files with a malformed line (file and line named).
+  a ``task.data_dir`` that is not a folder and data files with a malformed line (file and line named),
+  a reuse method on a task whose prompts have no chunks.
 * :data:`METHOD_CHECKS` need the method classes, and importing those imports torch (about two
   seconds): a compressing method without a budget, a ``budget.tokens`` larger than every prompt.
 
@@ -267,8 +268,26 @@ def check_store(resolved: dict[str, Any]) -> None:
         StoreConfig.from_mapping(resolved["store"])
 
 
-CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_budget, check_profile, check_task_types, check_task, check_model,
-                              check_lengths, check_output_dir, check_data]
+def check_reuse_task(resolved: dict[str, Any]) -> None:
+    """A reuse method (its parameters derive from ``ReuseParams`` in :mod:`kvbench.methods.params`, the
+    family's one declaration) builds its prefill from chunk caches, so the task's samples must carry
+    chunk segments (:attr:`Task.chunked`). Without this check the mistake surfaces only after the model
+    has loaded, when the first sample is prepared."""
+    from kvbench.methods.params import PARAMS, ReuseParams
+    from kvbench.tasks import REGISTRY
+
+    method = resolved["method"]["name"]
+    params = PARAMS.get(method)
+    task = REGISTRY.get(resolved["task"]["name"])
+    if params is None or not issubclass(params, ReuseParams) or task.chunked:
+        return
+    chunked = [name for name in REGISTRY.names() if REGISTRY.get(name).chunked]
+    raise ConfigError(f"method {method} reuses chunk caches, but task {task.name}'s prompts are not split into chunks",
+                      f"use a chunked task (task={' or task='.join(chunked)}) or a method that is not in the reuse family")
+
+
+CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_budget, check_profile, check_task_types, check_task,
+                              check_reuse_task, check_model, check_lengths, check_output_dir, check_data]
 
 
 # ---------------------------------------------------------------------- checks that need the method classes

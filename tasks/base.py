@@ -77,6 +77,12 @@ class Task:
     common_keys: ClassVar[tuple[str, ...]] = ("name", "limit", "data_dir", "question_position")
     #: the task's own config keys with their defaults
     defaults: ClassVar[dict[str, Any]] = {}
+    #: whether the samples carry their prompt as segments with at least one reusable ``chunk`` — what
+    #: the reuse methods need; :mod:`kvbench.validate` refuses a reuse method on a task without it
+    chunked: ClassVar[bool] = False
+    #: the figures :meth:`comparison_figure` draws (``kvbench report --figure-kind``), the default first;
+    #: empty for a task with a single figure
+    figure_kinds: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         cfg = dict(cfg or {})

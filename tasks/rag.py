@@ -82,6 +82,7 @@ from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
+from kvbench.tasks.rag_figures import FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
 
@@ -168,6 +169,8 @@ def split_articles(context: str) -> list[str]:
 @register
 class Rag(Task):
     name = "rag"
+    chunked = True
+    figure_kinds = FIGURE_KINDS
     defaults = {
         "dataset": "musique",
         "chunk_tokens": None,
@@ -376,6 +379,14 @@ class Rag(Task):
         mean = round(float(np.mean(scores)), 2) if scores else None
         return {"score": mean, "n": len(records), "scored": len(scores),
                 "per_subset": {self.dataset.name: mean} if scores else {}}
+
+    @classmethod
+    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
+        """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;
+        see :mod:`kvbench.tasks.rag_figures`)."""
+        from kvbench.tasks.rag_figures import draw
+
+        return draw(kind, runs, path)
 
 
 def _pipeline_protocol(cfg: dict[str, Any]) -> dict[str, Any]:

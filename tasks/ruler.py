@@ -132,6 +132,7 @@ def largest_fitting(measure: Callable[[int], int], budget: int, low: int, high: 
 @register
 class Ruler(Task):
     name = "ruler"
+    chunked = True  # prefix / the haystack as one chunk / query
     defaults = {
         "subsets": list(TASKS),
         "lengths": [4096, 8192],
