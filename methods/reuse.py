@@ -54,7 +54,7 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.prefill import PrefillPlan
-from kvbench.engine.rope import check_rerotatable, rerotate
+from kvbench.engine.rope import apply_rotation, check_rerotatable, rotation
 from kvbench.errors import CompressionNotApplied, ConfigError
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkReader, ChunkStore, model_fingerprint
 from kvbench.methods.base import KVMethod
@@ -329,6 +329,9 @@ class ReusePrefill(PrefillPlan):
         for span in self.spans:
             cached[span.begin : span.end] = True
         self.cached_mask = cached
+        self.cached_slots = torch.cat([torch.arange(span.begin, span.end) for span in self.spans]
+                                      or [torch.zeros(0, dtype=torch.long)])
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
         self.uncached = torch.nonzero(~cached).flatten()
         spans = segment_spans(segments)
         query = torch.zeros(n, dtype=torch.bool)
@@ -380,20 +383,23 @@ class ReusePrefill(PrefillPlan):
         return out
 
     def _install(self, layer: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write layer ``layer``'s cached rows (``rows``: the loader's K, V per span) into the store,
-        keys re-rotated to their positions in this prompt."""
+        """Write layer ``layer``'s cached rows (``rows``: the loader's K, V per span) into the store: the
+        spans' keys re-rotated together by each row's delta (one rotation computed for all layers), one
+        write."""
         kv = self.ctx.store[layer]
-        model = self.ctx.model
-        for span, (k, v) in zip(self.spans, rows):
-            started = time.perf_counter()
-            k, v = k[:, span.rows], v[:, span.rows]
-            if span.delta:
-                k = rerotate(model, k, span.delta)
-            rotated = time.perf_counter()
-            positions = torch.arange(span.begin, span.end)
-            kv.write(positions, k, v, positions)
-            self.timing["rerotate_s"] += rotated - started
-            self.timing["write_s"] += time.perf_counter() - rotated
+        started = time.perf_counter()
+        keys = torch.cat([k[:, span.rows] for (k, _), span in zip(rows, self.spans)], dim=1)
+        values = torch.cat([v[:, span.rows] for (_, v), span in zip(rows, self.spans)], dim=1)
+        gathered = time.perf_counter()
+        if self._rotation is None:
+            deltas = torch.cat([torch.full((span.end - span.begin,), span.delta) for span in self.spans])
+            self._rotation = rotation(self.ctx.model, deltas, keys.device) if bool((deltas != 0).any()) else ()
+        if self._rotation:
+            keys = apply_rotation(self.ctx.model, keys, *self._rotation)
+        rotated = time.perf_counter()
+        kv.write(self.cached_slots, keys, values, self.cached_slots)
+        self.timing["write_s"] += (gathered - started) + (time.perf_counter() - rotated)
+        self.timing["rerotate_s"] += rotated - gathered
         self.installed_layers += 1
 
     def attend(

@@ -83,6 +83,8 @@ class Task:
     #: the figures :meth:`comparison_figure` draws (``kvbench report --figure-kind``), the default first;
     #: empty for a task with a single figure
     figure_kinds: ClassVar[tuple[str, ...]] = ()
+    #: how the run's score averages: ``samples`` (mean over samples) or ``subsets`` (mean of subset means)
+    average: ClassVar[str] = "samples"
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         cfg = dict(cfg or {})
@@ -162,17 +164,25 @@ class Task:
         )
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """``score`` (mean, 0–100), ``n`` and ``per_subset`` means."""
-        scores = [r["score"] for r in records]
+        """``score`` (0–100), ``n`` (samples), ``scored`` (samples with a score: tasks without gold
+        answers score ``None``) and ``per_subset`` means.
+
+        The one place runs are averaged: ``score`` is the mean over scored samples, or with
+        :attr:`average` ``"subsets"`` the unweighted mean of the subset means (LongBench's and
+        InfiniteBench's "Average" over datasets). Tasks extend the result (grids, buckets); they do not
+        re-average.
+        """
+        scored = [r for r in records if r.get("score") is not None]
         per_subset: dict[str, list[float]] = {}
-        for record in records:
+        for record in scored:
             if record.get("subset") is not None:
-                per_subset.setdefault(str(record["subset"]), []).append(record["score"])
-        return {
-            "score": round(float(np.mean(scores)), 2) if scores else None,
-            "n": len(scores),
-            "per_subset": {key: round(float(np.mean(v)), 2) for key, v in per_subset.items()},
-        }
+                per_subset.setdefault(str(record["subset"]), []).append(float(record["score"]))
+        subset_means = {key: round(float(np.mean(v)), 2) for key, v in per_subset.items()}
+        if self.average == "subsets" and subset_means:
+            score = round(float(np.mean(list(subset_means.values()))), 2)
+        else:
+            score = round(float(np.mean([r["score"] for r in scored])), 2) if scored else None
+        return {"score": score, "n": len(records), "scored": len(scored), "per_subset": subset_means}
 
     def artifacts(self, records: list[dict[str, Any]], run_dir: Path, title: str) -> list[Path]:
         """Files (plots) the task writes next to the results; none by default."""

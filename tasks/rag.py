@@ -373,13 +373,6 @@ class Rag(Task):
             budget=out.budget,
         )
 
-    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """Mean score over the samples that have one (``null`` when none has: the example inputs)."""
-        scores = [r["score"] for r in records if r.get("score") is not None]
-        mean = round(float(np.mean(scores)), 2) if scores else None
-        return {"score": mean, "n": len(records), "scored": len(scores),
-                "per_subset": {self.dataset.name: mean} if scores else {}}
-
     @classmethod
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
         """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;

@@ -86,4 +86,4 @@ def test_scores_through_the_task(tiny_llama, tmp_path):
     assert task.score(sample, "Paris") == 100.0 and task.score(sample, "The city of Paris") == pytest.approx(50.0)
     records = [{"subset": "hotpotqa", "score": 100.0, "meta": {}}, {"subset": "hotpotqa", "score": 0.0, "meta": {}},
                {"subset": "trec", "score": 50.0, "meta": {}}]
-    assert task.aggregate(records) == {"score": 50.0, "n": 3, "per_subset": {"hotpotqa": 50.0, "trec": 50.0}}
+    assert task.aggregate(records) == {"score": 50.0, "n": 3, "scored": 3, "per_subset": {"hotpotqa": 50.0, "trec": 50.0}}

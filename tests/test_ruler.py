@@ -347,6 +347,7 @@ def test_qa_tasks_read_rulers_files(tiny_llama, essay_dir, qa_dir, capsys):
 
 # ------------------------------------------------------------------------------------------ end to end
 def test_run_through_the_runner(tiny_llama, essay_dir, tmp_path):
+    from kvbench.methods import method_node
     from kvbench.runner import run
 
     base = OmegaConf.load(conf_dir() / "config.yaml")
@@ -354,7 +355,7 @@ def test_run_through_the_runner(tiny_llama, essay_dir, tmp_path):
     task.update(subsets=["fwe", "qa_1"], lengths=[1024], num_samples=1, haystack=str(essay_dir))  # fwe: 50 new tokens
     cfg = {
         "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
-        "method": OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / "full.yaml")),
+        "method": method_node("full"),
         "task": task,
         "budget": OmegaConf.to_container(base.budget),
         "profile": OmegaConf.to_container(base.profile),

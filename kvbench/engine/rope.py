@@ -52,6 +52,25 @@ def _apply_fn(model: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return fn
 
 
+def rotation(model: Any, delta: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) ``[1, n, d]`` (float32) of a pure rotation by ``delta`` ``[n]`` positions, computed
+    once and applied to every layer's keys with :func:`apply_rotation` (the delta is the same for all)."""
+    rotary = model.model.rotary_emb
+    probe = torch.empty(0, dtype=torch.float32, device=device)
+    cos, sin = rotary(probe, delta.to(device).view(1, -1))
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if scale != 1.0:
+        cos, sin = cos / scale, sin / scale
+    return cos, sin
+
+
+def apply_rotation(model: Any, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``keys`` ``[kv_heads, n, d]`` rotated by a :func:`rotation` (in float32; returned in ``keys``' dtype)."""
+    k = keys.float().unsqueeze(0)
+    _, moved = _apply_fn(model)(k, k, cos, sin)
+    return moved[0].to(keys.dtype)
+
+
 def rerotate(model: Any, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
     """``keys`` ``[kv_heads, n, d]`` (post-RoPE) moved by ``delta`` positions (a scalar or ``[n]``).
 
@@ -60,13 +79,5 @@ def rerotate(model: Any, keys: torch.Tensor, delta: torch.Tensor | int) -> torch
     n = keys.shape[1]
     if isinstance(delta, int):
         delta = torch.full((n,), delta, dtype=torch.long)
-    delta = delta.to(keys.device).view(1, n)
-    rotary = model.model.rotary_emb
-    probe = keys.new_empty(0, dtype=torch.float32)
-    cos, sin = rotary(probe, delta)
-    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
-    if scale != 1.0:
-        cos, sin = cos / scale, sin / scale
-    k = keys.float().unsqueeze(0)
-    _, moved = _apply_fn(model)(k, k, cos, sin)
-    return moved[0].to(keys.dtype)
+    cos, sin = rotation(model, delta, keys.device)
+    return apply_rotation(model, keys, cos, sin)

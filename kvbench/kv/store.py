@@ -164,9 +164,14 @@ class LayerKV:
         if top > self.n:
             self.reserve(top - self.n)
             self.n = top
-        self._k[:, slots] = keys.to(self.home, self.dtype)
-        self._v[:, slots] = values.to(self.home, self.dtype)
-        self._pos[:, slots] = positions.to(self.home).view(1, t)
+        first = int(slots[0])
+        if top - first == t and bool((slots[1:] > slots[:-1]).all()):  # a contiguous run: plain copies
+            where: slice | torch.Tensor = slice(first, top)
+        else:
+            where = slots
+        self._k[:, where] = keys.to(self.home, self.dtype)
+        self._v[:, where] = values.to(self.home, self.dtype)
+        self._pos[:, where] = positions.to(self.home).view(1, t)
         self.seen = max(self.seen, int(positions.max()) + 1)
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
