@@ -83,6 +83,7 @@ from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
 from kvbench.tasks.rag_figures import FIGURE_KINDS
+from kvbench.tasks.rag_system_figures import SYSTEM_FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
 
@@ -170,7 +171,7 @@ def split_articles(context: str) -> list[str]:
 class Rag(Task):
     name = "rag"
     chunked = True
-    figure_kinds = FIGURE_KINDS
+    figure_kinds = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
     defaults = {
         "dataset": "musique",
         "chunk_tokens": None,
@@ -377,6 +378,10 @@ class Rag(Task):
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
         """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;
         see :mod:`kvbench.tasks.rag_figures`)."""
+        if kind in SYSTEM_FIGURE_KINDS:  # the system experiments' figures (Figs. 2, 13, 15, 17)
+            from kvbench.tasks.rag_system_figures import draw as draw_system
+
+            return draw_system(kind, runs, path)
         from kvbench.tasks.rag_figures import draw
 
         return draw(kind, runs, path)
