@@ -30,6 +30,13 @@ from kvbench.bench import BenchOptions, BenchResult, benchmark
 THROTTLES = (1000.0, 200.0, 50.0)
 
 
+def _load_average() -> str:
+    """The 1/5/15-minute load averages: timings on a shared machine are read against them."""
+    import os
+
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _load(options: BenchOptions) -> Any:
     from kvbench.compose import compose
     from kvbench.models.loading import load_model
@@ -93,7 +100,7 @@ def chunk_load(options: BenchOptions) -> BenchResult:
              "disk@N: the same read padded with sleep to N MB/s (an emulation of a slower device)",
              f"recompute_layer_ms: the chunk's tokens through one layer at the measured dense-prefill cost "
              f"({1e6 * token_layer_s:.2f} us per token per layer, {len(ids)}-token prompt); r_load = load / recompute",
-             f"device {spec.device}"]
+             f"device {spec.device}; load average {_load_average()}"]
     return BenchResult("chunk_load", "chunk KV load throughput per storage tier", rows, notes)
 
 
@@ -156,5 +163,5 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
                  "layer time after the check layer; predicted_recompute_layer_ms: r* x (dense prefill / layers), "
                  "the controller's model; controller_ratio: max(r_load, 0.15) with the measured load rate")
     notes.append(f"device {loaded.spec.device}; torch threads {torch.get_num_threads()}; on a CPU the loader "
-                 "thread shares the cores with compute")
+                 f"thread shares the cores with compute; load average {_load_average()} (at the end)")
     return BenchResult("reuse_pipeline", "CacheBlend TTFT with pipelined vs serial chunk loading", rows, notes)
