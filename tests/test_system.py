@@ -305,7 +305,7 @@ def _contains(ids, part):
 
 
 # ---------------------------------------------------------------------- the benchmarks
-def test_chunk_load_and_reuse_pipeline_benchmarks_report_their_figures():
+def test_chunk_load_reuse_pipeline_and_recompute_cost_benchmarks_report_their_figures():
     from kvbench.bench import BenchOptions, discover
 
     benches = discover()
@@ -317,3 +317,8 @@ def test_chunk_load_and_reuse_pipeline_benchmarks_report_their_figures():
     (row,) = benches["reuse_pipeline"](options).rows
     assert row["pipelined/serial"] == pytest.approx(row["ttft_pipelined_s"] / row["ttft_serial_s"])
     assert 0 <= row["load_hidden_s"] <= row["load_s"]
+    costs = benches["recompute_cost"](options).rows
+    dense = [r for r in costs if r["run"] == "dense"]
+    assert [r["tokens"] for r in dense] == sorted(r["tokens"] for r in dense) and len(dense) == 3
+    blend = {r["r"]: r for r in costs if r["run"] == "cacheblend"}
+    assert set(blend) == {0.15, 0.5} and blend[0.15]["model_s"] < blend[0.5]["model_s"] < dense[-1]["ttft_s"]

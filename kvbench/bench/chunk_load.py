@@ -165,3 +165,57 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
     notes.append(f"device {loaded.spec.device}; torch threads {torch.get_num_threads()}; on a CPU the loader "
                  f"thread shares the cores with compute; load average {_load_average()} (at the end)")
     return BenchResult("reuse_pipeline", "CacheBlend TTFT with pipelined vs serial chunk loading", rows, notes)
+
+
+@benchmark("recompute_cost")
+def recompute_cost(options: BenchOptions) -> BenchResult:
+    """What recomputing costs on this machine: the loading controller's cost model checked, and the
+    per-token prefill cost against the prompt length (the question behind CacheBlend Fig. 15c).
+
+    Rows ``dense``: a dense prefill of the first n tokens of the prompt, per token and layer — flat in n
+    means the cores are already saturated by one request, so prefilling B requests together could not
+    take less than B times as long. Rows ``cacheblend``: TTFT at each ratio r (chunks in RAM) against the
+    controller's linear model, ``Prefill(n) · (c + (L - c) · r') / L`` with c full layers before and at
+    the check layer and r' the share of rows recomputed after it (r of the context plus the query)."""
+    from kvbench.budget import BudgetConfig
+    from kvbench.engine.generate import generate
+    from kvbench.kv.chunks import ChunkStore, StoreConfig
+    from kvbench.methods import create_method
+    from kvbench.requests import join_segments
+
+    loaded = _load(options)
+    spec = loaded.spec
+    segments = _segments(loaded, options.quick)
+    ids = join_segments(segments)
+    n, query = len(ids), len(segments[-1])
+    rounds = 1 if options.quick else max(2, options.repeats)
+    rows = []
+    lengths = sorted({max(16, n // 4), max(32, n // 2), n})
+    for length in lengths:
+        best = _prefill_s(loaded, ids[:length], rounds)
+        rows.append({"model": spec.name, "run": "dense", "tokens": length, "r": 1.0, "ttft_s": best,
+                     "us_per_token_layer": 1e6 * best / (length * spec.n_layers)})
+    prefill = rows[-1]["ttft_s"]
+    store = ChunkStore(StoreConfig(tier="ram"))
+    ratios = (0.15, 0.5) if options.quick else (0.05, 0.15, 0.3, 0.5)
+    times: dict[float, list[float]] = {r: [] for r in ratios}
+    for index in range(rounds + 1):  # the first round precomputes the chunks and warms up
+        for r in ratios if index % 2 == 0 else tuple(reversed(ratios)):
+            method = create_method({"name": "cacheblend", "recompute_ratio": r})
+            method.attach_store(store)
+            out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
+            if index:
+                times[r].append(out.telemetry["ttft_s"])
+    check = 2  # layers 0 and 1 run in full (check_layer 1)
+    for r in ratios:
+        share = (int((n - query) * r) + query) / n
+        model_s = prefill * (check + (spec.n_layers - check) * share) / spec.n_layers
+        measured = statistics.median(times[r])
+        rows.append({"model": spec.name, "run": "cacheblend", "tokens": n, "r": r, "ttft_s": measured,
+                     "us_per_token_layer": None, "model_s": model_s, "measured/model": measured / model_s,
+                     "ttft/full": measured / prefill})
+    notes = [f"dense: best of {rounds}; cacheblend: median of {rounds} alternated rounds, chunks in RAM, "
+             f"{spec.n_layers} layers; model_s: the controller's linear cost model from the dense prefill of "
+             f"{n} tokens", f"device {spec.device}; load average {_load_average()}"]
+    return BenchResult("recompute_cost", "recompute cost: the controller's model vs measured, per-token prefill cost",
+                       rows, notes)
