@@ -167,15 +167,18 @@ class ReuseMethod(KVMethod):
         check_rerotatable(ctx.model)
         store = self._store()
         started = time.perf_counter()
-        computed = 0
+        computed = promoted = 0
         for span in self.cached_segments(ctx, segments):
-            if store.contains(span.key) is None:
+            if store.promote(span.key):
+                promoted += 1
+            elif store.contains(span.key) is None:
                 self.precompute(ctx, span.key)
                 computed += 1
         spent = time.perf_counter() - started
         store.precompute_s += spent
         store.precomputed += computed
-        report = {"precompute_s": spent, "precomputed_chunks": computed, "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
+        report = {"precompute_s": spent, "precomputed_chunks": computed, "promoted_chunks": promoted,
+                  "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
         self._reference = None
         if ctx.profile.deviation:
             from kvbench.engine.generate import prefill_kv

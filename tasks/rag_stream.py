@@ -15,8 +15,8 @@ builds that stream from the rag task's data (every option of ``task=rag`` applie
   statistics), its place in the stream and its chunk order.
 
 A run executes the requests in that order, one at a time, with one chunk store for the whole run:
-start it on an empty store (``store.tier=ram``, the default; a disk tier keeps files between runs)
-and run it to the end in one go (a resumed run restarts with an empty store; every record keeps what
+start it on an empty store — ``store.tier=ram store.disk_gb=0`` (a disk folder keeps entries between
+runs, and a RAM store would promote them) — and run it to the end in one go (a resumed run restarts with an empty store; every record keeps what
 its request really had to compute, so the figures stay true to what happened). For prefix caching
 use ``method.warm=none method.store_prompts=true`` (it then stores every prompt after answering it).
 

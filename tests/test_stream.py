@@ -102,7 +102,7 @@ def test_bad_stream_settings_are_refused(cfg, needle, qa_dir):  # noqa: F811
 def test_a_stream_run_keeps_one_store_so_repeated_chunks_are_computed_once(tmp_path, qa_dir):  # noqa: F811
     args = [sys.executable, "-m", "kvbench", "run", "method=cacheblend", "task=rag_stream", "task.dataset=musique",
             f"task.data_dir={qa_dir}", "task.limit=2", "task.repeats=2", "task.warmup=1", "task.top_k=null",
-            "task.chunk_tokens=null", "model=tiny_llama", f"output_dir={tmp_path / 'runs'}", "progress=false"]
+            "task.chunk_tokens=null", "model=tiny_llama", "store.disk_gb=0", f"output_dir={tmp_path / 'runs'}", "progress=false"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]

@@ -100,6 +100,20 @@ def test_a_prefill_from_ram_pipelined_or_not_is_the_same(tiny_qwen2, random_ids)
     assert second.telemetry["method"]["store"]["ram_hits"] == 8
 
 
+def test_a_ram_store_promotes_entries_found_on_disk_before_serving_them(tmp_path):
+    key = ChunkKey("m", (1, 2), "alone")
+    entry = ChunkKV([torch.randn(2, 5, 4) for _ in range(3)], [torch.randn(2, 5, 4) for _ in range(3)], 1)
+    ChunkStore(StoreConfig(tier="disk", dir=str(tmp_path))).put(key, entry)
+    ram = ChunkStore(StoreConfig(tier="ram", dir=str(tmp_path)))
+    assert ram.contains(key) == "disk" and ram.promote(key) and ram.contains(key) == "ram"
+    assert ram.stats["ram"].promoted == 1 and ram.stats["disk"].hits == 0 and ram.stats["disk"].bytes_loaded == 0
+    got = ram.get(key)
+    assert got.start == 1 and all(torch.equal(a, b) for a, b in zip(got.keys + got.values, entry.keys + entry.values))
+    assert not ram.promote(key)  # already in RAM
+    assert not ChunkStore(StoreConfig(tier="disk", dir=str(tmp_path))).promote(key)
+    assert not ChunkStore(StoreConfig(tier="ram", dir=str(tmp_path), disk_gb=0)).promote(key)  # no disk folder
+
+
 def test_store_pipeline_must_be_a_boolean():
     with pytest.raises(ConfigError, match="store.pipeline"):
         StoreConfig(pipeline="yes")
