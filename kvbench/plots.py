@@ -257,3 +257,37 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
                 bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#bbbbbb", "alpha": 0.9})
     if panel.series:
         ax.legend(fontsize=7, loc="best", framealpha=0.9)
+
+
+# ---------------------------------------------------------------------- CacheBlend system figures
+def stream_figure(curves: list[tuple[str, list[dict[str, Any]]]], path: Path, *, title: str, caption: str = "",
+                  colors: dict[str, str] | None = None) -> Path:
+    """TTFT under load against achieved throughput (CacheBlend Fig. 14): per run, the p50 (solid) and p90
+    (dashed) TTFT at each arrival rate, on a log time axis; ``curves`` are ``(label, rows)`` with rows of
+    :func:`kvbench.stream.stream_stats` (``throughput``, ``ttft_p50_s``, ``ttft_p90_s``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caption = _wrap(caption, 115) if caption else ""
+    caption_in = 0.15 + 0.11 * (caption.count("\n") + 1) if caption else 0.0
+    height = 4.4 + caption_in
+    fig, ax = plt.subplots(figsize=(6.4, height), dpi=150, layout="constrained")
+    fig.get_layout_engine().set(rect=(0, caption_in / height, 1, 1 - caption_in / height))
+    for label, rows in curves:
+        x = [row["throughput"] for row in rows]
+        color = (colors or {}).get(label)
+        line = ax.plot(x, [row["ttft_p50_s"] for row in rows], marker="o", markersize=4, linewidth=1.5, color=color,
+                       label=f"{label} p50")[0]
+        ax.plot(x, [row["ttft_p90_s"] for row in rows], marker="^", markersize=4, linewidth=1.1, linestyle="--",
+                color=line.get_color(), label=f"{label} p90")
+    ax.set_yscale("log")
+    ax.set_xlabel("achieved throughput (requests/s)", fontsize=9)
+    ax.set_ylabel("TTFT incl. queueing (s, log scale)", fontsize=9)
+    ax.grid(alpha=0.3, which="both", linewidth=0.5)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(_wrap(title, 80), fontsize=10)
+    if caption:
+        fig.text(0.01, 0.01, caption, fontsize=6.5, va="bottom", ha="left", color="#333333")
+    return _save(fig, path)

@@ -2,7 +2,8 @@
 
 Tasks never drive the model: they turn a sample into one or more *requests*, the runner hands each
 request to the engine (:func:`kvbench.engine.execute`), and the task turns the outputs into a scored
-result. Two kinds of request cover every task kvbench runs:
+result. A request that needs earlier outputs (a RAG pipeline's reduce step reads the map steps'
+summaries) is a :class:`FollowUp`: the runner calls it with the outputs so far and runs what it returns. Two kinds of request cover every task kvbench runs:
 
 * :class:`GenerateRequest` — greedy generation after a prompt. The prompt is token ids, optionally
   described as ordered :class:`Segment` s: a fixed ``prefix`` (system prompt, instruction, chat
@@ -16,7 +17,7 @@ result. Two kinds of request cover every task kvbench runs:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 SEGMENT_ROLES = ("prefix", "chunk", "query")
 
@@ -105,3 +106,18 @@ class Output:
     prompt_tokens: int = 0
     budget: dict[str, Any] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FollowUp:
+    """Requests that depend on the outputs of the sample's earlier requests (a pipeline's next step).
+
+    ``build(outputs)`` receives the :class:`Output` of every request of the sample that ran before it,
+    in order, and returns the requests to run next (which may include further ``FollowUp`` s). It only
+    turns texts into requests — it never calls the engine — so tasks stay free of model calls; the
+    runner (:func:`kvbench.runner.run_sample`) executes the requests in order and expands a
+    ``FollowUp`` when it reaches it. The outputs the task finally receives are those of the executed
+    requests, in execution order (a ``FollowUp`` itself has none).
+    """
+
+    build: Callable[[list[Output]], Sequence[Any]]

@@ -171,10 +171,20 @@ def _run_samples(
 
 
 def run_sample(task: Any, sample: Any, model: Any, method: Any, budget: BudgetConfig, profile: Profile) -> Any:
-    """Execute the sample's requests with the engine and let the task score the outputs."""
+    """Execute the sample's requests with the engine, in order, and let the task score the outputs; a
+    :class:`~kvbench.requests.FollowUp` is expanded, when reached, into the requests it builds from the
+    outputs so far."""
     from kvbench.engine import execute
+    from kvbench.requests import FollowUp
 
-    outputs = [execute(model, method, request, budget, profile) for request in task.requests(sample, model)]
+    pending = list(task.requests(sample, model))
+    outputs: list[Any] = []
+    while pending:
+        request = pending.pop(0)
+        if isinstance(request, FollowUp):
+            pending = list(request.build(list(outputs))) + pending
+            continue
+        outputs.append(execute(model, method, request, budget, profile))
     return task.result(sample, outputs)
 
 

@@ -31,19 +31,104 @@ As run here (paper §4 and the authors' ``vllm_blend`` code; seed-cacheblend.md 
   Fig. 6), seeded by ``seed``.
 
 ``recompute_ratio: 1.0`` recomputes everything and is token-identical to ``full``; ``0.0`` recomputes
-only the query rows after the check layer. Deviations: the paper's loading controller and pipelined
-loading are in the chunk store's and the engine's system side, not here.
+only the query rows after the check layer. Pipelined loading (paper §5) is the reuse family's
+(:mod:`kvbench.methods.reuse`, ``store.pipeline``).
+
+**Loading controller** (paper §5.1, Fig. 10; ``controller: true``). Loading layer ``i + 1``'s cached
+K/V hides behind recomputing layer ``i`` only while recompute takes at least as long as the load, so
+the ratio can be raised for free up to where the two are equal. :class:`LoadingController` takes
+measured costs (:class:`Costs`) and, per request of ``n`` tokens of which ``n_cached`` come from
+caches, compares per-layer times (the paper's footnotes 5–6, both per layer, like for like):
+
+* ``T_recompute(r) = r · n · c`` with ``c`` the per-token, per-layer prefill cost of this model on this
+  machine (``Prefill(n) / (n · layers)``, a dense prefill measured once per run, the best of two);
+* ``T_load(tier) = bytes_per_token_layer · n_cached / throughput(tier)``, the throughput of each tier
+  measured by :func:`kvbench.kv.chunks.measure_tiers` (RAM copy; cold, possibly throttled disk read);
+* the ratio ``max(r_load, r*)`` with ``T_recompute(r_load) = T_load(served tier)`` and
+  ``r* = recompute_ratio`` (the paper's 15 %), capped at 1; it replaces ``recompute_ratio`` for the
+  request;
+* the tier: the cheapest (disk, then RAM) with ``T_recompute(r*) ≥ T_load`` — storing there adds no
+  delay — or the fastest when none qualifies. This is recorded as the controller's advice: where
+  entries are stored is ``store.tier``, fixed for a run so that runs compare tiers one at a time.
+
+Costs are measured once per run, at the first request and outside its TTFT
+(``prepared.controller.measure_s``); the inputs, the per-layer times and the choice are recorded with
+every sample (``telemetry.prepared.controller``). The cost model is linear in tokens (attention's
+quadratic part is folded into ``c`` at the profiled length) and ignores that layers before the check
+layer load nothing; ``kvbench bench reuse_pipeline`` compares its per-layer predictions with the
+measured ones.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.methods import register
 from kvbench.methods.params import CacheBlendParams
 from kvbench.methods.reuse import ReuseMethod, ReusePrefill
+from kvbench.requests import Segment
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
+
+#: the store's tiers from the cheapest to the dearest per byte held (a throttled disk is the disk tier)
+TIERS_BY_COST = ("disk", "ram")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the loading controller knows about this model on this machine (all measured)."""
+
+    prefill_s: float  # a dense prefill of ``tokens`` tokens, all layers
+    tokens: int
+    n_layers: int
+    bytes_per_token_layer: int  # K + V of one token in one layer, as cached
+    tier_mbps: dict[str, float]  # load throughput of each tier, MB/s
+
+    @property
+    def token_layer_s(self) -> float:
+        """Recompute cost of one token in one layer (s)."""
+        return self.prefill_s / (self.tokens * self.n_layers)
+
+    def recompute_layer_s(self, ratio: float, n: int) -> float:
+        return ratio * n * self.token_layer_s
+
+    def load_layer_s(self, tier: str, n_cached: int) -> float:
+        return self.bytes_per_token_layer * n_cached / (self.tier_mbps[tier] * 1e6)
+
+
+class LoadingController:
+    """CacheBlend's loading controller (§5.1): the recompute ratio and the storage tier (see module docs)."""
+
+    def __init__(self, costs: Costs, r_star: float) -> None:
+        self.costs = costs
+        self.r_star = r_star
+
+    def choose(self, n: int, n_cached: int, served_from: str) -> dict[str, Any]:
+        c = self.costs
+        load = {tier: c.load_layer_s(tier, n_cached) for tier in c.tier_mbps}
+        full_layer = c.recompute_layer_s(1.0, n)
+        r_load = load[served_from] / full_layer if full_layer > 0 else 0.0
+        ratio = min(1.0, max(r_load, self.r_star))
+        at_r_star = c.recompute_layer_s(self.r_star, n)
+        no_delay = [tier for tier in TIERS_BY_COST if tier in load and load[tier] <= at_r_star]
+        tier = no_delay[0] if no_delay else max(c.tier_mbps, key=lambda t: c.tier_mbps[t])
+        return {
+            "ratio": ratio,
+            "r_load": r_load,
+            "r_star": self.r_star,
+            "tier": tier,
+            "tier_adds_delay": not no_delay,
+            "served_from": served_from,
+            "n": n,
+            "n_cached": n_cached,
+            "recompute_layer_s": {"r_star": at_r_star, "ratio": c.recompute_layer_s(ratio, n)},
+            "load_layer_s": load,
+        }
 
 
 @register
@@ -57,6 +142,28 @@ class CacheBlend(ReuseMethod):
         super().__init__(cfg)
         p = self.params
         self.ratios = [float(r) for r in p.filter_ratios] or [p.recompute_ratio]
+        #: the loading controller's measured inputs (set before the first request to inject them)
+        self.costs: Costs | None = None
+        self._measure_s = 0.0
+
+    # ------------------------------------------------------------------ loading controller
+    def prepare(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> dict[str, Any]:
+        report = super().prepare(ctx, input_ids, segments)
+        if not self.params.controller:
+            return report
+        assert segments is not None
+        n = int(input_ids.numel())
+        spans = self.cached_segments(ctx, segments)
+        n_cached = sum(span.end - span.begin for span in spans)
+        if self.costs is None:
+            started = time.perf_counter()
+            self.costs = measure_costs(ctx, input_ids, self._store().config, chunk_tokens=max(1, n_cached // max(1, len(spans))))
+            self._measure_s = time.perf_counter() - started
+        choice = LoadingController(self.costs, self.params.recompute_ratio).choose(n, n_cached, self._store().config.tier)
+        self.ratios = [choice["ratio"]]
+        report["controller"] = {**choice, "costs": {**asdict(self.costs), "token_layer_s": self.costs.token_layer_s},
+                                "measure_s": self._measure_s}
+        return report
 
     @property
     def check_layers(self) -> dict[int, float]:
@@ -67,6 +174,10 @@ class CacheBlend(ReuseMethod):
 
     def initial_rows(self, plan: ReusePrefill) -> torch.Tensor:
         return torch.arange(plan.n)
+
+    def cache_layers(self, plan: ReusePrefill) -> range:
+        """Cached rows are installed from the first check layer on (the layers before it run in full)."""
+        return range(min(self.check_layers), plan.ctx.spec.n_layers)
 
     def needs_cache_at(self, plan: ReusePrefill, layer: int) -> bool:
         return layer in self.check_layers or plan.active.numel() < plan.n
@@ -93,3 +204,25 @@ class CacheBlend(ReuseMethod):
             chosen = candidates[torch.topk(deviation[candidates], k).indices] if k else candidates[:0]
         keep = torch.cat([chosen, torch.nonzero(forced).flatten()])
         return torch.sort(keep).values
+
+
+def measure_costs(ctx: GenerationContext, input_ids: torch.Tensor, store_config: Any, *, chunk_tokens: int) -> Costs:
+    """The controller's inputs on this machine: a dense prefill of ``input_ids`` (the best of two) and
+    each tier's throughput for chunks of ``chunk_tokens`` tokens shaped like this model's."""
+    from kvbench.engine.generate import prefill_kv
+    from kvbench.kv.chunks import measure_tiers
+
+    ids = input_ids.tolist()
+    best = float("inf")
+    for _ in range(2):
+        started = time.perf_counter()
+        prefill_kv(ctx.loaded, ids)
+        best = min(best, time.perf_counter() - started)
+    spec = ctx.spec
+    dtype = next(ctx.model.parameters()).dtype
+    element = torch.empty(0, dtype=dtype).element_size()
+    tiers = measure_tiers(store_config, kv_heads=spec.n_kv_heads, tokens=chunk_tokens, head_dim=spec.head_dim,
+                          layers=min(4, spec.n_layers), dtype=dtype, device=spec.device)
+    return Costs(prefill_s=best, tokens=len(ids), n_layers=spec.n_layers,
+                 bytes_per_token_layer=2 * spec.n_kv_heads * spec.head_dim * element,
+                 tier_mbps={tier: row["mbps"] for tier, row in tiers.items()})

@@ -234,11 +234,16 @@ class CacheBlendParams(ReuseParams):
     suffix: Literal["query", "last_token"] = param(
         "query", "rows always recomputed: the whole query | the last token (the released QA scripts)")
     seed: int = param(0, "random selection seed")
+    controller: bool = param(False, "loading controller (paper 5.1): r = max(r_load, recompute_ratio) from the measured "
+                             "recompute and load costs; recompute_ratio is then the floor r*")
 
     def validate(self) -> None:
         ratios = list(self.filter_ratios)
         if any(b > a for a, b in zip(ratios, ratios[1:])):
             raise ConfigError(f"method.filter_ratios={ratios} must not increase", "e.g. method.filter_ratios=[0.3,0.2,0.15]")
+        if self.controller and ratios:
+            raise ConfigError("method.controller picks one recompute ratio, so it cannot follow method.filter_ratios",
+                              "drop method.filter_ratios, or set method.controller=false")
 
 
 #: ``method=<name>`` → its parameters. ``full`` has none: it attends everything, so a sink or a

@@ -17,6 +17,20 @@ the clock, :class:`ReusePrefill` runs the per-layer plan:
   (``mask: code`` reproduces CacheBlend's released bottom-right-aligned mask);
 * the method may measure deviations and shrink the active set (CacheBlend's check layers).
 
+**Pipelined loading** (CacheBlend §5, Fig. 10; ``store.pipeline``, default true). Installing layer
+``i``'s cached rows needs that layer's K/V from the chunk store's tier. With the pipeline on, a
+:class:`LayerLoader` reads them on one worker thread — disk → host memory (``os.preadv``, GIL
+released; a throttled read sleeps), then on a GPU host → device on a side CUDA stream — for layer
+``i + 1`` while the main thread installs and computes layer ``i``; the main thread waits only for
+what is not loaded yet when it needs it. With it off, every layer is read on the main thread just
+before it runs. Telemetry (``telemetry.prefill``): ``load_s`` (time spent reading and copying, on
+whichever thread), ``load_wait_s`` (main-thread time blocked on loads), ``load_hidden_s`` =
+``load_s - load_wait_s`` (load time that overlapped compute), ``recompute_s`` (the layers' own time:
+Q/K/V, attention, MLP of the active rows, selection included), ``rerotate_s`` and ``write_s`` (installing
+cached rows), and ``load_per_layer_s`` / ``recompute_per_layer_s``. On a CPU the loader competes with
+compute for the same cores (a cold read costs little CPU; decoding safetensors none), which is measured,
+not assumed away: ``kvbench bench reuse_pipeline`` runs both settings side by side.
+
 Family rules: no token budget (``budget.*`` is recorded as unused); prompts must carry segments (a
 task without chunks is refused with one line); models whose RoPE cannot be moved by a delta are
 refused; and the silent-failure guard fails a run that was asked to recompute a fraction r < 1 but
@@ -30,7 +44,9 @@ The ``prefix`` segment is an exact prefix: cached at its real positions, it is e
 
 from __future__ import annotations
 
+import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -151,15 +167,18 @@ class ReuseMethod(KVMethod):
         check_rerotatable(ctx.model)
         store = self._store()
         started = time.perf_counter()
-        computed = 0
+        computed = promoted = 0
         for span in self.cached_segments(ctx, segments):
-            if store.contains(span.key) is None:
+            if store.promote(span.key):
+                promoted += 1
+            elif store.contains(span.key) is None:
                 self.precompute(ctx, span.key)
                 computed += 1
         spent = time.perf_counter() - started
         store.precompute_s += spent
         store.precomputed += computed
-        report = {"precompute_s": spent, "precomputed_chunks": computed, "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
+        report = {"precompute_s": spent, "precomputed_chunks": computed, "promoted_chunks": promoted,
+                  "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
         self._reference = None
         if ctx.profile.deviation:
             from kvbench.engine.generate import prefill_kv
@@ -179,6 +198,12 @@ class ReuseMethod(KVMethod):
         """Positions of the rows computed at layer 0 (default: the query rows and every uncached row)."""
         return plan.uncached
 
+    def cache_layers(self, plan: ReusePrefill) -> range:
+        """The layers whose cached rows are expected to be installed, in order (what the pipelined
+        loader prefetches; default: every layer). A wrong guess costs a wasted or a waited-for load,
+        never a wrong result: :meth:`needs_cache_at` decides."""
+        return range(plan.ctx.spec.n_layers)
+
     def needs_cache_at(self, plan: ReusePrefill, layer: int) -> bool:
         """Whether cached rows are installed before ``layer`` (default: unless every row is recomputed)."""
         return plan.active.numel() < plan.n
@@ -192,6 +217,10 @@ class ReuseMethod(KVMethod):
         """Whether this configuration must reuse at least one cached row (the guard below)."""
         return self.must_reuse
 
+    def telemetry(self) -> dict[str, Any]:
+        """The chunk store's configuration and cumulative per-tier figures (hits, bytes, measured MB/s)."""
+        return {"store": self._store().summary()}
+
     def check_after_prefill(self, ctx: GenerationContext) -> None:
         report = ctx.telemetry.prefill_plan
         if report and self.expects_reuse() and report.get("reused_tokens", 0) == 0:
@@ -199,6 +228,79 @@ class ReuseMethod(KVMethod):
                 f"method {self.name} was asked to reuse cached K/V but recomputed every token",
                 "this is a bug in the method; report it with the run's config.yaml",
             )
+
+
+class LayerLoader:
+    """Reads one layer of every cached span at a time, on a worker thread when ``pipelined``.
+
+    :meth:`prefetch` starts loading a layer (on the worker; without the pipeline it does nothing),
+    :meth:`take` returns a layer's (K, V) per span — waiting for a prefetch in flight, or reading it
+    right there — and :meth:`discard` drops a layer that turned out not to be needed. On CUDA the
+    worker reads into pinned memory and copies to the device on its own stream; :meth:`take` makes the
+    compute stream wait for that copy (an event), so the copy overlaps the previous layer's kernels.
+    ``load_s`` sums the time spent loading (worker or main thread), ``wait_s`` the main thread's time
+    blocked in :meth:`take`; ``per_layer_s`` is the load time of each layer.
+    """
+
+    def __init__(self, spans: list[CachedSpan], device: torch.device, n_layers: int, *, pipelined: bool) -> None:
+        self.spans = spans
+        self.device = device
+        self.pipelined = pipelined and bool(spans)
+        self.cuda = device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-loader") if self.pipelined else None
+        self._stream = torch.cuda.Stream(device) if (self.pipelined and self.cuda) else None
+        self._pending: dict[int, Future] = {}
+        self.load_s = 0.0
+        self.wait_s = 0.0
+        self.per_layer_s = [0.0] * n_layers
+
+    def _load(self, layer: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
+        started = time.perf_counter()
+        rows, event = [], None
+        for span in self.spans:
+            assert span.reader is not None
+            k, v = span.reader.layer(layer, pin=self.cuda)
+            rows.append((k, v))
+        if self.cuda:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                rows = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)) for k, v in rows]
+                if self._stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+        spent = time.perf_counter() - started
+        self.per_layer_s[layer] += spent
+        self.load_s += spent
+        return rows, event
+
+    def prefetch(self, layer: int) -> None:
+        if self._pool is not None and layer not in self._pending:
+            self._pending[layer] = self._pool.submit(self._load, layer)
+
+    def take(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        started = time.perf_counter()
+        future = self._pending.pop(layer, None)
+        rows, event = future.result() if future is not None else self._load(layer)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            for k, v in rows:  # the side stream's memory is in use on the compute stream now
+                k.record_stream(torch.cuda.current_stream(self.device))
+                v.record_stream(torch.cuda.current_stream(self.device))
+        self.wait_s += time.perf_counter() - started
+        return rows
+
+    def discard(self, layer: int) -> None:
+        future = self._pending.pop(layer, None)
+        if future is not None:
+            future.result()
+
+    def close(self) -> None:
+        """Finish or drop loads in flight and stop the worker (idempotent)."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _query_rows(segments: tuple[Segment, ...]) -> torch.Tensor:
@@ -216,13 +318,16 @@ class ReusePrefill(PrefillPlan):
         self.segments = segments
         self.spans = method.cached_segments(ctx, segments)
         store = method._store()
-        self.timing = {"load_s": 0.0, "rerotate_s": 0.0, "select_s": 0.0}
+        self.timing = {"load_s": 0.0, "load_wait_s": 0.0, "rerotate_s": 0.0, "write_s": 0.0, "select_s": 0.0,
+                       "recompute_s": 0.0}
         started = time.perf_counter()
         for span in self.spans:
             span.reader = store.open(span.key)
             if span.reader is None:
                 raise RuntimeError(f"chunk cache {span.key.digest} vanished from the store between prepare and prefill")
-        self.timing["load_s"] += time.perf_counter() - started
+        opened = time.perf_counter() - started
+        self.timing["load_s"] += opened
+        self.timing["load_wait_s"] += opened
         cached = torch.zeros(n, dtype=torch.bool)
         for span in self.spans:
             cached[span.begin : span.end] = True
@@ -245,13 +350,28 @@ class ReusePrefill(PrefillPlan):
         self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows
         self.reference = getattr(method, "_reference", None)  # profile.deviation: the full prefill's K, V, Q
         self._queries: dict[int, torch.Tensor] = {}  # profile.deviation: the query rows' queries per layer
+        n_layers = ctx.spec.n_layers
+        self.recompute_per_layer = [0.0] * n_layers
+        self._layer_started = 0.0
+        self.cache_layers = [layer for layer in method.cache_layers(self) if 0 <= layer < n_layers] if self.spans else []
+        self.loader = LayerLoader(self.spans, torch.device(ctx.spec.device), n_layers,
+                                  pipelined=bool(store.config.pipeline))
+        if self.cache_layers:
+            self.loader.prefetch(self.cache_layers[0])
 
     # ------------------------------------------------------------------ per layer
     def before_layer(self, layer: int) -> None:
         self._keep = None
         self.recomputed.append(int(self.active.numel()))
-        if self.method.needs_cache_at(self, layer):
-            self._install(layer)
+        needed = self.method.needs_cache_at(self, layer)
+        rows = self.loader.take(layer) if needed else self.loader.discard(layer)
+        later = [i for i in self.cache_layers if i > layer]
+        if later:
+            self.loader.prefetch(later[0])  # loads while this layer installs and computes
+        if needed:
+            assert rows is not None
+            self._install(layer, rows)
+        self._layer_started = time.perf_counter()
 
     def cached_values(self, layer: int) -> torch.Tensor | None:
         """The installed (cached) V of the active rows at ``layer`` (``[kv_heads, t, d]``; zeros for rows
@@ -265,15 +385,15 @@ class ReusePrefill(PrefillPlan):
         out[:, covered.to(kv.home)] = kv.values[:, self.active[covered].to(kv.home)]
         return out
 
-    def _install(self, layer: int) -> None:
-        """Write layer ``layer``'s cached rows into the store: every span read from its tier, their keys
-        re-rotated together by each row's delta (one rotation computed for all layers), one write."""
+    def _install(self, layer: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write layer ``layer``'s cached rows (``rows``: the loader's K, V per span) into the store: the
+        spans' keys re-rotated together by each row's delta (one rotation computed for all layers), one
+        write."""
         kv = self.ctx.store[layer]
         started = time.perf_counter()
-        parts = [span.reader.layer(layer) for span in self.spans]  # type: ignore[union-attr]
-        keys = torch.cat([k[:, span.rows] for (k, _), span in zip(parts, self.spans)], dim=1)
-        values = torch.cat([v[:, span.rows] for (_, v), span in zip(parts, self.spans)], dim=1)
-        loaded = time.perf_counter()
+        keys = torch.cat([k[:, span.rows] for (k, _), span in zip(rows, self.spans)], dim=1)
+        values = torch.cat([v[:, span.rows] for (_, v), span in zip(rows, self.spans)], dim=1)
+        gathered = time.perf_counter()
         if self._rotation is None:
             deltas = torch.cat([torch.full((span.end - span.begin,), span.delta) for span in self.spans])
             self._rotation = rotation(self.ctx.model, deltas, keys.device) if bool((deltas != 0).any()) else ()
@@ -281,9 +401,8 @@ class ReusePrefill(PrefillPlan):
             keys = apply_rotation(self.ctx.model, keys, *self._rotation)
         rotated = time.perf_counter()
         kv.write(self.cached_slots, keys, values, self.cached_slots)
-        done = time.perf_counter()
-        self.timing["load_s"] += (loaded - started) + (done - rotated)
-        self.timing["rerotate_s"] += rotated - loaded
+        self.timing["write_s"] += (gathered - started) + (time.perf_counter() - rotated)
+        self.timing["rerotate_s"] += rotated - gathered
         self.installed_layers += 1
 
     def attend(
@@ -316,9 +435,15 @@ class ReusePrefill(PrefillPlan):
         return out
 
     def after_layer(self, layer: int) -> torch.Tensor | None:
+        spent = time.perf_counter() - self._layer_started
+        self.recompute_per_layer[layer] += spent
+        self.timing["recompute_s"] += spent
         return self._keep
 
     def telemetry(self) -> dict[str, Any]:
+        self.loader.close()
+        self.timing["load_s"] += self.loader.load_s
+        self.timing["load_wait_s"] += self.loader.wait_s
         deviation = self._deviation() if self.reference is not None else None
         for span in self.spans:
             if span.reader is not None:
@@ -336,6 +461,10 @@ class ReusePrefill(PrefillPlan):
             "chunks": len(self.spans),
             "chunk_tiers": tiers,
             **self.timing,
+            "load_hidden_s": max(0.0, self.timing["load_s"] - self.timing["load_wait_s"]),
+            "pipelined": self.loader.pipelined,
+            "load_per_layer_s": [round(x, 6) for x in self.loader.per_layer_s],
+            "recompute_per_layer_s": [round(x, 6) for x in self.recompute_per_layer],
             **({"deviation": deviation} if deviation is not None else {}),
         }
 

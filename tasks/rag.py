@@ -58,6 +58,10 @@ summaries. 2WikiMQA answers are ``[[answer], ...]``; like the script, the first 
 ``task.top_k`` keeps the k chunks nearest the question (``task.retriever``: ``minilm`` = L2 distance of
 all-MiniLM-L6-v2 embeddings, ``bm25``), in their original order (:mod:`kvbench.tasks.rag_retrieval`).
 
+**Pipelines** (``task.pipeline``): ``stuff`` (default) is the single prompt above; ``mapreduce`` and
+``maprerank`` read the chunks one at a time, as LangChain's chains do (CacheBlend Fig. 13;
+:mod:`kvbench.tasks.rag_pipelines`).
+
 **Length.** A prompt longer than ``task.max_length`` (null: the model's context minus the generation)
 loses chunks from the middle, one at a time, as CacheBlend's SAMSum script drops few-shot examples; a
 single remaining chunk that is still too long is cut at its end. Both are recorded per sample.
@@ -79,6 +83,7 @@ from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
 from kvbench.tasks.rag_figures import FIGURE_KINDS
+from kvbench.tasks.rag_system_figures import SYSTEM_FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
 
@@ -166,13 +171,15 @@ def split_articles(context: str) -> list[str]:
 class Rag(Task):
     name = "rag"
     chunked = True
-    figure_kinds = FIGURE_KINDS
+    figure_kinds = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
     defaults = {
         "dataset": "musique",
         "chunk_tokens": None,
         "top_k": None,
         "retriever": "minilm",
         "max_length": None,
+        "pipeline": "stuff",
+        "map_tokens": None,
     }
 
     def __init__(self, cfg: Any = None) -> None:
@@ -192,6 +199,9 @@ class Rag(Task):
         if self.cfg["top_k"] is not None and name == "multi_news":
             raise ConfigError("task.top_k needs a question to retrieve by, and multi_news has none",
                               "drop task.top_k for multi_news (task.chunk_tokens still re-chunks)")
+        from kvbench.tasks.rag_pipelines import check
+
+        check(self.cfg, name)
         self.path = self._data_path()
         self._encode: Any = None  # the model tokenizer's F1 tokenisation, set by samples()
 
@@ -280,6 +290,7 @@ class Rag(Task):
             "retrieved_order": "original" if self.cfg["top_k"] is not None else None,
             "max_length": self.cfg["max_length"],
             "overflow": "drop middle chunks, then cut the last one's end",
+            **_pipeline_protocol(self.cfg),
         }
 
     def samples(self, model: Any) -> Iterable[Sample]:
@@ -298,6 +309,8 @@ class Rag(Task):
                 chunks = rechunk(chunks, int(self.cfg["chunk_tokens"]))
                 texts = [tokenizer.decode(ids) for ids in chunks]
             meta: dict[str, Any] = {"dataset": data.name, "passages": len(raw.passages)}
+            if self.cfg["pipeline"] != "stuff":
+                meta["question"] = raw.question  # the map steps ask it of every chunk
             k = self.cfg["top_k"]
             if k is not None and k < len(chunks):
                 distances = retriever(str(self.cfg["retriever"])).distances(str(raw.question), texts)
@@ -336,7 +349,18 @@ class Rag(Task):
             raise RuntimeError("Rag.score needs the model tokenizer: call samples(model) first")
         return 100.0 * best_f1(prediction, answers, self._encode)
 
+    def requests(self, sample: Sample, model: Any) -> list[Any]:
+        if self.cfg["pipeline"] != "stuff":
+            from kvbench.tasks.rag_pipelines import requests
+
+            return requests(self, sample, model)
+        return super().requests(sample, model)
+
     def result(self, sample: Sample, outputs: list[Any]) -> SampleResult:
+        if self.cfg["pipeline"] != "stuff":
+            from kvbench.tasks.rag_pipelines import result
+
+            return result(self, sample, outputs)
         out = outputs[0]
         score = self.score(sample, out.text)
         return SampleResult(
@@ -354,9 +378,19 @@ class Rag(Task):
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
         """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;
         see :mod:`kvbench.tasks.rag_figures`)."""
+        if kind in SYSTEM_FIGURE_KINDS:  # the system experiments' figures (Figs. 2, 13, 15, 17)
+            from kvbench.tasks.rag_system_figures import draw as draw_system
+
+            return draw_system(kind, runs, path)
         from kvbench.tasks.rag_figures import draw
 
         return draw(kind, runs, path)
+
+
+def _pipeline_protocol(cfg: dict[str, Any]) -> dict[str, Any]:
+    from kvbench.tasks.rag_pipelines import protocol
+
+    return protocol(cfg)
 
 
 def fit_chunks(chunks: list[list[int]], room: int) -> tuple[list[list[int]], int, bool]:

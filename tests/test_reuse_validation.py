@@ -48,11 +48,11 @@ def test_bad_reuse_input_is_one_line_before_any_model(overrides, needle, tmp_pat
 
 def test_the_fix_names_the_chunked_tasks(tmp_path, no_model):
     chunked = sorted(name for name in REGISTRY.names() if REGISTRY.get(name).chunked)
-    assert chunked == ["rag", "ruler"]  # RULER's haystack is one chunk between its prefix and query
+    assert chunked == ["rag", "rag_stream", "ruler"]  # RULER's haystack is one chunk between its prefix and query
     config = compose(["method=full_reuse", "task=niah", "model=tiny_llama", f"output_dir={tmp_path / 'runs'}"])
     with pytest.raises(ConfigError, match="not split into chunks") as error:
         run(config)  # the Python API validates too
-    assert "task=rag or task=ruler" in error.value.fix and not (tmp_path / "runs").exists()
+    assert "task=rag or task=rag_stream or task=ruler" in error.value.fix and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("method, task", [("cacheblend", "rag"), ("full_reuse", "ruler"), ("full", "niah"),

@@ -17,10 +17,28 @@ first one); a reuse method re-rotates them to where the chunk sits in the new pr
 
 Every read is accounted per tier: hits, misses, bytes and the measured load time. ``store.tier``
 picks where entries are served from (``ram``: kept in RAM; ``disk``: written to disk only, every load
-reads the file). Disk reads drop the file from the OS page cache first (``posix_fadvise``
-``DONTNEED``, ``store.cold_reads``), so a disk load really reads the disk instead of the page cache;
-``store.read_mbps`` throttles disk reads to emulate a slower SSD or an HDD (an emulation: the read
-is padded with sleep to the given throughput, documented as such in the run's records).
+reads the file). With ``store.tier=ram``, an entry found only in the disk folder is first copied into
+RAM (:meth:`ChunkStore.promote`, before the request's clock, counted as ``ram_promoted``), as a tiered
+store moves a hot entry up; so RAM runs reuse what disk runs computed, and are still served from RAM. Disk reads drop the file from the OS page cache first (``posix_fadvise``
+``DONTNEED``, ``store.cold_reads``), so a disk load really reads the disk instead of the page cache.
+
+**Throttled disk (an emulation).** ``store.read_mbps`` emulates a slower SSD or an HDD (CacheBlend
+Fig. 17's "slower disks"): each layer read is padded with sleep until it has taken
+``bytes / read_mbps``. The bytes really come from this machine's disk; only the extra delay is made
+up, and the run records ``read_mbps`` with the store's figures. A sleep costs no CPU, so a throttled
+load overlaps with compute as well as a slow device's DMA would.
+
+**Reading without the GIL.** Disk entries are safetensors files, read here tensor by tensor with
+``os.preadv`` into a preallocated buffer (the header is parsed by :class:`TensorFile`): CPython
+releases the GIL during the system call, so a loader thread reading layer ``i + 1`` really runs while
+the main thread computes layer ``i`` (``store.pipeline``, see :mod:`kvbench.methods.reuse`). The
+``safetensors`` library's reader holds the GIL while it copies from its memory map, which would
+serialise the two. On CUDA the buffers are pinned, so the copy to the device can be asynchronous.
+
+**Tier throughput.** :func:`measure_tiers` measures what each tier delivers on this machine — RAM:
+a copy of a layer's K/V into fresh memory (on a GPU, host → device); disk: a cold read of a
+model-shaped entry, throttled when ``read_mbps`` is set — the input of CacheBlend's loading
+controller (:mod:`kvbench.methods.cacheblend`) and of ``kvbench bench chunk_load``.
 """
 
 from __future__ import annotations
@@ -28,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -87,6 +106,7 @@ class TierStats:
     load_s: float = 0.0
     evictions: int = 0
     bytes_written: int = 0
+    promoted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -102,6 +122,7 @@ class StoreConfig:
     dir: str | None = None
     read_mbps: float | None = None
     cold_reads: bool = True
+    pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -109,8 +130,11 @@ class StoreConfig:
         for key in ("ram_gb", "disk_gb"):
             if float(getattr(self, key)) < 0:
                 raise ConfigError(f"store.{key}={getattr(self, key)} is negative", f"set store.{key} to a size in GB")
-        if self.read_mbps is not None and float(self.read_mbps) <= 0:
+        if self.read_mbps is not None and (isinstance(self.read_mbps, bool) or float(self.read_mbps) <= 0):
             raise ConfigError(f"store.read_mbps={self.read_mbps} must be positive", "e.g. store.read_mbps=500, or null for no throttle")
+        for key in ("cold_reads", "pipeline"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"store.{key}={getattr(self, key)!r} must be true or false", f"use store.{key}=true or false")
 
     @classmethod
     def from_mapping(cls, cfg: Any) -> StoreConfig:
@@ -182,11 +206,31 @@ class ChunkStore:
         path = self._path(key)
         if key.digest in self._disk:
             self._disk.move_to_end(key.digest)
-        from safetensors import safe_open
+        started = time.perf_counter()
+        self._drop_page_cache(path)
+        handle = TensorFile(path)
+        self.stats[tier].load_s += time.perf_counter() - started
+        meta = handle.metadata
+        return ChunkReader(self, tier, int(meta["start"]), int(meta["tokens"]), int(meta["layers"]), file=handle)
 
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata()
-        return ChunkReader(self, tier, int(meta["start"]), int(meta["tokens"]), int(meta["layers"]), path=path)
+    def promote(self, key: ChunkKey) -> bool:
+        """``store.tier=ram``: copy an entry that only the disk folder holds into RAM (not a measured load:
+        called before the request's clock); True when it did."""
+        if self.config.tier != "ram" or key in self._ram or not self.disk_capacity:
+            return False
+        path = self._path(key)
+        if not path.exists():
+            return False
+        handle = TensorFile(path)
+        try:
+            layers = int(handle.metadata["layers"])
+            entry = ChunkKV([handle.read(f"k.{i}") for i in range(layers)], [handle.read(f"v.{i}") for i in range(layers)],
+                            int(handle.metadata["start"]))
+        finally:
+            handle.close()
+        self._put_ram(key, entry)
+        self.stats["ram"].promoted += 1
+        return key in self._ram
 
     def get(self, key: ChunkKey) -> ChunkKV | None:
         """The whole entry, loaded from the tier that holds it (timed and counted); ``None`` on a miss."""
@@ -229,6 +273,11 @@ class ChunkStore:
                     "tokens": str(entry.n_tokens)}
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp), metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:  # on the disk before any read: a cold read can then drop every page of it
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         size = path.stat().st_size
         if key.digest in self._disk:
@@ -261,10 +310,18 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
+        """The store's configuration and cumulative per-tier figures (``<tier>_mbps``: the measured
+        throughput of the loads so far, bytes over load time)."""
+        rates = {f"{tier}_mbps": (self.stats[tier].bytes_loaded / self.stats[tier].load_s / 1e6)
+                 if self.stats[tier].load_s > 0 else None for tier in TIERS}
         return {
             "tier": self.config.tier,
             "read_mbps": self.config.read_mbps,
             "cold_reads": self.config.cold_reads,
+            "pipeline": self.config.pipeline,
+            "precompute_s": self.precompute_s,
+            "precomputed": self.precomputed,
+            **rates,
             "ram_bytes": self._ram_bytes,
             "disk_bytes": self._disk_bytes,
             **{f"{tier}_{k}": v for tier in TIERS for k, v in self.stats[tier].to_dict().items()},
@@ -287,45 +344,33 @@ class ChunkReader:
 
     :meth:`layer` reads one layer when asked for it (from RAM: the stored tensors; from disk: that
     layer's two tensors of the open file), so a prefill plan reads layer ``i`` just before layer ``i``
-    runs and a pipelined loader can read layer ``i + 1`` while layer ``i`` computes. Bytes and load time
-    are added to the tier's statistics as layers are read. Close the reader when done (or use ``with``).
+    runs and a pipelined loader can read layer ``i + 1`` on a worker thread while layer ``i`` computes
+    (one reader is read by one thread at a time). Bytes and load time are added to the tier's
+    statistics as layers are read. Close the reader when done (or use ``with``).
     """
 
     def __init__(self, store: ChunkStore, tier: str, start: int, tokens: int, layers: int, *,
-                 entry: ChunkKV | None = None, path: Path | None = None) -> None:
+                 entry: ChunkKV | None = None, file: TensorFile | None = None) -> None:
         self.store = store
         self.tier = tier
         self.start = start
         self.tokens = tokens
         self.layers = layers
         self._entry = entry
-        self._path = path
-        self._handle: Any = None
-        self._file: Any = None
+        self._file = file
 
-    def _open(self) -> Any:
-        if self._handle is None:
-            from safetensors import safe_open
-
-            assert self._path is not None
-            started = time.perf_counter()
-            self.store._drop_page_cache(self._path)
-            self._file = safe_open(str(self._path), framework="pt")
-            self._handle = self._file.__enter__()
-            self.store.stats[self.tier].load_s += time.perf_counter() - started
-        return self._handle
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of layer ``index``, each ``[kv_heads, tokens, head_dim]``."""
+    def layer(self, index: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of layer ``index``, each ``[kv_heads, tokens, head_dim]`` (``pin``: disk reads land in
+        pinned memory, for an asynchronous copy to a GPU)."""
         stats = self.store.stats[self.tier]
         if self._entry is not None:
             k, v = self._entry.keys[index], self._entry.values[index]
             stats.bytes_loaded += 2 * k.numel() * k.element_size()
             return k, v
-        handle = self._open()
+        assert self._file is not None, "the reader was closed"
         started = time.perf_counter()
-        k = handle.get_tensor(f"k.{index}")
-        v = handle.get_tensor(f"v.{index}")
+        k = self._file.read(f"k.{index}", pin=pin)
+        v = self._file.read(f"v.{index}", pin=pin)
         nbytes = 2 * k.numel() * k.element_size()
         self.store._throttle(nbytes, time.perf_counter() - started)
         stats.bytes_loaded += nbytes
@@ -334,11 +379,130 @@ class ChunkReader:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.__exit__(None, None, None)
-            self._file = self._handle = None
+            self._file.close()
+            self._file = None
 
     def __enter__(self) -> ChunkReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: safetensors dtype names → torch dtypes (the ones a K/V cache can have)
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+class TensorFile:
+    """A safetensors file opened for reading one tensor at a time with ``os.preadv`` (no GIL held while
+    the disk works; see the module docs).
+
+    The format: 8 bytes little-endian header length, a JSON header mapping each tensor name to its
+    ``dtype``, ``shape`` and ``data_offsets`` (relative to the end of the header) plus
+    ``__metadata__``, then the data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = int.from_bytes(self._pread(8, 0), "little")
+            header = json.loads(self._pread(size, 8))
+        except Exception:
+            os.close(self._fd)
+            raise
+        self.metadata: dict[str, str] = header.pop("__metadata__", {}) or {}
+        self.entries: dict[str, dict[str, Any]] = header
+        self._base = 8 + size
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise OSError(f"{self.path}: truncated safetensors file")
+        return data
+
+    def read(self, name: str, *, pin: bool = False) -> torch.Tensor:
+        import torch
+
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        buffer = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
+        view = memoryview(buffer.numpy())
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: truncated safetensors file ({name})")
+            done += got
+        dtype = getattr(torch, _DTYPES[entry["dtype"]])
+        return buffer.view(dtype).view(entry["shape"])
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def measure_tiers(config: StoreConfig, *, kv_heads: int, tokens: int, head_dim: int, layers: int = 4,
+                  dtype: Any = None, device: Any = "cpu", repeats: int = 3) -> dict[str, dict[str, float]]:
+    """What each tier delivers on this machine, for one chunk shaped like a model's (``layers`` layers of
+    ``[kv_heads, tokens, head_dim]`` K and V): per tier, ``mbps`` (bytes loaded per second, the best of
+    ``repeats`` passes) and ``layer_s`` (seconds to load one layer of this chunk at that rate).
+
+    * ``ram`` — the stored tensors copied into fresh memory on ``device`` (on a GPU: host → device,
+      from pinned memory): what installing a RAM-tier chunk costs beyond the lookup;
+    * ``disk`` — a cold read (page cache dropped, as ``store.cold_reads``) of a file written under the
+      store's disk folder, throttled to ``read_mbps`` when that is set (the emulated slower device).
+    """
+    import torch
+
+    dtype = dtype or torch.float32
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    shape = (kv_heads, tokens, head_dim)
+    keys = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers)]
+    values = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers)]
+    if device.type == "cuda":
+        keys, values = [k.pin_memory() for k in keys], [v.pin_memory() for v in values]
+    layer_bytes = 2 * keys[0].numel() * keys[0].element_size()
+    out: dict[str, dict[str, float]] = {}
+
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for k, v in zip(keys, values):
+            k.to(device, copy=True)
+            v.to(device, copy=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    out["ram"] = _rate(layer_bytes, layers, best)
+
+    from kvbench.assets import kvbench_home
+
+    root = Path(config.dir).expanduser() if config.dir else kvbench_home() / "chunk_kv"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=root) as folder:
+        probe = ChunkStore(StoreConfig(tier="disk", dir=folder, disk_gb=max(1.0, 4 * layers * layer_bytes / 2**30),
+                                       read_mbps=config.read_mbps, cold_reads=True))
+        key = ChunkKey("probe", (0,), "alone")
+        probe.put(key, ChunkKV(keys, values, 0))
+        best = float("inf")
+        for _ in range(repeats):
+            reader = probe.open(key)  # drops the page cache, reads the header: per entry, not per layer
+            assert reader is not None
+            with reader:
+                started = time.perf_counter()
+                for layer in range(layers):
+                    reader.layer(layer)
+                best = min(best, time.perf_counter() - started)
+    out["disk"] = _rate(layer_bytes, layers, best)
+    return out
+
+
+def _rate(layer_bytes: int, layers: int, seconds: float) -> dict[str, float]:
+    seconds = max(seconds, 1e-9)
+    return {"mbps": layer_bytes * layers / seconds / 1e6, "layer_s": seconds / layers, "layer_bytes": layer_bytes}
