@@ -1,15 +1,21 @@
 """Shared-context multi-query in the engine: equivalence with separate prompts, bit-exact rollback for
 every method, compression before any question, kept conversations."""
 
+import copy
+from collections import deque
+
 import pytest
 import torch
 
 from kvbench.budget import BudgetConfig
+from kvbench.engine.context import GenerationContext
 from kvbench.engine.conversation import converse
 from kvbench.engine.generate import generate
 from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
 from kvbench.methods import available_methods, create_method
+from kvbench.methods.retrieval import RetrievalMethod
+from kvbench.methods.selection import compose
 from kvbench.requests import MultiQueryRequest, Query, Segment
 
 NEW = 10
@@ -50,12 +56,13 @@ def test_full_asks_n_questions_exactly_as_n_separate_prompts(fixture, request):
 
 
 class Recorder:
-    """Wraps KVStore.snapshot / restore: an independent copy of the store when the snapshot is taken,
-    what the store held just before each restore, and what it held after."""
+    """Wraps KVStore.snapshot / restore and the decode step: an independent copy of the store when the
+    snapshot is taken, what the store held just before each restore and after it, and every decode
+    step's attention output, by question."""
 
     def __init__(self, monkeypatch):
-        self.copies, self.before, self.after = [], [], []
-        snapshot, restore = KVStore.snapshot, KVStore.restore
+        self.copies, self.before, self.after, self.outputs = [], [], [], [[]]
+        snapshot, restore, decode = KVStore.snapshot, KVStore.restore, GenerationContext._decode
         recorder = self
 
         def snap(store):
@@ -66,9 +73,16 @@ class Recorder:
             recorder.before.append(recorder.copy(store))
             restore(store, snaps)
             recorder.after.append(recorder.copy(store))
+            recorder.outputs.append([])
+
+        def step(ctx, module, layer, query, kv, scaling):
+            out = decode(ctx, module, layer, query, kv, scaling)
+            recorder.outputs[-1].append(out.clone())
+            return out
 
         monkeypatch.setattr(KVStore, "snapshot", snap)
         monkeypatch.setattr(KVStore, "restore", back)
+        monkeypatch.setattr(GenerationContext, "_decode", step)
 
     @staticmethod
     def copy(store):
@@ -80,6 +94,26 @@ class Recorder:
         return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) and x[3:] == y[3:]
                    for x, y in zip(a, b, strict=True))
 
+    def same_steps(self, i, j):
+        """Questions ``i`` and ``j`` went through identical decode steps (every layer's attention output)."""
+        x, y = self.outputs[i], self.outputs[j]
+        return len(x) == len(y) > 0 and all(torch.equal(a, b) for a, b in zip(x, y))
+
+
+def same_state(a, b):
+    """Deep equality of method states (tensors bit for bit; dicts, sequences, dataclasses recursively)."""
+    import dataclasses
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple, deque)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(same_state(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
+
 
 def reuse_context():
     prefix, first, second = ids(20, seed=30), ids(200, seed=31), ids(220, seed=32)
@@ -87,45 +121,91 @@ def reuse_context():
     return prefix + first + second, segments
 
 
+def watch_state(method):
+    """Record a deep copy of the method's snapshot when taken, and its state right after each restore."""
+    taken, restored = [], []
+    snapshot, restore = method.snapshot, method.restore
+
+    def snap():
+        state = snapshot()
+        taken.append(copy.deepcopy(state))
+        return state
+
+    def back(state):
+        restore(state)
+        restored.append(copy.deepcopy(snapshot()))
+
+    method.snapshot, method.restore = snap, back
+    return taken, restored
+
+
+def ask(loaded, method, context, questions, followups, *, compression="question_agnostic", segments=None, n=NEW, **budget):
+    request = MultiQueryRequest(context, queries(questions, n, followups), compression=compression, context_segments=segments)
+    return converse(loaded, method, request, budget=BudgetConfig(**budget))
+
+
 @pytest.mark.parametrize("name", available_methods())
-def test_rollback_restores_the_store_bit_exactly_and_the_same_question_gets_the_same_answer(name, tiny_llama, monkeypatch):
+def test_rollback_restores_the_store_and_the_method_exactly(name, tiny_llama, monkeypatch):
     """Every registered method: after each answer the store is bit-identical to its post-context state
-    (H2O's and StreamingLLM's decode-time evictions undone), and a question asked again after another
-    one gets exactly its first answer (the method's own state is rolled back too: Quest's page bounds,
-    ClusterKV's clusters, InfLLM's blocks, PQCache's codes of new tokens, H2O's scores)."""
+    (H2O's and StreamingLLM's decode-time evictions undone), the method's own state is what it was then
+    (Quest's page bounds, ClusterKV's clusters and cache history, InfLLM's blocks, PQCache's codes of
+    new tokens, H2O's scores — compared with a deep copy taken at the snapshot, so state that decode
+    changes in place behind a shallow snapshot is caught), and a question asked again after another one
+    goes through exactly the same decode steps."""
     recorder = Recorder(monkeypatch)
-    if name in REUSE:
+    a, b, c = ids(12, seed=20), ids(15, seed=21), ids(9, seed=22)
+    if name in REUSE:  # question-aware (a reuse prefill needs a question); the repeated one is a follow-up
         context, segments = reuse_context()
-        compression = "question_aware"
+        questions, followups, compression, repeated = [a, b, c, b], [a, [7] + b, [7] + c, [7] + b], "question_aware", (1, 3)
     else:
-        context, segments, compression = ids(600, seed=2), None, "question_agnostic"
-    a, b = ids(12, seed=20), ids(15, seed=21)
-    # the question-aware first question is prefilled; the others are fed as follow-ups
-    followups = [a, b, a] if compression == "question_agnostic" else [a, [7] + b, [7] + a]
-    conversation = talk(tiny_llama, name, context, [a, b, a], compression=compression, segments=segments,
-                        followups=followups, n=40, token_ratio=0.1)
-    assert len(recorder.copies) == 1 and len(recorder.after) == 2
+        context, segments = ids(500, seed=2), None
+        questions, followups, compression, repeated = [a, b, a], [a, b, a], "question_agnostic", (0, 2)
+    method = create_method({"name": name})
+    taken, restored = watch_state(method)
+    ask(tiny_llama, method, context, questions, followups, compression=compression, segments=segments, n=16, token_ratio=0.1)
+    assert len(recorder.copies) == 1 and len(recorder.after) == len(questions) - 1
     for before, after in zip(recorder.before, recorder.after):
         assert not Recorder.equal(before, recorder.copies[0]), "the question and answer should have changed the store"
         assert Recorder.equal(after, recorder.copies[0])
-    turns = conversation.turns
-    if compression == "question_agnostic":
-        assert turns[2].tokens == turns[0].tokens
-        assert turns[2].telemetry["held_tokens"] == turns[0].telemetry["held_tokens"]
-    else:  # the first question was in the prefill: ask the follow-up form twice instead
-        assert turns[1].question_tokens == len(b) + 1 and turns[2].question_tokens == len(a) + 1
+    assert len(restored) == len(questions) - 1 and all(same_state(state, taken[0]) for state in restored)
+    if name not in REUSE:  # (reuse methods have no decode-time selection: their steps are dense)
+        assert recorder.same_steps(*repeated)
 
 
-def test_a_method_that_forgets_its_state_is_caught(tiny_llama, monkeypatch):
-    """Teeth for the test above: Quest without its restore answers a repeated question differently."""
-    from kvbench.methods.quest import Quest
+class Drifting(RetrievalMethod):
+    """A test method whose selection depends on decode-time state (a step counter), to show that the
+    repeated-question check catches a method that does not roll its state back."""
 
-    context, a, b = ids(600, seed=2), ids(12, seed=20), ids(15, seed=21)
-    kept = talk(tiny_llama, "quest", context, [a, b, a], n=40, token_ratio=0.1).turns
-    assert kept[2].tokens == kept[0].tokens
-    monkeypatch.setattr(Quest, "restore", lambda self, state: None)
-    leaked = talk(tiny_llama, "quest", context, [a, b, a], n=40, token_ratio=0.1).turns
-    assert leaked[2].tokens != leaked[0].tokens
+    name = "test_drifting"
+
+    def start(self, ctx):
+        super().start(ctx)
+        self.steps = 0
+
+    def select(self, layer, query, kv):
+        if layer == 0:
+            self.steps += 1
+        lay = self.layout(kv)
+        offset = (7 * self.steps) % max(1, lay.middle - self.ctx.budget.select)
+        chosen = lay.candidates(kv.home)[offset: offset + self.ctx.budget.select]
+        return compose(lay, chosen.expand(kv.n_kv_heads, -1))
+
+    def snapshot(self):
+        return self.steps
+
+    def restore(self, state):
+        self.steps = state
+
+
+@pytest.mark.parametrize("rolls_back", [True, False])
+def test_the_repeated_question_check_catches_state_that_is_not_rolled_back(rolls_back, tiny_llama, monkeypatch):
+    recorder = Recorder(monkeypatch)
+    method = Drifting({})
+    if not rolls_back:
+        method.restore = lambda state: None
+    a, b = ids(12, seed=20), ids(15, seed=21)
+    ask(tiny_llama, method, ids(500, seed=2), [a, b, a], [a, b, a], n=8, token_ratio=0.1)
+    assert recorder.same_steps(0, 2) == rolls_back
 
 
 EVICTING = ("snapkv", "pyramidkv", "h2o", "streamingllm")
@@ -181,16 +261,18 @@ def test_one_question_aware_is_todays_generation(name, tiny_qwen2):
     assert turns[0].tokens == single(tiny_qwen2, name, context + question, n=16, token_ratio=0.1)
 
 
-@pytest.mark.parametrize("name", ["h2o", "quest"])
-def test_question_tokens_are_decode_steps_for_selective_methods(name, tiny_llama):
-    """Eviction and retrieval methods take a question token by token: each one is a decode step of
-    the method (attended counts recorded per step), so H2O keeps its cache at the budget throughout."""
-    context, question = ids(600, seed=7), ids(20, seed=55)
-    conversation = talk(tiny_llama, name, context, [question, question], n=5, token_ratio=0.1)
-    budget = conversation.budget
-    steps = len(conversation.telemetry["attended_per_layer"])  # one mean per layer
-    assert steps == tiny_llama.spec.n_layers
+@pytest.mark.parametrize("name", ["h2o", "quest", "full"])
+def test_selective_methods_take_a_question_token_by_token(name, tiny_llama, monkeypatch):
+    """Eviction and retrieval methods take a question one token at a time, each a decode step of the
+    method (H2O keeps its cache at the budget throughout); dense methods extend the cache in one pass."""
+    recorder = Recorder(monkeypatch)
+    question = ids(20, seed=55)
+    conversation = talk(tiny_llama, name, ids(600, seed=7), [question, question], n=5, token_ratio=0.1)
+    per_token = name != "full"
+    steps = (len(question) if per_token else 0) + 5 - 1
+    assert [len(turn) for turn in recorder.outputs] == [steps * tiny_llama.spec.n_layers] * 2
     if name == "h2o":
+        budget = conversation.budget
         assert conversation.turns[0].telemetry["held_tokens"] == [budget.total] * tiny_llama.spec.n_layers
 
 
