@@ -1,6 +1,7 @@
 """Figures: needle-in-a-haystack heatmaps in the style of the papers (greener = better), perplexity
 curves, and panels of labelled series (:func:`series_panels`: the CacheBlend figures of the rag task,
-whose data :mod:`kvbench.tasks.rag_figures` prepares)."""
+whose data :mod:`kvbench.tasks.rag_figures` prepares), score by question index for shared-context
+multi-query runs, RULER's score against length."""
 
 from __future__ import annotations
 
@@ -290,4 +291,88 @@ def stream_figure(curves: list[tuple[str, list[dict[str, Any]]]], path: Path, *,
     ax.set_title(_wrap(title, 80), fontsize=10)
     if caption:
         fig.text(0.01, 0.01, caption, fontsize=6.5, va="bottom", ha="left", color="#333333")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------- multi-query and RULER
+def _label(title: str) -> str:
+    """A run's panel title (``kvbench report``'s, two lines, the score in brackets) as one legend line."""
+    import re
+
+    return re.sub(r"\s*\([-\d.]+\)\s*$", "", " · ".join(part for part in title.splitlines() if part.strip()))
+
+
+def score_by_query(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+    """Mean score at each question index (1 = the first question about a context), one line per run,
+    one panel per compression mode (question-aware: the method compressed with the first question in
+    view; question-agnostic: before any question) — first vs follow-up questions at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    modes: dict[str, list[tuple[str, dict[int, float]]]] = {}
+    for title, records in runs:
+        by_index: dict[int, list[float]] = {}
+        for record in records:
+            for query in record.get("queries") or []:
+                by_index.setdefault(int(query["index"]), []).append(float(query["score"]))
+        if not by_index:
+            continue
+        mode = str(next((r["meta"].get("compression") for r in records if r.get("meta")), "question_aware"))
+        modes.setdefault(mode, []).append((_label(title), {i: float(np.mean(v)) for i, v in sorted(by_index.items())}))
+    if not modes:
+        from kvbench.errors import ConfigError
+
+        raise ConfigError("none of the matching runs asked several questions per context",
+                          "run with task.queries_per_context=N (N > 1) or task.compression=question_agnostic")
+    order = [m for m in ("question_aware", "question_agnostic") if m in modes] + sorted(set(modes) - {"question_aware", "question_agnostic"})
+    labels = sorted({label for lines in modes.values() for label, _ in lines})
+    colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(order), figsize=(4.6 * len(order) + 2.2, 3.6), dpi=120, squeeze=False,
+                             sharey=True, layout="constrained")
+    for ax, mode in zip(axes[0], order):
+        for label, curve in modes[mode]:
+            xs = [i + 1 for i in curve]
+            ax.plot(xs, list(curve.values()), marker="o", linewidth=1.4, color=colors[label], label=label)
+        ax.set_title(mode.replace("_", "-"), fontsize=9)
+        ax.set_xlabel("question about the context")
+        ax.set_xticks(sorted({i + 1 for _, c in modes[mode] for i in c}))
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("score")
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=7)
+    return _save(fig, path)
+
+
+def ruler_by_length(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+    """RULER's score (mean over its tasks of each task's mean) against the context length, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.8), dpi=120, layout="constrained")
+    for title, records in runs:
+        cells: dict[tuple[str, int], list[float]] = {}
+        for record in records:
+            meta = record.get("meta", {})
+            cells.setdefault((str(meta.get("task")), int(meta.get("length"))), []).append(float(record["score"]))
+        lengths = sorted({length for _, length in cells})
+        means = [float(np.mean([np.mean(v) for (_, n), v in cells.items() if n == length])) for length in lengths]
+        ax.plot(lengths, means, marker="o", linewidth=1.4, label=_label(title))
+    ax.set_xscale("log", base=2)
+    lengths = sorted({int(r["meta"]["length"]) for _, records in runs for r in records})
+    ax.set_xticks(lengths, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_xlabel("context length (tokens, generation included)")
+    ax.set_ylabel("RULER score (mean over tasks)")
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)

@@ -12,6 +12,9 @@ summaries) is a :class:`FollowUp`: the runner calls it with the outputs so far a
   see only the concatenated ids; reuse methods need the segments and refuse prompts without them.
 * :class:`ScoreRequest` — teacher forcing: prefill ``prefix_ids``, then predict every token of
   ``continuation_ids`` by one decode step each (PG19 perplexity in decode mode).
+* :class:`MultiQueryRequest` — several questions about one shared context: the context is prefilled
+  and compressed once, then each :class:`Query` is asked in turn and answered greedily
+  (:mod:`kvbench.engine.conversation`); the :class:`Output` carries one ``turns`` entry per question.
 """
 
 from __future__ import annotations
@@ -87,7 +90,76 @@ class ScoreRequest:
     continuation_ids: list[int]
 
 
-Request = Union[GenerateRequest, ScoreRequest]
+COMPRESSIONS = ("question_aware", "question_agnostic")
+
+
+@dataclass(frozen=True)
+class Query:
+    """One question about a shared context, in two forms (token ids):
+
+    ``ids`` — the question as it follows the context directly: the tail of the single-question prompt
+    (``context + ids`` is exactly what a one-question request would prefill);
+    ``followup_ids`` — the question as a new user turn, for when something else sits between the
+    context and it (an earlier question, or an earlier answer that was kept): chat templates close the
+    previous turn first. ``None`` when the task has no such form (then only the direct form is asked).
+    """
+
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    followup_ids: tuple[int, ...] | None = None
+    min_new_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop_texts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(int(i) for i in self.ids))
+        if self.followup_ids is not None:
+            object.__setattr__(self, "followup_ids", tuple(int(i) for i in self.followup_ids))
+        if not self.ids:
+            raise ValueError("a query needs at least one token")
+
+
+@dataclass
+class MultiQueryRequest:
+    """Several questions about one context, the context prefilled and compressed once.
+
+    ``context_ids`` (with optional ``context_segments``: its prefix / chunks, for reuse methods) is the
+    shared context; ``queries`` are asked in order. ``compression``:
+
+    * ``question_aware`` — the first question is part of the prefilled prompt (``context + queries[0]``),
+      so a method compresses with it in view (today's single-question behaviour); it stays in the cache,
+      and later questions follow it as new turns;
+    * ``question_agnostic`` — the method compresses the context alone; every question is fed after the
+      compressed context (kvpress's query-agnostic evaluation).
+
+    ``keep_answers``: false (default) rolls the cache back to the post-context state after every
+    answer, so each question sees the context alone; true keeps the conversation (SCBench's multi-turn
+    mode): every later question follows the earlier questions and answers.
+    """
+
+    context_ids: list[int]
+    queries: tuple[Query, ...]
+    compression: str = "question_aware"
+    keep_answers: bool = False
+    context_segments: tuple[Segment, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.queries = tuple(self.queries)
+        if not self.queries:
+            raise ValueError("a multi-query request needs at least one query")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression {self.compression!r} is not one of {COMPRESSIONS}")
+        if not self.context_ids:
+            raise ValueError("a multi-query request needs a context")
+        if self.context_segments is not None:
+            self.context_segments = tuple(self.context_segments)
+            if join_segments(self.context_segments) != list(self.context_ids):
+                raise ValueError("a request's context segments must join to its context_ids")
+            if any(s.role == "query" for s in self.context_segments):
+                raise ValueError("the context of a multi-query request has no query segment (questions are queries)")
+
+
+Request = Union[GenerateRequest, ScoreRequest, MultiQueryRequest]
 
 
 @dataclass
@@ -96,7 +168,8 @@ class Output:
 
     For a generation: ``text`` (decoded, stop token excluded), ``tokens`` and ``stop_reason``; for a
     scoring: ``nll`` (one value per continuation token). Both carry ``budget`` (the resolved budget
-    as a dict) and ``telemetry``.
+    as a dict) and ``telemetry``. For a multi-query request: ``turns``, one generation output per
+    question (its own ``telemetry``: question tokens, TTFT, TPOT), and the conversation's telemetry.
     """
 
     text: str = ""
@@ -106,6 +179,7 @@ class Output:
     prompt_tokens: int = 0
     budget: dict[str, Any] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
+    turns: list[Output] = field(default_factory=list)
 
 
 @dataclass

@@ -76,6 +76,8 @@ def plan(resolved: dict[str, Any]) -> Plan:
     if not method.needs_budget:
         # a method that does not compress ignores the budget: runs of one sweep share its run directory
         resolved = {**resolved, "budget": {key: None for key in (resolved.get("budget") or {})}}
+    # options a task gained after runs were recorded stay out of the run id at their defaults
+    resolved = {**resolved, "task": task.recorded_config(resolved["task"])}
     if not getattr(method, "uses_chunk_store", False):
         # only reuse methods read store.*: other methods' run ids do not depend on it
         resolved = {key: value for key, value in resolved.items() if key != "store"}

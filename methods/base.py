@@ -31,7 +31,9 @@ table (:meth:`KVMethod.budget_label`), whether it can extend a held cache by sev
 compress that kept or attended everything fails the run.
 
 Per-sample state lives on the method object between :meth:`KVMethod.start` and the end of the
-sample; the engine calls ``start`` before every prompt.
+sample; the engine calls ``start`` before every prompt. When several questions share one compressed
+context (:mod:`kvbench.engine.conversation`), the engine rolls the store back after each answer and
+the method's own state with it: :meth:`KVMethod.snapshot` / :meth:`KVMethod.restore`.
 """
 
 from __future__ import annotations
@@ -182,6 +184,22 @@ class KVMethod:
     def telemetry(self) -> dict[str, Any]:
         """Method-specific per-sample figures (e.g. K-means iterations used)."""
         return {}
+
+    # ------------------------------------------------------------------ rollback (multi-query)
+    def snapshot(self) -> Any:
+        """The per-sample state that decode steps change, copied, for :meth:`restore`.
+
+        The engine takes it right after a shared context's prefill (with the store's own snapshot) and
+        restores both after each answer, so the next question finds what the context left. The default
+        (nothing) is right for a method whose decode steps change only the store (``full``, the Oracle,
+        SparQ, SnapKV, PyramidKV, StreamingLLM's sliding window, the reuse methods); a method that keeps
+        decode-time state beside the store (H2O's scores, Quest's page bounds, ClusterKV's clusters,
+        InfLLM's blocks, PQCache's codes of new tokens) overrides both. Telemetry counters are not state:
+        they keep counting across questions."""
+        return None
+
+    def restore(self, state: Any) -> None:
+        """Return to what :meth:`snapshot` returned (called after the store was restored)."""
 
     # ------------------------------------------------------------------ silent-failure guards
     def check_after_prefill(self, ctx: GenerationContext) -> None:

@@ -197,6 +197,16 @@ class ClusterKV(RetrievalMethod):
         history.appendleft(clusters)
         return cached
 
+    def snapshot(self) -> tuple[dict[int, ClusterIndex], dict[int, deque]]:
+        """The cluster index (decode appends clusters of generated tokens; an index is never modified
+        in place) and the cluster cache's history of the last R steps."""
+        return dict(self.index), {layer: deque(h, maxlen=h.maxlen) for layer, h in self.history.items()}
+
+    def restore(self, state: tuple[dict[int, ClusterIndex], dict[int, deque]]) -> None:
+        index, history = state
+        self.index = dict(index)
+        self.history = {layer: deque(h, maxlen=h.maxlen) for layer, h in history.items()}
+
     def telemetry(self) -> dict[str, Any]:
         return {
             "cluster_hit_rate": float(sum(self.hits) / len(self.hits)) if self.hits else None,

@@ -131,3 +131,10 @@ class H2O(EvictionMethod):
 
     def telemetry(self) -> dict[str, Any]:
         return {"evicted_in_decode": self.evicted_in_decode}
+
+    def snapshot(self) -> dict[int, torch.Tensor]:
+        """The accumulated scores of the held slots (decode steps add to them and evict with the store)."""
+        return {layer: scores.clone() for layer, scores in self.scores.items()}
+
+    def restore(self, state: dict[int, torch.Tensor]) -> None:
+        self.scores = {layer: scores.clone() for layer, scores in state.items()}

@@ -141,6 +141,16 @@ class InfLLM(RetrievalMethod):
         in_window = slots >= window_start
         received.scatter_add_(1, slots, probs.to(received.device).float() * in_window)
 
+    def snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The blocks' representative keys (extended as blocks fill, never modified in place) and the
+        local attention every token received (decode steps add to it in place: copied)."""
+        return dict(self._block_keys), {layer: r.clone() for layer, r in self._received.items()}
+
+    def restore(self, state: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]) -> None:
+        blocks, received = state
+        self._block_keys = dict(blocks)
+        self._received = {layer: r.clone() for layer, r in received.items()}
+
     def telemetry(self) -> dict[str, Any]:
         if self.ctx is None:
             return {}

@@ -210,6 +210,20 @@ class PQCache(RetrievalMethod):
         self.timers["pq_search_s"] += time.perf_counter() - start
         return compose(lay, chosen)
 
+    def snapshot(self) -> dict[int, int]:
+        """Where each layer's codes end (decode appends nearest-centroid codes of the tokens that leave
+        the local window; the codebook itself never changes)."""
+        return {layer: state.coded_end for layer, state in self.layers.items()}
+
+    def restore(self, state: dict[int, int]) -> None:
+        sink = self.ctx.budget.sink
+        for layer, coded_end in state.items():
+            current = self.layers[layer]
+            current.coded_end = coded_end
+            current.prefetched = current.event = None  # a prefetched copy may hold codes of dropped tokens
+            if current.book is not None:  # codes cover slots [sink, coded_end)
+                current.book.codes = current.book.codes[:, : coded_end - sink]
+
     def telemetry(self) -> dict[str, Any]:
         if self.ctx is None:
             return {}

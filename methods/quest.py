@@ -72,6 +72,14 @@ class Quest(RetrievalMethod):
             self._bounds[layer] = (start, low, high)
         return low[:, :pages], high[:, :pages]
 
+    def snapshot(self) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        """The page bounds built so far (decode extends them as pages fill; the tensors are never
+        modified in place, so a shallow copy keeps them)."""
+        return dict(self._bounds)
+
+    def restore(self, state: dict[int, tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        self._bounds = dict(state)
+
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
         p = self.params
         page, spec, select = p.page_size, self.ctx.spec, self.ctx.budget.select

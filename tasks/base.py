@@ -7,6 +7,17 @@ scored :class:`SampleResult` (:meth:`Task.result`) on a 0–100 scale with the b
 metric. Tasks never drive the model: the runner executes the requests. Aggregation over samples and
 subsets lives in :meth:`Task.aggregate`. Every protocol choice a task makes is returned by
 :meth:`Task.protocol` and recorded with the run.
+
+**Several questions per context.** A task whose samples can carry several questions about one context
+(NIAH with several needles, RULER's needle tasks) gives each :class:`Sample` its ``context`` segments
+and its ``queries`` (:class:`SampleQuery`, first question first) and declares the options of
+:data:`MULTI_QUERY_OPTIONS`: ``task.queries_per_context=N`` asks the first N questions about a context
+compressed once (a :class:`~kvbench.requests.MultiQueryRequest`), ``task.compression=question_aware |
+question_agnostic`` decides whether the first question is in view when the method compresses, and
+``task.keep_answers`` keeps the conversation instead of dropping every answer. One question, question
+aware, is exactly today's single prompt (``context + first question``, one generation). Each question
+scores apart; the record keeps them in ``queries`` and :meth:`Task.aggregate` reports ``score_first``,
+``score_followup`` and ``score_by_query``.
 """
 
 from __future__ import annotations
@@ -18,15 +29,39 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
 import numpy as np
 
 from kvbench.errors import ConfigError
-from kvbench.requests import GenerateRequest, Output, Request, Segment, join_segments
+from kvbench.requests import (COMPRESSIONS, GenerateRequest, MultiQueryRequest, Output, Query, Request, Segment,
+                              join_segments)
 
 if TYPE_CHECKING:
     from kvbench.models.loading import LoadedModel
 
 
+#: the multi-query options and their defaults (one question, the method sees it, answers dropped): a
+#: task that can ask several questions per context adds them to its ``defaults``
+MULTI_QUERY_OPTIONS: dict[str, Any] = {"queries_per_context": 1, "compression": "question_aware", "keep_answers": False}
+
+
+@dataclass
+class SampleQuery:
+    """One of a sample's questions about its context (see :class:`~kvbench.requests.Query`).
+
+    ``ids``: the question right after the context (the tail of its one-question prompt);
+    ``followup_ids``: the same question as a new user turn (after an earlier question or answer);
+    ``reference``: what :meth:`Task.score_answer` scores its answer against; ``text``: the question, as
+    recorded."""
+
+    reference: Any
+    ids: list[int]
+    followup_ids: list[int] | None = None
+    text: str = ""
+
+
 @dataclass
 class Sample:
-    """One prompt with its reference and generation settings."""
+    """One prompt with its reference and generation settings.
+
+    A sample with several questions sets ``context`` (the shared context as segments) and ``queries``;
+    its one-question prompt is ``context + queries[0].ids`` and its ``reference`` the first's."""
 
     id: str
     reference: Any
@@ -41,6 +76,8 @@ class Sample:
     stop_texts: tuple[str, ...] = ()  # generation ends once the output contains one; it is cut there
     subset: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    context: list[Segment] | None = None
+    queries: list[SampleQuery] | None = None
 
 
 @dataclass
@@ -55,9 +92,10 @@ class SampleResult:
     meta: dict[str, Any]
     telemetry: dict[str, Any]
     budget: dict[str, Any]
+    queries: list[dict[str, Any]] | None = None  # several questions: each one's answer, score, telemetry
 
     def to_record(self) -> dict[str, Any]:
-        return {
+        record = {
             "id": self.id,
             "prediction": self.prediction,
             "reference": self.reference,
@@ -67,6 +105,9 @@ class SampleResult:
             "telemetry": self.telemetry,
             "budget": self.budget,
         }
+        if self.queries is not None:
+            record["queries"] = self.queries
+        return record
 
 
 class Task:
@@ -85,6 +126,9 @@ class Task:
     #: the figures :meth:`comparison_figure` draws (``kvbench report --figure-kind``), the default first;
     #: empty for a task with a single figure
     figure_kinds: ClassVar[tuple[str, ...]] = ()
+    #: options added after runs were recorded: at these values they are left out of a run's recorded
+    #: config (:meth:`recorded_config`), so the run ids of runs made before the option existed stay
+    unrecorded_defaults: ClassVar[dict[str, Any]] = MULTI_QUERY_OPTIONS
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         cfg = dict(cfg or {})
@@ -98,6 +142,39 @@ class Task:
         limit = self.cfg.get("limit")
         if limit is not None and int(limit) < 1:
             raise ConfigError(f"task.limit={limit} must be positive", "drop task.limit or set it to 1 or more")
+        if "queries_per_context" in self.cfg:
+            self._check_multi_query()
+
+    # ------------------------------------------------------------------ several questions per context
+    def _check_multi_query(self) -> None:
+        n, compression, keep = self.cfg["queries_per_context"], self.cfg["compression"], self.cfg["keep_answers"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"task.queries_per_context={n!r} must be a positive integer", "e.g. task.queries_per_context=4")
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"task.compression={compression!r} is not one of {', '.join(COMPRESSIONS)}",
+                              "use task.compression=question_aware or task.compression=question_agnostic")
+        if not isinstance(keep, bool):
+            raise ConfigError(f"task.keep_answers={keep!r} must be true or false", "use task.keep_answers=true or false")
+
+    @property
+    def multi_query(self) -> bool:
+        """Whether samples run as :class:`~kvbench.requests.MultiQueryRequest` (several questions, the
+        question-agnostic layout or kept answers), rather than as one prompt."""
+        cfg = self.cfg
+        return "queries_per_context" in cfg and (
+            int(cfg["queries_per_context"]) > 1 or cfg["compression"] != "question_aware" or bool(cfg["keep_answers"]))
+
+    def multi_query_protocol(self) -> dict[str, Any]:
+        """The multi-query choices, for :meth:`protocol` (nothing when the task runs one prompt per sample)."""
+        if not self.multi_query:
+            return {}
+        return {key: self.cfg[key] for key in MULTI_QUERY_OPTIONS}
+
+    @classmethod
+    def recorded_config(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """``cfg`` without the options of :attr:`unrecorded_defaults` that sit at those values."""
+        skip = cls.unrecorded_defaults
+        return {key: value for key, value in cfg.items() if not (key in skip and value == skip[key])}
 
     # ------------------------------------------------------------------ data and prompts
     def sample_ids(self) -> list[str] | None:
@@ -127,8 +204,17 @@ class Task:
     def score(self, sample: Sample, prediction: str) -> float:
         raise NotImplementedError
 
+    def score_answer(self, sample: Sample, reference: Any, prediction: str) -> float:
+        """The score of an answer to one of the sample's questions (default: :meth:`score` against that
+        question's reference)."""
+        from dataclasses import replace
+
+        return self.score(replace(sample, reference=reference), prediction)
+
     def prompt_ids(self, sample: Sample, model: LoadedModel) -> list[int]:
         """The sample's prompt as token ids (segments, prebuilt ids, or the prompt under the chat format)."""
+        if sample.queries is not None and sample.context is not None:
+            return join_segments(sample.context) + list(sample.queries[0].ids)
         if sample.segments is not None:
             return join_segments(sample.segments)
         if sample.input_ids is not None:
@@ -136,8 +222,24 @@ class Task:
         return model.chat.encode(sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix)
 
     def requests(self, sample: Sample, model: LoadedModel) -> list[Request]:
-        """What the sample asks of the engine: by default one greedy generation of its prompt."""
+        """What the sample asks of the engine: by default one greedy generation of its prompt; in
+        multi-query mode one :class:`~kvbench.requests.MultiQueryRequest` with its first
+        ``queries_per_context`` questions."""
         stop_ids = tuple(model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_tokens)
+        if self.multi_query:
+            if sample.queries is None or sample.context is None:
+                raise ConfigError(f"task {self.name} sample {sample.id} has no separate questions to ask",
+                                  "drop task.queries_per_context / task.compression / task.keep_answers")
+            asked = sample.queries[: int(self.cfg["queries_per_context"])]
+            query = lambda q: Query(q.ids, sample.max_new_tokens, followup_ids=q.followup_ids,  # noqa: E731
+                                    min_new_tokens=sample.min_new_tokens, stop_ids=stop_ids,
+                                    stop_texts=tuple(sample.stop_texts))
+            return [MultiQueryRequest(join_segments(sample.context), tuple(query(q) for q in asked),
+                                      compression=str(self.cfg["compression"]), keep_answers=bool(self.cfg["keep_answers"]),
+                                      context_segments=tuple(sample.context))]
+        segments = sample.segments
+        if sample.queries is not None and sample.context is not None:
+            segments = [*sample.context, Segment(sample.queries[0].ids, "query")]
         return [
             GenerateRequest(
                 input_ids=self.prompt_ids(sample, model),
@@ -145,13 +247,33 @@ class Task:
                 min_new_tokens=sample.min_new_tokens,
                 stop_ids=stop_ids,
                 stop_texts=tuple(sample.stop_texts),
-                segments=tuple(sample.segments) if sample.segments is not None else None,
+                segments=tuple(segments) if segments is not None else None,
             )
         ]
 
     def result(self, sample: Sample, outputs: list[Output]) -> SampleResult:
-        """The scored record of a sample from its requests' outputs (by default: score the generation)."""
+        """The scored record of a sample from its requests' outputs (by default: score the generation;
+        several questions: score each answer, the sample's score is their mean)."""
         out = outputs[0]
+        if out.turns:
+            assert sample.queries is not None
+            queries = []
+            for index, (query, turn) in enumerate(zip(sample.queries, out.turns)):
+                queries.append({"index": index, "question": query.text, "reference": query.reference,
+                                "prediction": turn.text, "score": float(self.score_answer(sample, query.reference, turn.text)),
+                                "stop_reason": turn.stop_reason, "telemetry": turn.telemetry})
+            return SampleResult(
+                id=sample.id,
+                prediction=[q["prediction"] for q in queries],
+                reference=[q["reference"] for q in queries],
+                score=float(np.mean([q["score"] for q in queries])),
+                subset=sample.subset,
+                meta={**sample.meta, "compression": self.cfg["compression"], "keep_answers": self.cfg["keep_answers"],
+                      "queries": len(queries)},
+                telemetry=out.telemetry,
+                budget=out.budget,
+                queries=queries,
+            )
         return SampleResult(
             id=sample.id,
             prediction=out.text,
@@ -182,7 +304,8 @@ class Task:
             score = round(float(np.mean(list(subset_means.values()))), 2)
         else:
             score = round(float(np.mean([r["score"] for r in scored])), 2) if scored else None
-        return {"score": score, "n": len(records), "scored": len(scored), "per_subset": subset_means}
+        return {"score": score, "n": len(records), "scored": len(scored), "per_subset": subset_means,
+                **multi_query_metrics(records)}
 
     def artifacts(self, records: list[dict[str, Any]], run_dir: Path, title: str) -> list[Path]:
         """Files (plots) the task writes next to the results; none by default."""
@@ -193,3 +316,46 @@ class Task:
         """One figure comparing several runs of this task (``(title, records)`` each), for ``kvbench
         report --figure``; tasks with a natural picture override it."""
         raise ConfigError(f"task {cls.name} has no comparison figure", "use kvbench report --pivot for a table")
+
+
+def multi_query_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """First question vs the later ones, over the records that asked several (nothing otherwise).
+
+    ``score_first``: mean score of every context's first question; ``score_followup``: mean over all
+    later questions (each question counts once); ``score_by_query``: the mean at each question index;
+    ``queries_asked``: questions scored in all."""
+    asked = [record["queries"] for record in records if record.get("queries")]
+    if not asked:
+        return {}
+    by_index: dict[int, list[float]] = {}
+    for queries in asked:
+        for query in queries:
+            by_index.setdefault(int(query["index"]), []).append(float(query["score"]))
+    later = [score for index, scores in by_index.items() if index > 0 for score in scores]
+    return {
+        "score_first": round(float(np.mean(by_index[0])), 2) if by_index.get(0) else None,
+        "score_followup": round(float(np.mean(later)), 2) if later else None,
+        "score_by_query": {str(index): round(float(np.mean(by_index[index])), 2) for index in sorted(by_index)},
+        "queries_asked": sum(len(scores) for scores in by_index.values()),
+    }
+
+
+def followup_frame(chat: Any) -> tuple[str, str]:
+    """What a chat template puts around a *later* user message: the text that closes the assistant's
+    turn and opens a new user turn, and the text that closes it and opens the assistant's reply
+    (ChatML: ``"<|im_end|>\\n<|im_start|>user\\n"`` and ``"<|im_end|>\\n<|im_start|>assistant\\n"``).
+
+    Read off the template itself (a two-turn conversation with placeholders), so any model's format
+    works. A follow-up question's ids are ``before + question + after``; a kept answer enters the cache
+    without its stop token, since ``before`` closes the turn."""
+    answer, question = "\u0000KVBENCH_ANSWER\u0000", "\u0000KVBENCH_QUESTION\u0000"
+    messages = [{"role": "system", "content": chat.system_prompt}] if chat.system_prompt else []
+    messages += [{"role": "user", "content": "context"}, {"role": "assistant", "content": answer},
+                 {"role": "user", "content": question}]
+    text = chat.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              chat_template=chat.template)
+    if answer not in text or question not in text:
+        raise ConfigError("this model's chat template does not render a two-turn conversation",
+                          "set model.chat_template to a template with multi-turn support")
+    before, after = text.split(answer, 1)[1].split(question, 1)
+    return before, after

@@ -14,18 +14,35 @@ Score (0–100): ROUGE-1 *recall* of the needle's answer ("eat a sandwich and si
 sunny day") in the response, stemmed unigrams, × 100 — the share of the answer's words the model
 reproduced; verbosity is not penalised. ``scorer: rouge1_f`` uses KVCache-Factory's ROUGE-1 F of the
 response against the whole needle sentence (× 100 instead of × 10); ``scorer: substring`` gives 100
-when "dolores park" appears. The heatmap (length × depth, greener = better) is ``heatmap.png``.
+when the needle's key phrase ("dolores park") appears. The heatmap (length × depth, greener = better)
+is ``heatmap.png``.
+
+**Several needles** (``needles: N``, up to 8): the configured needle and N − 1 more of the same form
+with other cities and answers (:data:`EXTRA_NEEDLES`), each with its own question ("What is the best
+thing to do in Tokyo?"). As in LangChain's multi-needle test, the first needle goes in at the sample's
+``depth`` and the others evenly spaced over the rest of the haystack (needle i at
+``depth + i · (1 − depth) / N``), each moved back to a sentence end; the prompt stays exactly ``L``
+tokens (with the longest question). The questions are asked in a rotated order — sample ``k`` of the
+depth grid starts with needle ``k mod N`` — so over the grid every needle is asked first equally often
+and "first question" is not "shallowest needle". One question (the default) asks only the first.
+
+**Several questions per context** (``queries_per_context``, ``compression``, ``keep_answers``: see
+:mod:`kvbench.tasks.base`): the first ``queries_per_context`` questions of that order about one
+compressed context; the question comes after the document (``question_position: end``). ``kvbench
+report --figure`` then draws each method's score by question index.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
 from kvbench.errors import ConfigError
+from kvbench.requests import Segment
 from kvbench.tasks import register
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -34,6 +51,26 @@ INSTRUCTION = "Don't give information outside the document or repeat your findin
 SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 SCORERS = ("rouge1_recall", "rouge1_f", "substring")
 PLACEHOLDER = "\u0000KVBENCH_HAYSTACK\u0000"
+#: the needles after the configured one for ``needles > 1``: (city, answer, key phrase for ``substring``)
+EXTRA_NEEDLES = (
+    ("Tokyo", "ride the Yamanote line at dawn and eat ramen in Shinjuku", "yamanote"),
+    ("Paris", "rent a bicycle and have a picnic by the Canal Saint-Martin", "canal saint-martin"),
+    ("Rome", "drink an espresso standing at the bar and see the Pantheon at night", "pantheon"),
+    ("London", "take a boat down the Thames and eat curry on Brick Lane", "brick lane"),
+    ("Sydney", "swim at Bondi Beach and walk the cliff path to Coogee", "bondi"),
+    ("Cairo", "sail a felucca on the Nile at sunset", "felucca"),
+    ("Lisbon", "ride tram 28 to the castle and eat custard tarts in Belem", "tram 28"),
+)
+
+
+@dataclass(frozen=True)
+class Needle:
+    """A fact hidden in the haystack, the question that asks for it and its scored answer."""
+
+    text: str
+    question: str
+    answer: str
+    key: str  # what ``scorer: substring`` looks for (lower case)
 
 
 @register
@@ -51,7 +88,10 @@ class NeedleInAHaystack(Task):
         "max_new_tokens": 48,
         "scorer": "rouge1_recall",
         "haystack": "paul_graham_essays",
+        "needles": 1,
+        **MULTI_QUERY_OPTIONS,
     }
+    unrecorded_defaults = {**MULTI_QUERY_OPTIONS, "needles": 1}
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
@@ -67,8 +107,35 @@ class NeedleInAHaystack(Task):
             )
         if self.cfg["scorer"] not in SCORERS:
             raise ConfigError(f"unknown task.scorer {self.cfg['scorer']!r}", f"use one of {', '.join(SCORERS)}")
+        count = self.cfg["needles"]
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1 + len(EXTRA_NEEDLES):
+            raise ConfigError(f"task.needles={count!r} must be an integer from 1 to {1 + len(EXTRA_NEEDLES)}",
+                              "e.g. task.needles=4")
+        if int(self.cfg["queries_per_context"]) > count:
+            raise ConfigError(f"task.queries_per_context={self.cfg['queries_per_context']} asks more questions than "
+                              f"the {count} needle(s) answer", f"set task.needles={self.cfg['queries_per_context']} or more")
+        if self.multi_query and self.cfg["question_position"] != "end":
+            raise ConfigError("several questions per context, or a question-agnostic context, need the question "
+                              "after the document", "drop task.question_position=start")
         self.lengths = lengths
         self.depths = depths
+        self.needles = self.needle_set()
+        self._keys = {needle.answer: needle.key for needle in self.needles}
+
+    def needle_set(self) -> list[Needle]:
+        """The configured needle, then ``needles - 1`` of :data:`EXTRA_NEEDLES`."""
+        answer = str(self.cfg["answer"])
+        first = Needle(str(self.cfg["needle"]), str(self.cfg["question"]), answer,
+                       "dolores park" if answer == ANSWER else answer.lower())
+        extra = [Needle(f"\nThe best thing to do in {city} is {answer}.\n", f"What is the best thing to do in {city}?",
+                        answer, key) for city, answer, key in EXTRA_NEEDLES]
+        return [first, *extra][: int(self.cfg["needles"])]
+
+    def order(self, depth: float) -> list[int]:
+        """The order the needles are asked in for a sample at ``depth``: rotated by the depth's index."""
+        n = len(self.needles)
+        start = self.depths.index(depth) % n
+        return [(start + j) % n for j in range(n)]
 
     # ------------------------------------------------------------------ samples
     @staticmethod
@@ -82,6 +149,8 @@ class NeedleInAHaystack(Task):
         return [self.sample_id(length, depth) for length, depth in self.limited_grid()]
 
     def protocol(self) -> dict[str, Any]:
+        extra = {"needles": len(self.needles), "needle_depths": "depth + i (1 - depth) / needles",
+                 "question_order": "rotated by the depth's index"} if len(self.needles) > 1 else {}
         return {
             "task": self.name,
             "question_position": self.cfg["question_position"],
@@ -90,10 +159,15 @@ class NeedleInAHaystack(Task):
             "max_new_tokens": self.cfg["max_new_tokens"],
             "scorer": self.cfg["scorer"],
             "length_unit": "tokens of the whole prompt (template included)",
+            **extra,
+            **self.multi_query_protocol(),
         }
 
-    def _user_message(self, context: str) -> str:
-        ask = f"{self.cfg['question']} {self.cfg['instruction']}".strip()
+    def _ask(self, needle: Needle) -> str:
+        return f"{needle.question} {self.cfg['instruction']}".strip()
+
+    def _user_message(self, context: str, needle: Needle) -> str:
+        ask = self._ask(needle)
         if self.cfg["question_position"] == "start":
             return f"{ask}\n\n{context}"
         return f"{context}\n\n{ask}"
@@ -103,27 +177,44 @@ class NeedleInAHaystack(Task):
         chat = model.chat
         system = self.cfg["system_prompt"]
         chat = type(chat)(chat.tokenizer, system_prompt=system, template=chat.template) if system else chat
-        before, after = chat.render(self._user_message(PLACEHOLDER)).split(PLACEHOLDER)
-        head = tokenizer(before, add_special_tokens=False).input_ids
-        tail = tokenizer(after, add_special_tokens=False).input_ids
-        needle = tokenizer(self.cfg["needle"], add_special_tokens=False).input_ids
+        encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+        # per needle: the template before and after the haystack when its question is asked
+        frames = [[encode(part) for part in chat.render(self._user_message(PLACEHOLDER, n)).split(PLACEHOLDER)]
+                  for n in self.needles]
+        followups = None
+        if self.multi_query:
+            before, after = followup_frame(chat)
+            followups = [encode(before + self._ask(n) + after) for n in self.needles]
+        needles = [encode(n.text) for n in self.needles]
+        fixed = max(len(head) + len(tail) for head, tail in frames) + sum(len(n) for n in needles)
         haystack = self._haystack_ids(tokenizer, max(self.lengths))
         periods = _sentence_end_ids(tokenizer, tuple(sorted(set(haystack))))
         for length, depth in self.limited_grid():
-            room = length - len(head) - len(tail) - len(needle)
+            room = length - fixed
             if room < 1:
                 raise ConfigError(
                     f"task.lengths contains {length}, too short for the prompt's {length - room} fixed tokens",
                     "use lengths of a few hundred tokens or more",
                 )
-            context = _insert(haystack[:room], needle, depth, periods)
+            count = len(needles)
+            depths = [depth + i * (1 - depth) / count for i in range(count)]
+            context = _insert_all(haystack[:room], needles, depths, periods)
+            order = self.order(depth)
+            head, tail = frames[order[0]]
+            queries = [SampleQuery(self.needles[k].answer, frames[k][1], followups[k] if followups else None,
+                                   self.needles[k].question) for k in order]
+            meta = {"length": length, "depth": depth, "prompt_tokens": len(head) + len(context) + len(tail)}
+            if count > 1:
+                meta.update(needle_depths=[round(d, 4) for d in depths], order=order)
             yield Sample(
                 id=self.sample_id(length, depth),
-                reference=self.cfg["answer"],
+                reference=self.needles[order[0]].answer,
                 input_ids=head + context + tail,
                 max_new_tokens=int(self.cfg["max_new_tokens"]),
                 subset=f"len{length}",
-                meta={"length": length, "depth": depth, "prompt_tokens": len(head) + len(context) + len(tail)},
+                meta=meta,
+                context=[Segment(head, "prefix"), Segment(context, "chunk")] if self.cfg["question_position"] == "end" else None,
+                queries=queries if self.cfg["question_position"] == "end" else None,
             )
 
     def limited_grid(self) -> list[tuple[int, float]]:
@@ -153,8 +244,9 @@ class NeedleInAHaystack(Task):
     def score(self, sample: Sample, prediction: str) -> float:
         scorer = self.cfg["scorer"]
         if scorer == "substring":
-            return 100.0 if "dolores park" in prediction.lower() else 0.0
-        target = str(sample.reference) if scorer == "rouge1_recall" else self.cfg["needle"].strip()
+            return 100.0 if self._keys.get(str(sample.reference), "dolores park") in prediction.lower() else 0.0
+        needle = next((n.text for n in self.needles if n.answer == sample.reference), self.cfg["needle"])
+        target = str(sample.reference) if scorer == "rouge1_recall" else needle.strip()
         result = _rouge1().score(target, prediction)["rouge1"]
         return 100.0 * (result.recall if scorer == "rouge1_recall" else result.fmeasure)
 
@@ -177,20 +269,34 @@ class NeedleInAHaystack(Task):
 
     @classmethod
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
-        """The runs' heatmaps side by side (PQCache Fig. 9)."""
-        from kvbench.plots import niah_panels
+        """The runs' heatmaps side by side (PQCache Fig. 9); for multi-query runs, each run's score by
+        question index."""
+        from kvbench.plots import niah_panels, score_by_query
 
+        if any(record.get("queries") for _, records in runs for record in records):
+            return score_by_query(runs, path)
         return niah_panels(runs, path)
 
 
 def _insert(context: list[int], needle: list[int], depth: float, periods: frozenset[int]) -> list[int]:
     """Put ``needle`` at ``depth`` of ``context``, backing up to the previous sentence end."""
-    if depth >= 1.0:
-        return context + needle
-    point = int(len(context) * depth)
-    while point > 0 and context[point - 1] not in periods:
-        point -= 1
-    return context[:point] + needle + context[point:]
+    return _insert_all(context, [needle], [depth], periods)
+
+
+def _insert_all(context: list[int], needles: list[list[int]], depths: list[float], periods: frozenset[int]) -> list[int]:
+    """Put each needle at its depth of ``context`` (depth 1 appends), each backed up to the previous
+    sentence end; the points are taken on ``context`` itself, so needles never split each other."""
+    points = []
+    for depth in depths:
+        point = len(context) if depth >= 1.0 else int(len(context) * depth)
+        while 0 < point < len(context) and context[point - 1] not in periods:
+            point -= 1
+        points.append(point)
+    out = list(context)
+    # deepest first, and among needles at one point the later first, so each lands before the next
+    for _, index in sorted(((point, index) for index, point in enumerate(points)), reverse=True):
+        out[points[index]:points[index]] = needles[index]
+    return out
 
 
 @lru_cache(maxsize=8)

@@ -28,6 +28,15 @@ A sample's draw keeps every question its context answers on its own (each needle
 :meth:`Ruler.build` returns it with the fitted segments, and :func:`~kvbench.tasks.ruler_protocol.render`
 words any of those questions, so several can be asked about one context in turn.
 
+**Several questions per context** (``queries_per_context``, ``compression``, ``keep_answers``; see
+:mod:`kvbench.tasks.base`): a sample asks its draw's questions one key at a time — RULER's asked keys
+first (``niah_multiquery``: its four; ``niah_multikey_*``: the asked key, then the distractor needles'
+keys as further questions), the rest in key order — up to ``queries_per_context``; a task whose
+context answers fewer questions (``niah_single_*``, ``niah_multikey_2/3`` with one real key,
+``vt``, ``cwe``, ``fwe``, QA: one) asks the ones it has. The haystack is fitted so that the context
+with its *longest* question, plus the generation, fits ``L``. Each question is worded as RULER words a
+one-key question (singular: "What is the special magic number for ...") and scored alone.
+
 Every input of the generator is a config key (``seed``, ``lengths``, ``num_samples``, ``subsets``,
 ``haystack``, ``chat_template``, ``data_dir``, ``generator_version``), and the model is in the run id
 too, so the run id names the samples; each sample's meta records a digest of its token ids. A change
@@ -64,7 +73,8 @@ import numpy as np
 from kvbench.errors import ConfigError
 from kvbench.requests import Segment
 from kvbench.tasks import register
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame, multi_query_metrics
+from kvbench.tasks.ruler_data import Question
 from kvbench.tasks.ruler_data import (WONDERWORDS_VERSION, Draw, QASet, common_words, common_words_vocabulary,
                                       essay_words, freq_words, niah, qa, read_hotpotqa, read_squad, ruler_question,
                                       variable_tracking)
@@ -142,6 +152,7 @@ class Ruler(Task):
         "chat_template": True,
         "generator_version": GENERATOR_VERSION,
         "question_position": "end",
+        **MULTI_QUERY_OPTIONS,
     }
 
     def __init__(self, cfg: Any = None) -> None:
@@ -216,6 +227,9 @@ class Ruler(Task):
             "answer_prefix": "opens the assistant turn",
             "wonderwords": WONDERWORDS_VERSION,
             "sentence_split": "regex (RULER: nltk punkt)",
+            **({"questions": "one key each: RULER's asked keys first, then the others; up to queries_per_context"}
+               if self.multi_query else {}),
+            **self.multi_query_protocol(),
         }
 
     # ------------------------------------------------------------------ samples
@@ -229,34 +243,58 @@ class Ruler(Task):
 
     def make_sample(self, task: str, length: int, index: int, model: Any) -> Sample:
         """Sample ``index`` of ``task`` at ``length``: drawn, fitted to the length, tokenized."""
-        draw, units, segments = self.build(task, length, index, model)
+        draw, units, prompts = self._fit(task, length, index, model)
+        segments = prompts[0]
         ids = [i for s in segments for i in s.ids]
-        question = ruler_question(draw)
+        questions = self.questions(draw)
+        meta = {"task": task, "length": length, "index": index, "units": units, "prompt_tokens": len(ids),
+                "query": questions[0].query, "digest": ids_digest(ids)}
+        context, queries = None, None
+        if self.multi_query:
+            context = segments[:2]
+            followups = self._followups(task, draw, questions, model)
+            queries = [SampleQuery(list(q.answers), list(p[2].ids), f, q.query) for q, p, f in zip(questions, prompts, followups)]
+            meta["queries_digest"] = ids_digest([i for q in queries for i in q.ids])
         return Sample(
             id=self.sample_id(task, length, index),
-            reference=list(question.answers),
+            reference=list(questions[0].answers),
             input_ids=ids,
             segments=segments,
             max_new_tokens=FAMILIES[TASKS[task][0]].max_new_tokens,
             subset=task,
-            meta={"task": task, "length": length, "index": index, "units": units, "prompt_tokens": len(ids),
-                  "query": question.query, "digest": ids_digest(ids)},
+            meta=meta,
+            context=context,
+            queries=queries,
         )
+
+    def questions(self, draw: Draw) -> list[Question]:
+        """What a sample asks: RULER's one question, or (multi-query) its draw's questions one key at a
+        time, RULER's asked keys first, up to ``queries_per_context``."""
+        if not self.multi_query:
+            return [ruler_question(draw)]
+        order = list(draw.asked) + [i for i in range(len(draw.questions)) if i not in draw.asked]
+        return [draw.questions[i] for i in order][: int(self.cfg["queries_per_context"])]
 
     def build(self, task: str, length: int, index: int, model: Any) -> tuple[Draw, int, list[Segment]]:
         """The sample's draw (context and every question it answers), its haystack size, and the
-        segments of RULER's prompt: the largest haystack whose prompt plus the task's tokens to generate
-        fit in ``length``."""
+        segments of RULER's prompt (of its first question, in multi-query mode): the largest haystack
+        whose prompt plus the task's tokens to generate fit in ``length``."""
+        draw, units, prompts = self._fit(task, length, index, model)
+        return draw, units, prompts[0]
+
+    def _fit(self, task: str, length: int, index: int, model: Any) -> tuple[Draw, int, list[list[Segment]]]:
+        """:meth:`build` with the segments of every question the sample asks (one prompt each, sharing
+        their prefix and context); the longest one decides the fit."""
         family = FAMILIES[TASKS[task][0]]
         budget = length - family.max_new_tokens
         draw_at = self.drawer(task, length, index, model)
-        built: dict[int, tuple[Draw, list[Segment]]] = {}
+        built: dict[int, tuple[Draw, list[list[Segment]]]] = {}
 
         def measure(units: int) -> int:
             draw = draw_at(units)
-            segments = self.segments(render(task, draw, ruler_question(draw)), model)
-            built[units] = (draw, segments)
-            return sum(len(s) for s in segments)
+            prompts = self.prompts([render(task, draw, q) for q in self.questions(draw)], model)
+            built[units] = (draw, prompts)
+            return len(prompts[0][0]) + len(prompts[0][1]) + max(len(p[2]) for p in prompts)
 
         low, high = self._unit_range(task)
         units = largest_fitting(measure, budget, low, high)
@@ -267,8 +305,8 @@ class Ruler(Task):
         if high is not None and units == high:
             raise ConfigError(f"{task} at length {length} needs more than the {high} distinct words of its vocabulary",
                               f"drop {task} from task.subsets or use shorter task.lengths")
-        draw, segments = built[units]
-        return draw, units, segments
+        draw, prompts = built[units]
+        return draw, units, prompts
 
     def _unit_range(self, task: str) -> tuple[int, int | None]:
         """The smallest haystack a task's generator accepts, and the largest (None: unbounded)."""
@@ -322,15 +360,33 @@ class Ruler(Task):
         """``prefix`` (chat head + examples + instruction), ``chunk`` (the context) and ``query`` (question,
         chat tail, answer prefix), each tokenized alone. Spaces that end the instruction move to the
         context, so the boundary falls where a BPE tokenizer splits anyway."""
+        return self.prompts([text], model)[0]
+
+    def prompts(self, texts: list[PromptText], model: Any) -> list[list[Segment]]:
+        """:meth:`segments` of several questions about one context: the prefix and the context are
+        tokenized once (they must not depend on the question), the query part of each."""
         tokenizer = model.tokenizer
         head, tail = self._chat_frame(model)
-        before = text.before.rstrip(" ")
-        context = text.before[len(before):] + text.context
+        first = texts[0]
+        if any(t.before != first.before or t.context != first.context for t in texts[1:]):
+            raise ValueError("the questions of one RULER context must share its instruction and context")
+        before = first.before.rstrip(" ")
+        context = first.before[len(before):] + first.context
         base = not self.cfg["chat_template"]
-        prefix = tokenizer(head + before, add_special_tokens=base).input_ids
-        chunk = tokenizer(context, add_special_tokens=False).input_ids
-        query = tokenizer(text.after + tail + text.answer_prefix, add_special_tokens=False).input_ids
-        return [Segment(prefix, "prefix"), Segment(chunk, "chunk"), Segment(query, "query")]
+        prefix = Segment(tokenizer(head + before, add_special_tokens=base).input_ids, "prefix")
+        chunk = Segment(tokenizer(context, add_special_tokens=False).input_ids, "chunk")
+        return [[prefix, chunk, Segment(tokenizer(t.after + tail + t.answer_prefix, add_special_tokens=False).input_ids,
+                                        "query")] for t in texts]
+
+    def _followups(self, task: str, draw: Draw, questions: list[Question], model: Any) -> list[list[int] | None]:
+        """Each question as a new user turn (the question sentence, the template's turn frame and the
+        answer prefix); without a chat template, its plain-text form."""
+        texts = [render(task, draw, q) for q in questions]
+        if not self.cfg["chat_template"]:
+            return [model.tokenizer(t.after + t.answer_prefix, add_special_tokens=False).input_ids for t in texts]
+        before, after = followup_frame(model.chat)
+        return [model.tokenizer(before + t.after.lstrip("\n") + after + t.answer_prefix, add_special_tokens=False).input_ids
+                for t in texts]
 
     def _chat_frame(self, model: Any) -> tuple[str, str]:
         """The chat template's text before and after the user message ("", "" for RULER's base template)."""
@@ -387,12 +443,27 @@ class Ruler(Task):
         lengths = sorted({k[1] for k in mean})
         by_task = {t: float(np.mean([v for k, v in mean.items() if k[0] == t])) for t in tasks}
         by_length = {f"len{n}": float(np.mean([v for k, v in mean.items() if k[1] == n])) for n in lengths}
-        return {
+        metrics = {
             "score": round(float(np.mean(list(mean.values()))), 2) if mean else None,
             "n": len(records),
             "per_subset": {key: round(v, 2) for key, v in {**by_task, **by_length}.items()},
             "task_length": {t: {str(n): round(mean[t, n], 2) for n in lengths if (t, n) in mean} for t in tasks},
+            **multi_query_metrics(records),
         }
+        if "score_first" in metrics:  # first vs later questions per task
+            metrics["task_query"] = {t: multi_query_metrics([r for r in records if r["meta"]["task"] == t]).get("score_by_query")
+                                     for t in tasks}
+        return metrics
+
+    @classmethod
+    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
+        """Score against length, one line per run (RULER's average over tasks at each length); for
+        multi-query runs, each run's score by question index."""
+        from kvbench.plots import ruler_by_length, score_by_query
+
+        if any(record.get("queries") for _, records in runs for record in records):
+            return score_by_query(runs, path)
+        return ruler_by_length(runs, path)
 
 
 @lru_cache(maxsize=2)

@@ -1,14 +1,15 @@
 """The engine: the only code that drives a model (prefill, decode, teacher forcing).
 
 :func:`execute` runs one request of a task (:mod:`kvbench.requests`) with a KV method and returns its
-:class:`~kvbench.requests.Output`; :mod:`kvbench.engine.generate` holds the loops.
+:class:`~kvbench.requests.Output`; :mod:`kvbench.engine.generate` holds the loops, and
+:mod:`kvbench.engine.conversation` several questions about one compressed context.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvbench.requests import GenerateRequest, Output, Request, ScoreRequest
+from kvbench.requests import GenerateRequest, MultiQueryRequest, Output, Request, ScoreRequest
 
 if TYPE_CHECKING:
     from kvbench.budget import BudgetConfig
@@ -40,4 +41,13 @@ def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: Bud
         scoring = teacher_force(loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile)
         return Output(nll=scoring.nll, prompt_tokens=len(request.prefix_ids), budget=scoring.budget.to_dict(),
                       telemetry=scoring.telemetry)
+    if isinstance(request, MultiQueryRequest):
+        from kvbench.engine.conversation import converse
+
+        talk = converse(loaded, method, request, budget=budget, profile=profile)
+        turns = [Output(text=t.text, tokens=t.tokens, stop_reason=t.stop_reason, prompt_tokens=t.question_tokens,
+                        telemetry=t.telemetry) for t in talk.turns]
+        return Output(text=turns[0].text, tokens=turns[0].tokens, stop_reason=turns[0].stop_reason,
+                      prompt_tokens=talk.prompt_tokens, budget=talk.budget.to_dict(), telemetry=talk.telemetry,
+                      turns=turns)
     raise TypeError(f"unknown request type {type(request).__name__}")

@@ -20,6 +20,10 @@ A layer normally stores one row per KV head. An eviction method that keeps a dif
 *query* head under GQA (SnapKV and PyramidKV as their authors run them) calls :meth:`LayerKV.keep` with
 one row per query head: the layer then stores K/V repeated per query head (``n_kv_heads`` becomes the
 number of query heads, ``repeat`` the group size), so its bytes count what such a cache really holds.
+
+:meth:`KVStore.snapshot` / :meth:`KVStore.restore` roll a store back to an earlier state, bit for bit
+(shared-context multi-query: the context is prefilled and compressed once, and every question's tokens
+and answer are dropped before the next question; see :mod:`kvbench.engine.conversation`).
 """
 
 from __future__ import annotations
@@ -316,6 +320,63 @@ class LayerKV:
         """A method moved ``nbytes`` of index data (e.g. PQ codes) to score tokens."""
         self.stats.bytes_h2d_index += int(nbytes)
 
+    # ------------------------------------------------------------------ rollback
+    def snapshot(self) -> LayerSnapshot:
+        """A copy of what this layer holds now (K, V and positions of the live slots, the counters that
+        place the next token, the device-resident ranges), for :meth:`restore`.
+
+        A copy, not a view: eviction rewrites slots in place (``swap_remove``) or reallocates
+        (``keep``), so only a copy survives what a later question and its answer do to the layer."""
+        n = self.n
+        return LayerSnapshot(
+            keys=self._k[:, :n].clone(),
+            values=self._v[:, :n].clone(),
+            positions=self._pos[:, :n].clone(),
+            n=n,
+            seen=self.seen,
+            resident_sink=self.resident_sink,
+            resident_recent=self.resident_recent,
+        )
+
+    def restore(self, snap: LayerSnapshot) -> None:
+        """Hold exactly what :meth:`snapshot` copied (bit for bit), whatever happened since.
+
+        Not rolled back: the transfer counters (the bytes a question and its answer moved were moved)
+        and the block cache, a device cache that stays warm across questions; its blocks from slot
+        ``snap.n`` on are forgotten, since those slots will hold other tokens."""
+        if self.capacity < snap.n:
+            self._k = self._alloc(snap.n, self.head_dim, self.dtype)
+            self._v = self._alloc(snap.n, self.head_dim, self.dtype)
+            self._pos = self._alloc(snap.n, None, torch.long)
+        self._k[:, : snap.n].copy_(snap.keys)
+        self._v[:, : snap.n].copy_(snap.values)
+        self._pos[:, : snap.n].copy_(snap.positions)
+        self.n, self.seen = snap.n, snap.seen
+        self.resident_sink, self.resident_recent = snap.resident_sink, snap.resident_recent
+        if self.cache is not None:
+            _forget_blocks_from(self.cache, snap.n)
+
+
+@dataclass
+class LayerSnapshot:
+    """What :meth:`LayerKV.snapshot` copied: the live slots' K/V/positions and the layer's counters."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    n: int
+    seen: int
+    resident_sink: int
+    resident_recent: int
+
+
+def _forget_blocks_from(cache: BlockCache, slot: int) -> None:
+    """Drop the cached blocks that cover any slot at or after ``slot`` (their slots get new tokens)."""
+    first = (slot - cache.offset) // cache.block_size
+    for block in [b for b in cache.blocks() if b >= first]:
+        del cache._order[block]
+        cache._freq.pop(block, None)
+
 
 class KVStore:
     """The per-layer stores of one generation."""
@@ -348,6 +409,15 @@ class KVStore:
 
     def held_tokens(self) -> list[int]:
         return [layer.n for layer in self.layers]
+
+    def snapshot(self) -> list[LayerSnapshot]:
+        """Every layer's :meth:`LayerKV.snapshot`."""
+        return [layer.snapshot() for layer in self.layers]
+
+    def restore(self, snaps: list[LayerSnapshot]) -> None:
+        """Every layer back to its snapshot (:meth:`LayerKV.restore`)."""
+        for layer, snap in zip(self.layers, snaps, strict=True):
+            layer.restore(snap)
 
     def stats(self) -> TransferStats:
         total = TransferStats()
