@@ -206,7 +206,7 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     """The matching runs (all of one task) in the task's comparison figure: NIAH heatmaps side by side,
     PG19 perplexity curves overlaid. Each run is titled by the columns that differ between them."""
     from kvbench.errors import ConfigError
-    from kvbench.results import RunDir
+    from kvbench.results import run_records
     from kvbench.tasks import REGISTRY
 
     frame = runs_frame(paths, every_column=True)
@@ -229,7 +229,7 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
         if row.get("score") == row.get("score") and row.get("score") is not None:
             second += f"  ({row['score']:.1f})"
         title = f"{title}\n{second.strip()}" if second.strip() else title
-        runs.append((title, RunDir(Path(row["run_dir"])).records()))
+        runs.append((title, run_records(row)))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return REGISTRY.get(tasks[0]).comparison_figure(runs, out)
@@ -288,23 +288,26 @@ def to_markdown(frame) -> str:
     return "\n".join([header, rule, *rows])
 
 
-def protocol_diff(run_a: str | Path, run_b: str | Path) -> str:
-    """Markdown table of every config and protocol value that differs between two runs."""
+def flat_protocol(run: Path) -> dict:
+    """A run's config (``config.*``) and task protocol (``protocol.*``) as one flat mapping: what
+    :func:`protocol_diff` compares, and what ``kvbench reproduce`` lists as our protocol."""
     import json
 
     import yaml
 
-    def flat(run: Path) -> dict:
-        from kvbench.results import _flatten
+    from kvbench.results import _flatten
 
-        out: dict = {}
-        config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
-        _flatten("config", config, out)
-        metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
-        _flatten("protocol", metrics.get("protocol", {}), out)
-        return out
+    out: dict = {}
+    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    _flatten("config", config, out)
+    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
+    _flatten("protocol", metrics.get("protocol", {}), out)
+    return out
 
-    a, b = flat(Path(run_a)), flat(Path(run_b))
+
+def protocol_diff(run_a: str | Path, run_b: str | Path) -> str:
+    """Markdown table of every config and protocol value that differs between two runs."""
+    a, b = flat_protocol(Path(run_a)), flat_protocol(Path(run_b))
     rows = [(key, a.get(key, "–"), b.get(key, "–")) for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
     if not rows:
         return "(the two runs share every config and protocol value)"
