@@ -353,6 +353,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from kvbench.errors import ConfigError
     from kvbench.report import check_paths, comparison_figure, parse_where, pivot_table, protocol_diff, runs_table
 
+    if args.html:
+        from kvbench.html import build
+
+        output_dir = Path(args.paths[0]) if args.paths else Path("results/runs")
+        print(build(Path(args.html), args.scale, output_dir))
+        return 0
     if args.diff:
         missing = [p for p in args.diff if not (Path(p) / "config.yaml").exists()]
         if missing:
@@ -471,6 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_repro.add_argument("--no-run", action="store_true", help="render from the runs that exist; run nothing")
     p_repro.add_argument("--out", default=None, help="where the report goes (default results/reproduce/<scale>/<name>)")
     p_repro.add_argument("--wait", action="store_true", help="wait for another process writing a run directory")
+    p_report.add_argument("--html", metavar="DIR", help="a self-contained web report in DIR: one page per paper "
+                                                       "artifact (kvbench reproduce's tables and figures, embedded)")
+    p_report.add_argument("--scale", default="cpu", choices=["smoke", "cpu", "paper"],
+                          help="--html: which scale's runs the pages show (default cpu)")
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")

@@ -42,7 +42,7 @@ DEFAULT_SCALE = "cpu"
 #: keys of the ``reproduce:`` block
 _KEYS = ("compare", "description", "scales", "also", "bench", "render", "join", "stand_ins", "why", "notes",
          "paper_factor")
-_SCALE_KEYS = ("overrides", "bench", "why", "skip")
+_SCALE_KEYS = ("overrides", "bench", "why", "skip", "also")
 FIX = "edit the experiment file (the schema is in kvbench/experiments.py)"
 
 
@@ -54,6 +54,7 @@ class ScaleSpec:
     bench: Mapping[str, Any] = field(default_factory=dict)
     why: Mapping[str, str] = field(default_factory=dict)
     skip: str | None = None  # a reason this artifact cannot run at this scale
+    also: tuple[tuple[str, ...], ...] | None = None  # replaces the experiment's ``also`` sweeps ([]: none)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Experiment:
     stand_ins: Mapping[str, Mapping[Any, Any]] = field(default_factory=dict)
     why: Mapping[str, str] = field(default_factory=dict)
     notes: str | None = None
-    paper_factor: float = 1.0  # multiply the paper's values by this to compare (0-1 scores: 100)
+    paper_factor: float = 1.0  # multiplies the paper's "score (0-1)" numbers (100: kvbench's 0-100 scale)
 
     @property
     def ref(self) -> str:
@@ -155,7 +156,9 @@ def _experiment(name: str, path: Path, data: Any) -> Experiment:
             raise bad(f"reproduce.scales.{scale} takes {', '.join(_SCALE_KEYS)}")
         scales[scale] = ScaleSpec(overrides=tuple(str(o) for o in entry.get("overrides") or ()),
                                   bench=dict(entry.get("bench") or {}), why=dict(entry.get("why") or {}),
-                                  skip=entry.get("skip"))
+                                  skip=entry.get("skip"),
+                                  also=None if entry.get("also") is None
+                                  else tuple(tuple(str(o) for o in sweep_) for sweep_ in entry["also"]))
     also = tuple(tuple(str(o) for o in sweep_) for sweep_ in spec.get("also") or ())
     bench = spec.get("bench")
     if bench is not None:
@@ -232,7 +235,8 @@ def sweeps(exp: Experiment, scale: str, extra: Sequence[str] = ()) -> list[list[
         return []
     shared = [*load_scale(scale).overrides, *exp.scale(scale).overrides, *extra]
     base = [f"{k}={v}" for k, v in exp.sweep.items()]
-    return [[f"+experiment={exp.name}", *base, *more, *shared] for more in ((), *exp.also)]
+    also = exp.scale(scale).also
+    return [[f"+experiment={exp.name}", *base, *more, *shared] for more in ((), *(exp.also if also is None else also))]
 
 
 def bench_options(exp: Experiment, scale: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -63,7 +63,7 @@ ALIASES = {
     "budget": "budget.label", "lengths": "config.task.lengths",
 }
 _ITEM_KEYS = {
-    "table": {"rows", "cols", "value", "split", "where", "title", "digits", "compare"},
+    "table": {"rows", "cols", "value", "split", "where", "title", "digits", "compare"},  # compare: none = ours only
     "claims": {"rows", "split", "where", "title", "compare", "source"},
     "curve": {"x", "y", "series", "split", "where", "title", "source", "xlabel", "ylabel", "logx", "logy", "label",
               "explode"},
@@ -211,8 +211,11 @@ def paper_rows(exp: Any, compare: str | None = None) -> tuple[Any, Any]:
 
     art = get_artifact(compare or exp.compare)
     frame = values_frame(art.paper, art.id)
+    on_01 = frame["unit"].astype(str).str.contains("(0-1)", regex=False)  # scores a paper prints on 0-1
     for key in ("value", "low", "high"):
-        frame[key] = frame[key].map(lambda v: v * exp.paper_factor if not is_missing(v) else v)
+        frame[key] = [v * exp.paper_factor if scaled and not is_missing(v) else v for v, scaled in zip(frame[key], on_01)]
+    if exp.paper_factor != 1.0:
+        frame.loc[on_01, "unit"] = f"score (the paper's 0-1 x {exp.paper_factor:g})"
     return art, frame
 
 
@@ -263,7 +266,9 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     rows_keys, cols_keys = list(spec.get("rows") or []), list(spec.get("cols") or [])
     value, digits = spec.get("value", "score"), int(spec.get("digits", 2))
     split = list(spec.get("split", ["model"]))
-    art, paper = paper_rows(exp, spec.get("compare"))
+    art, paper = paper_rows(exp, None if spec.get("compare") in (None, "none") else spec["compare"])
+    if spec.get("compare") == "none" or "quantity" in art.dims:  # the paper's numbers are claims, not cells
+        paper = paper.iloc[0:0]
     ours = select(long_frame(runs), spec.get("where")) if not runs.empty else pd.DataFrame()
     pairs = join_keys(exp, art, ours) if not ours.empty else [(k, exp.join.get(k, k)) for k in (*art.dims, *art.fixed)]
     shown = rows_keys + cols_keys
@@ -295,7 +300,7 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     ours_groups = groups(ours_tab, split) if len(ours_tab) else [("", ours_tab)]
     for label, group in ours_groups:
         merged = _merge(group, paper_tab, [n for _, _, n in join_cols], shown)
-        title = spec.get("title") or f"{value}: ours / paper (Δ)"
+        title = spec.get("title") or (f"{value}: ours / paper (Δ)" if not paper.empty else f"{value} (ours)")
         sections.append(_table_section(f"{title}{' — ' + label if label else ''}", merged, rows_keys, cols_keys,
                                        paper, digits, split_label=label, split=split))
     return sections
@@ -329,6 +334,8 @@ def _table_section(title: str, merged: Any, rows: list[str], cols: list[str], pa
 
     def cell(r: Any) -> str:
         ours = r.get("ours")
+        if paper.empty:  # nothing published to compare with: ours alone
+            return fmt(ours, digits)
         theirs = paper.iloc[int(r["_row"])] if not is_missing(r.get("_row")) else None
         text = f"{fmt(ours, digits)} / {paper_text(theirs, digits) if theirs is not None else '–'}"
         if theirs is not None and not is_missing(ours) and not is_missing(theirs.get("value")):
@@ -506,12 +513,16 @@ def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, ben
 
     curves_figure(data, path, title=title, xlabel=spec.get("xlabel") or x, ylabel=spec.get("ylabel") or ", ".join(ys),
                   logx=bool(spec.get("logx")), logy=bool(spec.get("logy")))
-    table = data.assign(y=data["y"].map(lambda v: fmt(v, 4)))
+    table = data.assign(y=data["y"].map(lambda v: fmt(v, 3)))
     index = ["split", "series"] if data["split"].nunique() > 1 else ["series"]
     grid = table.pivot_table(index=index + (["label"] if "label" in data.columns else []), columns="x", values="y",
-                             aggfunc="first", sort=False).reset_index()
-    grid.columns = [fmt(c) if isinstance(c, float) else str(c) for c in grid.columns]
-    grid = grid.fillna("–")
+                             aggfunc="first", sort=False)
+    if grid.isna().to_numpy().mean() > 0.5:  # a scatter (x not shared between series): the points, one per row
+        grid = table.assign(x=table["x"].map(lambda v: fmt(v, 3)))[[*index, *(["label"] if "label" in table else []), "x", "y"]]
+    else:
+        grid = grid.reset_index()
+        grid.columns = [fmt(c, 3) if isinstance(c, float) else str(c) for c in grid.columns]
+        grid = grid.fillna("–")
     return [Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=data.to_csv(index=False), frame=grid,
                     figures=[path])]
 
