@@ -48,7 +48,7 @@ def test_shards_partition_the_ids():
 def test_two_shard_workers_lose_and_duplicate_nothing(tmp_path):
     """Two processes on one run with task.shard=0/2 and 1/2 at the same time: each writes its own run
     directory (no waiting on a lock), and the merged run equals the unsharded one sample for sample."""
-    common = [*TINY, "task.depths=[0,0.25,0.5,0.75,1]", "method=streamingllm", "budget.tokens=64"]
+    common = [*TINY, "task.depths=[0,0.5,1]", "method=streamingllm", "budget.tokens=64"]
     workers = [subprocess.Popen([sys.executable, "-m", "kvbench", "run", *common, f"task.shard={i}/2",
                                  f"output_dir={tmp_path / 'sharded'}"], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -92,14 +92,14 @@ def test_a_missing_shard_leaves_the_run_unfinished(tmp_path):
 # ---------------------------------------------------------------------- launchers
 def test_joblib_sweep_equals_the_sequential_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    sweep = ["-m", *TINY, "task.depths=[0,1]", "method=full,streamingllm,oracle", "budget.tokens=64"]
+    sweep = ["-m", *TINY, "task.depths=[0,1]", "method=full,streamingllm", "budget.tokens=64"]
     sequential = kvbench("run", *sweep, f"output_dir={tmp_path / 'seq'}")
     assert sequential.returncode == 0, sequential.stderr[-2000:]
     parallel = kvbench("run", *sweep, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"output_dir={tmp_path / 'par'}")
     assert parallel.returncode == 0, parallel.stderr[-2000:]
     a, b = samples_by_run(tmp_path / "seq"), samples_by_run(tmp_path / "par")
-    assert len(a) == 3 and a == b, "same run directories, same predictions and scores"
-    assert parallel.stdout.count("| finished |") == 3, "the sweep's table lists the jobs' runs"
+    assert len(a) == 2 and a == b, "same run directories, same predictions and scores"
+    assert parallel.stdout.count("| finished |") == 2, "the sweep's table lists the jobs' runs"
 
 
 def test_submitit_local_executor_runs_the_sweep(tmp_path):

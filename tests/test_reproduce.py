@@ -188,3 +188,56 @@ def test_bootstrap_interval_of_a_constant_difference_is_a_point():
     assert low == pytest.approx(2.0) and high == pytest.approx(2.0)
     assert bootstrap_diff([1.0], [0.0]) is None
     assert not math.isnan(bootstrap_diff([1.0, 9.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0])[0])
+
+
+# ---------------------------------------------------------------------- the HTML report
+@needs_data
+def test_html_report_is_self_contained(tmp_path):
+    """One page per artifact plus an index; tables and embedded figures; no external resource."""
+    import html.parser
+
+    runs = tmp_path / "runs"
+    for name in ("pqcache/table3", "pqcache/fig11c"):
+        out = kvbench("reproduce", name, "scale=smoke", f"output_dir={runs}", "--out", str(tmp_path / "md"))
+        assert out.returncode == 0, out.stderr[-2000:]
+    out = kvbench("report", str(runs), "--html", str(tmp_path / "site"), "--scale", "smoke")
+    assert out.returncode == 0, out.stderr[-2000:]
+
+    class Page(html.parser.HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.sources, self.links, self.headings, self.in_h = [], [], [], [], False
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            self.tags.append(tag)
+            self.in_h = tag in ("h1", "h2")
+            if "src" in attrs:
+                self.sources.append(attrs["src"])
+            if tag == "link" or "href" in attrs:
+                self.links.append(attrs.get("href"))
+
+        def handle_data(self, data):
+            if self.in_h:
+                self.headings.append(data)
+
+        def handle_endtag(self, tag):
+            self.in_h = False
+
+    site = tmp_path / "site"
+    index = Page()
+    index.feed((site / "index.html").read_text())
+    assert sorted(index.links) == sorted(f"{n}.html" for n in experiment_names())
+    assert all((site / link).exists() for link in index.links)
+    table3 = Page()
+    table3.feed((site / "pqcache_table3.html").read_text())
+    assert table3.tags.count("table") >= 3 and "protocol differences (scale smoke)" in table3.headings
+    assert "47.99" in (site / "pqcache_table3.html").read_text()
+    fig = Page()
+    fig.feed((site / "pqcache_fig11c.html").read_text())
+    assert fig.sources and all(src.startswith("data:image/png;base64,") for src in fig.sources)
+    for page in site.glob("*.html"):
+        parsed = Page()
+        parsed.feed(page.read_text())
+        assert all(src.startswith("data:") for src in parsed.sources), page
+        assert all(link and not link.startswith(("http", "//", "/")) for link in parsed.links), page
