@@ -275,19 +275,20 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     # our side: display keys, join keys (stand-ins applied), value
     ours_tab = pd.DataFrame(index=ours.index)
     for key in dict.fromkeys(shown + [o for _, o in pairs] + split):
-        ours_tab[key] = values(ours, key) if not ours.empty else []
+        ours_tab[key] = values(ours, key) if not ours.empty else pd.Series([], dtype=object)
     join_cols = []
     for paper_key, ours_key in pairs:
         name = f"_join_{paper_key}"
         mapping = {norm(k): norm(v) for k, v in (exp.stand_ins.get(ours_key) or {}).items()}
-        ours_tab[name] = ours_tab[ours_key].map(lambda v, m=mapping: m.get(v, v)) if len(ours_tab) else []
+        ours_tab[name] = ours_tab[ours_key].map(lambda v, m=mapping: m.get(v, v)) if len(ours_tab) \
+            else pd.Series([], dtype=object)
         join_cols.append((paper_key, ours_key, name))
     ours_col = column(ours, value) if not ours.empty else None
     ours_tab["ours"] = ours[ours_col].values if ours_col else math.nan
     ci_col = "score_ci95" if value == "score" and "score_ci95" in ours.columns else None
     ours_tab["ours_ci"] = ours[ci_col].values if ci_col else None
     for _, ours_key, name in join_cols:  # a stand-in shows both names
-        if ours_key in shown:
+        if ours_key in shown and len(ours_tab):
             changed = ours_tab[name] != ours_tab[ours_key]
             ours_tab.loc[changed, ours_key] = ours_tab.loc[changed, ours_key] + " → " + ours_tab.loc[changed, name]
     # the paper's side
