@@ -245,5 +245,13 @@ def bench_options(exp: Experiment, scale: str, extra: Mapping[str, Any] | None =
 
 
 def why(exp: Experiment, scale: str) -> dict[str, str]:
-    """Reasons for the protocol differences: the scale's, the experiment's, the experiment's at this scale."""
-    return {**load_scale(scale).why, **exp.why, **exp.scale(scale).why}
+    """Reasons for the protocol differences. An experiment's top-level ``why`` explains its body, the
+    cpu scale; at the smoke scale the scale's own reasons (a random model, a few samples) take
+    precedence over it, and at the paper scale it does not apply. The experiment's per-scale ``why``
+    comes last."""
+    scale_why, own = load_scale(scale).why, exp.scale(scale).why
+    if scale == "paper":
+        return {**scale_why, **own}
+    if scale == "smoke":
+        return {**exp.why, **scale_why, **own}
+    return {**scale_why, **exp.why, **own}

@@ -198,9 +198,19 @@ def long_frame(runs: Any) -> Any:
                    if c.startswith("per_subset.") and not is_missing(base.get(c))}
         for name, score in subsets.items():
             rows.append({**{k: v for k, v in base.items() if k.startswith("config.") or k in ("run_id", "run_dir",
-                         "budget.label", "n", "state")}, "dataset": name, "score": score})
-        rows.append({**base, "dataset": "average" if subsets else None})
+                         "budget.label", "n", "state")}, "dataset": name, "score": score, RUN_LEVEL: False})
+        rows.append({**base, "dataset": "average" if subsets else None, RUN_LEVEL: True})
     return pd.DataFrame(rows)
+
+
+RUN_LEVEL = "_run_level"  # long_frame: the run's own row (not a subset's)
+
+
+def rows_for(frame: Any, keys: Sequence[str]) -> Any:
+    """The rows a view of ``keys`` reads: per subset only when it names ``dataset``, else one per run."""
+    if RUN_LEVEL not in frame.columns or "dataset" in keys:
+        return frame
+    return frame[frame[RUN_LEVEL].astype(bool)]
 
 
 # ---------------------------------------------------------------------- the paper's numbers
@@ -269,7 +279,8 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     art, paper = paper_rows(exp, None if spec.get("compare") in (None, "none") else spec["compare"])
     if spec.get("compare") == "none" or "quantity" in art.dims:  # the paper's numbers are claims, not cells
         paper = paper.iloc[0:0]
-    ours = select(long_frame(runs), spec.get("where")) if not runs.empty else pd.DataFrame()
+    shown_keys = [*rows_keys, *cols_keys, *split, *(spec.get("where") or {})]
+    ours = select(rows_for(long_frame(runs), shown_keys), spec.get("where")) if not runs.empty else pd.DataFrame()
     pairs = join_keys(exp, art, ours) if not ours.empty else [(k, exp.join.get(k, k)) for k in (*art.dims, *art.fixed)]
     shown = rows_keys + cols_keys
     # our side: display keys, join keys (stand-ins applied), value
@@ -399,7 +410,7 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     scale = float(spec.get("scale", 1.0))
 
     def mean(selector: Any) -> float | None:
-        rows = select(frame, selector)
+        rows = select(rows_for(frame, list(selector or {})), selector)
         name = column(rows, metric)
         vals = [float(v) for v in (rows[name] if name else []) if not is_missing(v)]
         return float(np.mean(vals)) if vals else None
@@ -408,12 +419,14 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     if op == "value":
         result = a
     elif op == "rel_gain_over_best":
-        among = select(frame, spec.get("among"))
+        among = select(rows_for(frame, list(spec.get("among") or {})), spec.get("among"))
         name = column(among, metric)
         best = max((float(v) for v in (among[name] if name else []) if not is_missing(v)), default=None)
         result = 100.0 * (a / best - 1.0) if a is not None and best else None
     elif op == "max_diff":
         over = spec.get("over", "dataset")
+        if RUN_LEVEL in frame.columns:  # over subsets: the subsets' rows, else the runs'
+            frame = frame[~frame[RUN_LEVEL].astype(bool)] if over == "dataset" else frame[frame[RUN_LEVEL].astype(bool)]
         left, right = select(frame, spec.get("a")), select(frame, spec.get("b"))
         name_l, name_r = column(left, metric), column(right, metric)
         if name_l is None or name_r is None:
@@ -476,7 +489,8 @@ def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, ben
     import pandas as pd
 
     source = spec.get("source", "runs")
-    frame = {"runs": lambda: long_frame(runs) if not runs.empty else pd.DataFrame(),
+    keys = [spec["x"], *(spec.get("series") or []), *(spec.get("split") or []), *(spec.get("where") or {})]
+    frame = {"runs": lambda: rows_for(long_frame(runs), keys) if not runs.empty else pd.DataFrame(),
              "samples": lambda: samples, "bench": lambda: bench_rows}[source]()
     frame = select(frame, spec.get("where")) if frame is not None and not frame.empty else pd.DataFrame()
     if spec.get("explode") and not frame.empty:
