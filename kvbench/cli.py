@@ -129,10 +129,15 @@ def _check_choices(overrides: Sequence[str]) -> None:
 
 def resolve_points(overrides: Sequence[str], multirun: bool) -> tuple[list[list[str]], list[dict[str, Any]]]:
     """Every point of the command (one without ``-m``), composed and validated, before any runs."""
-    from kvbench.compose import compose_many, is_sweep, sweep_points
+    from kvbench.compose import compose_many, is_sweep, merge_overrides, shard_overrides, sweep_points
     from kvbench.errors import ConfigError
     from kvbench.validate import validate_points
 
+    from kvbench.experiments import sweeper_overrides
+
+    # an experiment's hydra.sweeper.params come first and command-line values replace an axis, as in
+    # Hydra's basic sweeper (which runs the jobs); validating the merged list checks what will run
+    overrides = merge_overrides([*sweeper_overrides(overrides), *shard_overrides(overrides)])
     _check_choices(overrides)
     _validate_method_params(overrides)
     sweeps = is_sweep(overrides)
@@ -154,7 +159,7 @@ def _dry_run(configs: list[dict[str, Any]]) -> None:
     for index, resolved in enumerate(configs):
         p = plan(resolved)
         state = p.run_dir.state() if (p.run_dir.path / "config.yaml").exists() else None
-        known = p.task.sample_ids()
+        known = p.task.shard_sample_ids()
         where = f"{state.label}" if state else "new"
         total = f" ({len(known)} samples)" if known is not None and not state else ""
         if len(configs) > 1:
@@ -175,16 +180,51 @@ def _validate_method_params(overrides: Sequence[str]) -> None:
 def _run_job(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
+    from kvbench.compose import NOT_RUN_KEYS
     from kvbench.runner import format_summary, run
 
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    resolved.pop("hydra", None)
+    for key in NOT_RUN_KEYS:
+        resolved.pop(key, None)
+    _pin_device(resolved)
     try:
         summary = run(resolved, wait=_OPTIONS["wait"], command=_OPTIONS["command"])
     except KvbenchError as error:
         raise SystemExit(_fail(error)) from None
     _SWEEP_RUNS.append(summary)
     print(format_summary(summary), flush=True)
+
+
+def pinned_device(job_index: int, device_count: int) -> int | None:
+    """The GPU a sweep job uses on a node with several: job ``i`` takes GPU ``i mod count`` (None with
+    fewer than two GPUs: nothing to choose)."""
+    return job_index % device_count if device_count > 1 else None
+
+
+def _pin_device(resolved: dict[str, Any]) -> None:
+    """Per-job device pinning on multi-GPU nodes: a launcher's job ``i`` (Hydra's job number) runs on
+    GPU ``i mod n``, so ``hydra/launcher=joblib hydra.launcher.n_jobs=8`` on an 8-GPU node spreads the
+    jobs over the GPUs. Only for ``model.device`` auto/cuda (an explicit ``cuda:k`` is kept), and not
+    when ``KVBENCH_PIN_DEVICES=0``; Slurm jobs that get one GPU each see one device and are left alone.
+    The run's config is unchanged (the device is chosen with ``torch.cuda.set_device``), so a pinned
+    job writes the same run directory as an unpinned one."""
+    import os
+
+    if os.environ.get("KVBENCH_PIN_DEVICES", "1") == "0":
+        return
+    if str((resolved.get("model") or {}).get("device", "auto")) not in ("auto", "cuda"):
+        return
+    try:
+        import torch
+        from hydra.core.hydra_config import HydraConfig
+
+        if not torch.cuda.is_available():
+            return
+        index = pinned_device(int(HydraConfig.get().job.num or 0), torch.cuda.device_count())
+    except (ImportError, ValueError):
+        return
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 def _fail(error: KvbenchError) -> int:
@@ -209,6 +249,9 @@ def cmd_run(argv: Sequence[str]) -> int:
             print(run_usage())
             return 0
         _OPTIONS["wait"] = flags["wait"]
+        from kvbench.compose import shard_overrides
+
+        overrides = shard_overrides(overrides)
         points, configs = resolve_points(overrides, flags["multirun"])
         if flags["dry_run"]:
             _dry_run(configs)
@@ -232,11 +275,20 @@ def cmd_run(argv: Sequence[str]) -> int:
         return _fail(Interrupted(f"interrupted ({done})"))
     finally:
         sys.argv = saved
-    if flags["multirun"] and len(_SWEEP_RUNS) > 1:
-        from kvbench.report import runs_table
-
-        print("\n" + runs_table([s.run_dir for s in _SWEEP_RUNS]), flush=True)
+    if flags["multirun"] and len(points) > 1:
+        print("\n" + sweep_table(configs), flush=True)
     return 0
+
+
+def sweep_table(configs: list[dict[str, Any]]) -> str:
+    """The runs table of a sweep's points, from their run directories (jobs may have run in other
+    processes or on other machines, through a launcher)."""
+    from kvbench.report import runs_table
+    from kvbench.runner import plan
+
+    paths = list(dict.fromkeys(plan(c).run_dir.path for c in configs))
+    existing = [p for p in paths if p.exists()]
+    return runs_table(existing) if existing else "(no run directory was written)"
 
 
 # ---------------------------------------------------------------------- list / fetch / report
@@ -301,6 +353,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from kvbench.errors import ConfigError
     from kvbench.report import check_paths, comparison_figure, parse_where, pivot_table, protocol_diff, runs_table
 
+    if args.html:
+        from kvbench.html import build
+
+        output_dir = Path(args.paths[0]) if args.paths else Path("results/runs")
+        print(build(Path(args.html), args.scale, output_dir))
+        return 0
     if args.diff:
         missing = [p for p in args.diff if not (Path(p) / "config.yaml").exists()]
         if missing:
@@ -317,6 +375,32 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(pivot_table(paths, rows, cols, value=args.value, where=where, fmt=args.format))
         return 0
     print(runs_table(paths, fmt=args.format, where=where))
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """``kvbench reproduce``: list the paper artifacts, or run one's missing runs and render it."""
+    from kvbench.errors import ConfigError
+    from kvbench.experiments import DEFAULT_SCALE, SCALES
+    from kvbench.reproduce import listing, reproduce
+
+    if args.list or not args.name:
+        print(listing())
+        return 0
+    scale, extra = DEFAULT_SCALE, []
+    for item in args.overrides:
+        if item.startswith("scale="):
+            scale = item.partition("=")[2]
+            if scale not in SCALES:
+                raise ConfigError(f"unknown scale {scale!r}", f"use scale={' | scale='.join(SCALES)}")
+        else:
+            extra.append(item)
+    report = reproduce(args.name, scale, extra, run=not args.no_run, dry_run=args.dry_run,
+                       out=Path(args.out) if args.out else None, wait=args.wait)
+    if not args.dry_run:
+        print(report.markdown())
+        if report.out_dir is not None:
+            print(f"written: {report.out_dir}/ (report.md, report.tex, section-*.csv, figures)")
     return 0
 
 
@@ -387,6 +471,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
                           help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
                                "unknown columns are refused with the valid ones")
+    p_repro = sub.add_parser("reproduce", help="run a paper artifact's sweep (what is missing) and render it beside the "
+                                              "published numbers; --list shows the artifacts")
+    p_repro.add_argument("name", nargs="?", help="<paper>/<artifact>, e.g. pqcache/table3")
+    p_repro.add_argument("overrides", nargs="*", help="scale=smoke|cpu|paper (default cpu), then Hydra overrides "
+                                                      "(hydra/launcher=joblib runs the sweep in parallel)")
+    p_repro.add_argument("--list", action="store_true", help="list the artifacts with a one-line description")
+    p_repro.add_argument("--dry-run", action="store_true", help="validate every point and show its run directory and state")
+    p_repro.add_argument("--no-run", action="store_true", help="render from the runs that exist; run nothing")
+    p_repro.add_argument("--out", default=None, help="where the report goes (default results/reproduce/<scale>/<name>)")
+    p_repro.add_argument("--wait", action="store_true", help="wait for another process writing a run directory")
+    p_report.add_argument("--html", metavar="DIR", help="a self-contained web report in DIR: one page per paper "
+                                                       "artifact (kvbench reproduce's tables and figures, embedded)")
+    p_report.add_argument("--scale", default="cpu", choices=["smoke", "cpu", "paper"],
+                          help="--html: which scale's runs the pages show (default cpu)")
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")
@@ -402,7 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072")
     p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
     args = parser.parse_args(argv)
-    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench, "check": cmd_check}
+    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench, "check": cmd_check,
+                "reproduce": cmd_reproduce}
     try:
         return handlers[args.command](args)
     except KvbenchError as error:

@@ -19,6 +19,9 @@ from typing import Any, Sequence
 from kvbench.errors import ConfigError
 
 CONFIG_MODULE = "kvbench.conf"
+#: top-level keys a composed config may hold that are not part of a run (never hashed): Hydra's own, and
+#: the ``reproduce:`` block of an experiment file (read by ``kvbench reproduce``, :mod:`kvbench.experiments`)
+NOT_RUN_KEYS = ("hydra", "reproduce")
 
 
 def register_method_configs() -> None:
@@ -55,7 +58,8 @@ def compose_many(points: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
                 config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
             except (HydraException, OmegaConfBaseException) as exc:
                 raise override_error(exc, overrides) from None
-            config.pop("hydra", None)
+            for key in NOT_RUN_KEYS:
+                config.pop(key, None)
             resolved.append(config)
     return resolved
 
@@ -72,6 +76,22 @@ def sweep_points(overrides: Sequence[str]) -> list[list[str]]:
         return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
     except HydraException as exc:
         raise override_error(exc, overrides) from None
+
+
+def merge_overrides(overrides: Sequence[str]) -> list[str]:
+    """One override per key, the last one winning at the first one's place — how Hydra's basic sweeper
+    merges an experiment's ``hydra.sweeper.params`` with the command line."""
+    merged: dict[str, str] = {}
+    for item in overrides:
+        key = item.partition("=")[0] if "=" in item else item
+        merged[key] = item
+    return list(merged.values())
+
+
+def shard_overrides(overrides: Sequence[str]) -> list[str]:
+    """``task.shard=i/n`` as ``++task.shard=i/n``: no task config declares ``shard`` (so that unsharded
+    runs keep their run ids), and Hydra only adds an undeclared key with a ``+``."""
+    return [f"++{item}" if item.startswith("task.shard=") else item for item in overrides]
 
 
 def is_sweep(overrides: Sequence[str]) -> list[str]:

@@ -376,3 +376,36 @@ def ruler_by_length(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) ->
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
+
+
+# ---------------------------------------------------------------------- curves (kvbench reproduce)
+def curves_figure(points: Any, path: Path, *, title: str = "", xlabel: str = "", ylabel: str = "",
+                  logx: bool = False, logy: bool = False) -> Path:
+    """Lines of ``y`` against ``x``, one per ``series``, one panel per ``split`` (a DataFrame with those
+    columns, and optionally ``label`` to annotate each point): recall against budget (ClusterKV Fig. 11),
+    latency against context length (PQCache Fig. 11), quality against TTFT (CacheBlend Figs. 12, 16)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = list(dict.fromkeys(points["split"]))
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits) + 0.6, 3.6), dpi=120, squeeze=False,
+                             layout="constrained")
+    for ax, split in zip(axes.flat, splits):
+        part = points[points["split"] == split]
+        for name in dict.fromkeys(part["series"]):
+            line = part[part["series"] == name].sort_values("x")
+            ax.plot(line["x"], line["y"], marker="o", markersize=3.5, linewidth=1.2, label=name or ylabel)
+            if "label" in line.columns:
+                for x, y, text in zip(line["x"], line["y"], line["label"]):
+                    ax.annotate(str(text), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log" if logx else "linear")
+        ax.set_yscale("log" if logy else "linear")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(_wrap(" · ".join(p for p in (title, str(split)) if p), 60), fontsize=9)
+        ax.grid(alpha=0.3)
+        if part["series"].nunique() > 1 or part["series"].iloc[0]:
+            ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -222,7 +222,7 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     that differ between them. ``kind`` picks one of the task's figures (``Task.figure_kinds``; the
     first is the default, and a note on stderr names the others)."""
     from kvbench.errors import ConfigError
-    from kvbench.results import RunDir
+    from kvbench.results import RunDir, run_records
     from kvbench.tasks import REGISTRY
 
     frame = runs_frame(paths, every_column=True)
@@ -253,8 +253,7 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
         if row.get("score") == row.get("score") and row.get("score") is not None:
             second += f"  ({row['score']:.1f})"
         title = f"{title}\n{second.strip()}" if second.strip() else title
-        run = RunDir(Path(row["run_dir"]))
-        runs.append(FigureRun(title, run.records(), run.config()))
+        runs.append(FigureRun(title, run_records(row), RunDir(Path(row["run_dir"])).config()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return task.comparison_figure(runs, out, kind=kind) if kind is not None else task.comparison_figure(runs, out)
@@ -313,23 +312,26 @@ def to_markdown(frame) -> str:
     return "\n".join([header, rule, *rows])
 
 
-def protocol_diff(run_a: str | Path, run_b: str | Path) -> str:
-    """Markdown table of every config and protocol value that differs between two runs."""
+def flat_protocol(run: Path) -> dict:
+    """A run's config (``config.*``) and task protocol (``protocol.*``) as one flat mapping: what
+    :func:`protocol_diff` compares, and what ``kvbench reproduce`` lists as our protocol."""
     import json
 
     import yaml
 
-    def flat(run: Path) -> dict:
-        from kvbench.results import _flatten
+    from kvbench.results import _flatten
 
-        out: dict = {}
-        config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
-        _flatten("config", config, out)
-        metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
-        _flatten("protocol", metrics.get("protocol", {}), out)
-        return out
+    out: dict = {}
+    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    _flatten("config", config, out)
+    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
+    _flatten("protocol", metrics.get("protocol", {}), out)
+    return out
 
-    a, b = flat(Path(run_a)), flat(Path(run_b))
+
+def protocol_diff(run_a: str | Path, run_b: str | Path) -> str:
+    """Markdown table of every config and protocol value that differs between two runs."""
+    a, b = flat_protocol(Path(run_a)), flat_protocol(Path(run_b))
     rows = [(key, a.get(key, "–"), b.get(key, "–")) for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
     if not rows:
         return "(the two runs share every config and protocol value)"

@@ -477,22 +477,105 @@ def load(paths: Iterable[str | Path] | str | Path = "results/runs", *, samples: 
     if isinstance(paths, (str, Path)):
         paths = [paths]
     rows: list[dict[str, Any]] = []
+    shards: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for run in find_runs(paths):
         run_dir = RunDir(run)
         config = yaml.safe_load((run / CONFIG).read_text()) if (run / CONFIG).exists() else {}
+        base_config = unsharded(config)
+        if base_config is not None:
+            shards.setdefault(run_id_for(base_config), []).append((run, config))
+            continue
         records = run_dir.records()
         state = run_dir.state(records)
         base: dict[str, Any] = {"run_id": run.name, "run_dir": str(run), "state": state.status}
         _flatten("config", config, base)
-        if samples:
-            for record in records:
-                row = dict(base)
-                _flatten("", {k: v for k, v in record.items() if k not in ("meta", "telemetry", "budget")}, row)
-                _flatten("meta", record.get("meta", {}), row)
-                _flatten("telemetry", record.get("telemetry", {}), row)
-                rows.append(row)
-        else:
-            row = {**base, "status": state.label, "done": state.done, "total": state.total}
-            _flatten("", run_dir.metrics(), row)
-            rows.append(row)
+        _rows(base, records, state, run_dir.metrics(), samples, rows)
+    for run_id, parts in shards.items():
+        config = unsharded(parts[0][1]) or {}
+        merged = merge_shards([run for run, _ in parts])
+        base = {"run_id": run_id, "run_dir": str(parts[0][0]), "state": merged.state.status,
+                "shard_dirs": [str(run) for run, _ in sorted(parts)]}
+        _flatten("config", config, base)
+        _rows(base, merged.records, merged.state, merged.metrics, samples, rows)
     return pd.DataFrame(rows)
+
+
+def _rows(base: dict[str, Any], records: list[dict[str, Any]], state: RunState, metrics: dict[str, Any], samples: bool,
+          rows: list[dict[str, Any]]) -> None:
+    if samples:
+        for record in records:
+            row = dict(base)
+            _flatten("", {k: v for k, v in record.items() if k not in ("meta", "telemetry", "budget")}, row)
+            _flatten("meta", record.get("meta", {}), row)
+            _flatten("telemetry", record.get("telemetry", {}), row)
+            rows.append(row)
+    else:
+        row = {**base, "status": state.label, "done": state.done, "total": state.total}
+        _flatten("", metrics, row)
+        rows.append(row)
+
+
+# ---------------------------------------------------------------------- shards (task.shard=i/n)
+def unsharded(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The config of the run a shard belongs to (``task.shard`` dropped), or None for an unsharded run.
+    Its run id is the one the run would have had unsharded."""
+    task = config.get("task") or {}
+    if not isinstance(task, dict) or task.get("shard") is None:
+        return None
+    return {**config, "task": {k: v for k, v in task.items() if k != "shard"}}
+
+
+@dataclass
+class Merged:
+    records: list[dict[str, Any]]
+    state: RunState
+    metrics: dict[str, Any]
+
+
+def merge_shards(runs: list[Path]) -> Merged:
+    """The run that the shard directories ``runs`` (of one config, ``task.shard=i/n``) make up: their
+    samples (each id once), the metrics recomputed from them as the runner would, and its state —
+    finished once all n shards are; otherwise unfinished (or running / failed when a shard is)."""
+    import yaml
+
+    records: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    states, totals, count = [], [], None
+    for run in sorted(runs):
+        run_dir = RunDir(run)
+        config = yaml.safe_load((run / CONFIG).read_text())
+        count = int(str(config["task"]["shard"]).partition("/")[2])
+        part = run_dir.records()
+        states.append(run_dir.state(part))
+        totals.append(states[-1].total)
+        for record in part:
+            if str(record["id"]) not in seen:
+                seen.add(str(record["id"]))
+                records.append(record)
+    complete = count is not None and len(runs) == count
+    total = sum(totals) if complete and all(t is not None for t in totals) else None
+    statuses = {s.status for s in states}
+    status = ("finished" if complete and statuses == {"finished"} else "running" if "running" in statuses
+              else "failed" if "failed" in statuses else "unfinished")
+    metrics = shard_metrics(unsharded(config) or config, records) if status == "finished" and records else {}
+    return Merged(records=records, state=RunState(status, len(records), total), metrics=metrics)
+
+
+def shard_metrics(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``metrics.json`` of the merged run, computed from its samples like the runner computes it."""
+    from kvbench.budget import BudgetConfig
+    from kvbench.methods import create_method
+    from kvbench.runner import summarise
+    from kvbench.tasks import create_task
+
+    metrics = summarise(create_task(config["task"]), create_method(config["method"]),
+                        BudgetConfig.from_mapping(config.get("budget")), records)
+    return json.loads(json.dumps(metrics, default=_jsonable))
+
+
+def run_records(row: Any) -> list[dict[str, Any]]:
+    """The samples of a row of :func:`load` (a run, or shards merged into one)."""
+    shard_dirs = row.get("shard_dirs") if hasattr(row, "get") else None
+    if isinstance(shard_dirs, list) and shard_dirs:
+        return merge_shards([Path(p) for p in shard_dirs]).records
+    return RunDir(Path(row["run_dir"])).records()

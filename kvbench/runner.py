@@ -95,7 +95,7 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
     p = plan(resolved)
     run_dir, task = p.run_dir, p.task
     run_dir.check_config(p.resolved)
-    known = task.sample_ids()
+    known = task.shard_sample_ids()
     with run_dir.lock(wait=wait, command=command):
         try:
             run_dir.repair_tail()
@@ -150,12 +150,12 @@ def _run_samples(
         method.attach_store(ChunkStore(StoreConfig.from_mapping(resolved.get("store"))))
     run_dir.log(f"model {resolved['model']['name']} loaded in {time.perf_counter() - clock:.1f} s")
     config_yaml = yaml.safe_dump(resolved, sort_keys=True)
-    ids = task.sample_ids()
+    ids = task.shard_sample_ids()
     total = len(ids) - len(done & set(ids)) if ids is not None else None
     ran = 0
     progress = Progress(run_dir, total=total, enabled=bool(resolved.get("progress", True)))
     try:
-        for sample in task.samples(model):
+        for sample in task.shard_samples(model):
             if sample.id in done:
                 continue
             clock = time.perf_counter()

@@ -115,7 +115,7 @@ class Task:
 
     name: ClassVar[str] = ""
     #: config keys every task accepts (beyond its own), e.g. ``limit``
-    common_keys: ClassVar[tuple[str, ...]] = ("name", "limit", "data_dir", "question_position")
+    common_keys: ClassVar[tuple[str, ...]] = ("name", "limit", "data_dir", "question_position", "shard")
     #: the task's own config keys with their defaults
     defaults: ClassVar[dict[str, Any]] = {}
     #: how the run's score averages: ``samples`` (mean over samples) or ``subsets`` (mean of subset means)
@@ -142,6 +142,7 @@ class Task:
         limit = self.cfg.get("limit")
         if limit is not None and int(limit) < 1:
             raise ConfigError(f"task.limit={limit} must be positive", "drop task.limit or set it to 1 or more")
+        self.shard = parse_shard(self.cfg.get("shard"))
         if "queries_per_context" in self.cfg:
             self._check_multi_query()
 
@@ -183,6 +184,29 @@ class Task:
 
     def samples(self, model: LoadedModel) -> Iterable[Sample]:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ shards (task.shard=i/n)
+    def shard_sample_ids(self) -> list[str] | None:
+        """:meth:`sample_ids` of this run's shard: every n-th id from the i-th (all without a shard)."""
+        ids = self.sample_ids()
+        if ids is None or self.shard is None:
+            return ids
+        index, count = self.shard
+        return ids[index::count]
+
+    def shard_samples(self, model: LoadedModel) -> Iterable[Sample]:
+        """:meth:`samples` of this run's shard. Where the ids are known up front the shard is every n-th
+        of them (:meth:`shard_sample_ids`); otherwise every n-th sample the task yields. Both are the same
+        partition for every worker, because a sharded run differs from its siblings only in ``shard``."""
+        if self.shard is None:
+            yield from self.samples(model)
+            return
+        index, count = self.shard
+        ids = self.shard_sample_ids()
+        wanted = set(ids) if ids is not None else None
+        for position, sample in enumerate(self.samples(model)):
+            if (sample.id in wanted) if wanted is not None else position % count == index:
+                yield sample
 
     def data_files(self) -> list[Path]:
         """The local data files this run will read (from ``task.data_dir``), so that
@@ -359,3 +383,24 @@ def followup_frame(chat: Any) -> tuple[str, str]:
                           "set model.chat_template to a template with multi-turn support")
     before, after = text.split(answer, 1)[1].split(question, 1)
     return before, after
+
+
+def parse_shard(value: Any) -> tuple[int, int] | None:
+    """``task.shard``: ``"i/n"`` (shard i of n, 0-based) → ``(i, n)``; None for an unsharded run.
+
+    A sharded run computes every n-th sample, so n workers given ``task.shard=0/n`` ... ``n-1/n`` split a
+    run between them. Each shard has its own run directory (``shard`` is part of the config, so of the
+    hash) and its own lock, so the workers never wait for each other; ``kvbench report`` and
+    :func:`kvbench.results.load` merge the shards back into the run they make up."""
+    if value is None:
+        return None
+    text = str(value)
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i, n = -1, 0
+    if not sep or n < 1 or not 0 <= i < n:
+        raise ConfigError(f"task.shard={text} is not i/n with 0 <= i < n",
+                          "e.g. task.shard=0/2 and task.shard=1/2 for two workers")
+    return (i, n) if n > 1 else None

@@ -1,0 +1,243 @@
+"""kvbench reproduce: experiment files, scales, rendering beside the published numbers, paired statistics."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvbench.errors import ConfigError
+from kvbench.experiments import experiment_names, load_experiment, sweeps
+from kvbench.papers import get_artifact
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+needs_data = pytest.mark.skipif(not (SHARED_DATA / "longbench" / "full").is_dir(), reason="../shared/data not present")
+
+
+def kvbench(*args, cwd=REPO, timeout=600):
+    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+# ---------------------------------------------------------------------- experiment files
+def test_at_least_twelve_artifacts_across_the_three_papers():
+    names = experiment_names()
+    assert len(names) >= 12
+    assert {load_experiment(n).paper for n in names} == {"pqcache", "clusterkv", "cacheblend"}
+
+
+@pytest.mark.parametrize("name", experiment_names())
+def test_experiment_names_a_published_artifact_and_every_scale(name):
+    exp = load_experiment(name)
+    art = get_artifact(exp.compare)  # raises when results/papers has no such artifact
+    assert art.paper == exp.paper
+    assert exp.render, "an experiment says how to render it"
+    if exp.bench:
+        assert {"smoke", "cpu", "paper"} <= set(exp.scales), "a bench experiment gives options per scale"
+    else:
+        assert exp.sweep, "hydra.sweeper.params holds the sweep"
+        assert all(s[0] == f"+experiment={name}" for s in sweeps(exp, "smoke"))
+
+
+def test_list_prints_every_artifact_with_a_description():
+    out = kvbench("reproduce", "--list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == len(experiment_names())
+    assert any(line.startswith("pqcache/table3 ") and "question" in line for line in lines)
+
+
+def test_unknown_artifact_is_one_line_with_a_suggestion():
+    out = kvbench("reproduce", "pqcache/tabel3")
+    assert out.returncode != 0
+    assert "no experiment 'pqcache/tabel3'" in out.stderr and "pqcache/table3" in out.stderr
+
+
+@needs_data
+@pytest.mark.parametrize("scale", ["smoke", "paper"])
+def test_every_experiment_validates(scale, tmp_path, capsys):
+    """Every point of every experiment composes and passes `kvbench run`'s checks (paper scale: on
+    hub ids and the hub's data, validated only)."""
+    from kvbench.reproduce import reproduce
+
+    for name in experiment_names():
+        reproduce(name, scale, [f"output_dir={tmp_path}"], dry_run=True)
+    assert "missing" in capsys.readouterr().out
+
+
+def test_run_with_an_experiment_sweeps_its_params(tmp_path):
+    """`kvbench run -m +experiment=X` runs the file's sweep; command-line values replace an axis."""
+    base = ["run", "--dry-run", "+experiment=pqcache_table3", "model=tiny_llama", f"output_dir={tmp_path}"]
+    if not (SHARED_DATA / "longbench" / "full").is_dir():
+        base.append("task.data_dir=null")
+    out = kvbench(*base)
+    assert out.returncode != 0 and "is a sweep" in out.stderr and "add -m" in out.stderr
+    out = kvbench(*base, "-m")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("# run directory:") == 4
+    assert "reproduce" not in out.stdout, "the reproduce: block is not part of a run's config"
+    out = kvbench(*base, "-m", "method=pqcache,snapkv")
+    assert out.stdout.count("# run directory:") == 2
+
+
+# ---------------------------------------------------------------------- the acceptance path
+@needs_data
+def test_table3_smoke_renders_ours_beside_the_paper(tmp_path):
+    out = kvbench("reproduce", "pqcache/table3", "scale=smoke", f"output_dir={tmp_path / 'runs'}",
+                  "--out", str(tmp_path / "report"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "Runs: 4 of 4 finished" in text
+    # the paper's Table 3 numbers beside ours, with the stand-in named
+    assert "multifieldqa_zh → multifieldqa_en" in text and "/ 47.99 (" in text and "/ 32.44 (" in text
+    assert "## protocol differences (scale smoke)" in text and "| model | Llama-3.1-8B | tiny_llama |" in text
+    assert "paired against method=full" in text
+    report = tmp_path / "report"
+    assert (report / "report.md").read_text().startswith("# pqcache/table3")
+    assert r"\begin{tabular}" in (report / "report.tex").read_text()
+    table = pd.read_csv(report / "section-1.csv")
+    row = table[(table["dataset"] == "average") & (table["method"] == "pqcache")].iloc[0]
+    assert row["paper"] == pytest.approx(32.44) and row["delta"] == pytest.approx(row["ours"] - 32.44)
+    # resumable: a second call computes nothing
+    again = kvbench("reproduce", "pqcache/table3", "scale=smoke", f"output_dir={tmp_path / 'runs'}",
+                    "--out", str(tmp_path / "report"))
+    assert again.returncode == 0 and "[1/" not in again.stdout
+
+
+# ---------------------------------------------------------------------- rendering pieces
+def test_paper_text_and_holds():
+    from kvbench.render import holds, paper_text
+
+    assert paper_text({"value": 0.02, "relation": "<="}) == "≤ 0.02"
+    assert paper_text({"low": 2.2, "high": 3.3, "relation": "="}) == "2.20–3.30"
+    assert holds(2.5, {"low": 2.2, "high": 3.3, "relation": "="}) == "yes"
+    assert holds(3.4, {"low": 2.2, "high": 3.3, "relation": "="}) == "no"
+    assert holds(0.6, {"value": 0.5, "relation": "<="}) == "no"
+    assert holds(2.1, {"value": 2, "relation": ">"}) == "yes"
+    assert holds(0.6, {"value": 0.5, "relation": "~"}) == "–"
+    assert holds(None, {"value": 0.5, "relation": "<"}) == "–"
+
+
+def test_claim_ops_against_hand_computed_values():
+    from kvbench.render import claim_value
+
+    frame = pd.DataFrame({
+        "config.method.name": ["full", "snapkv", "pyramidkv", "pqcache", "full", "pqcache"],
+        "dataset": ["average"] * 4 + ["1024", "1024"],
+        "score": [50.0, 40.0, 44.0, 46.2, 10.0, 10.4],
+        "ttft_s": [3.0, 1.0, 1.0, 1.2, None, None],
+    })
+    avg = {"dataset": "average"}
+    assert claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "full"}, "b": {"method": "pqcache"}}) \
+        == pytest.approx(2.5)
+    assert claim_value(frame, {"op": "rel_gain_over_best", "a": {"method": "pqcache", **avg},
+                               "among": {"method": ["snapkv", "pyramidkv"], **avg}}) == pytest.approx(5.0)
+    assert claim_value(frame, {"op": "rel_gap", "a": {"method": "pqcache", **avg}, "b": {"method": "full", **avg}}) \
+        == pytest.approx(7.6)
+    assert claim_value(frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"},
+                               "b": {"method": "full"}}) == pytest.approx(0.4)
+    assert claim_value(frame, {"op": "value", "a": {"method": "snapkv"}, "scale": 0.5}) == pytest.approx(20.0)
+    assert claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "nope"}, "b": {"method": "full"}}) is None
+
+
+def test_bad_render_item_is_refused():
+    from kvbench.render import check_render
+
+    with pytest.raises(ConfigError, match="unknown render kind"):
+        check_render({"pie": {}})
+    with pytest.raises(ConfigError, match="unknown options"):
+        check_render({"table": {"rows": ["method"], "colour": "red"}})
+    with pytest.raises(ConfigError, match="op"):
+        check_render({"claims": {"rows": [{"quantity": "x", "ours": {"op": "median"}}]}})
+
+
+# ---------------------------------------------------------------------- paired statistics
+def test_mcnemar_exact_matches_the_binomial_tail():
+    from kvbench.stats import mcnemar_exact, paired
+
+    assert mcnemar_exact(0, 5) == pytest.approx(2 / 32)
+    assert mcnemar_exact(1, 6) == pytest.approx(2 * (1 + 7) / 128)
+    assert mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(0, 0) == 1.0
+    result = paired([100, 100, 100, 0, 100, 100, 100], [0, 0, 0, 0, 0, 0, 100])
+    assert result.test == "mcnemar" and (result.a_only, result.b_only) == (5, 0)
+    assert result.p == pytest.approx(2 / 32) and result.diff == pytest.approx(500 / 7)
+
+
+def test_permutation_p_enumerates_small_samples_exactly():
+    from kvbench.stats import paired, permutation_p
+
+    # differences 1, 2, 3: of the 8 sign patterns only all-plus and all-minus reach |mean| = 2
+    assert permutation_p([11.0, 12.0, 13.0], [10.0, 10.0, 10.0]) == pytest.approx(0.25)
+    assert permutation_p([5.0, 5.0], [5.0, 5.0]) == 1.0
+    result = paired([50.0, 60.0, 70.0, 80.0], [50.0, 50.0, 50.0, 50.0])
+    assert result.test == "permutation" and result.diff == pytest.approx(15.0)
+    assert result.ci_low <= 15.0 <= result.ci_high
+    large = permutation_p(list(range(40)), [x - 3 for x in range(40)])
+    assert large < 0.001  # every difference +3: no flip reaches it but the identity
+
+
+def test_bootstrap_interval_of_a_constant_difference_is_a_point():
+    from kvbench.stats import bootstrap_diff
+
+    low, high = bootstrap_diff([3.0, 4.0, 5.0], [1.0, 2.0, 3.0])
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    assert bootstrap_diff([1.0], [0.0]) is None
+    assert not math.isnan(bootstrap_diff([1.0, 9.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0])[0])
+
+
+# ---------------------------------------------------------------------- the HTML report
+@needs_data
+def test_html_report_is_self_contained(tmp_path):
+    """One page per artifact plus an index; tables and embedded figures; no external resource."""
+    import html.parser
+
+    runs = tmp_path / "runs"
+    for name in ("pqcache/table3", "pqcache/fig11c"):
+        out = kvbench("reproduce", name, "scale=smoke", f"output_dir={runs}", "--out", str(tmp_path / "md"))
+        assert out.returncode == 0, out.stderr[-2000:]
+    out = kvbench("report", str(runs), "--html", str(tmp_path / "site"), "--scale", "smoke")
+    assert out.returncode == 0, out.stderr[-2000:]
+
+    class Page(html.parser.HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.sources, self.links, self.headings, self.in_h = [], [], [], [], False
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            self.tags.append(tag)
+            self.in_h = tag in ("h1", "h2")
+            if "src" in attrs:
+                self.sources.append(attrs["src"])
+            if tag == "link" or "href" in attrs:
+                self.links.append(attrs.get("href"))
+
+        def handle_data(self, data):
+            if self.in_h:
+                self.headings.append(data)
+
+        def handle_endtag(self, tag):
+            self.in_h = False
+
+    site = tmp_path / "site"
+    index = Page()
+    index.feed((site / "index.html").read_text())
+    assert sorted(index.links) == sorted(f"{n}.html" for n in experiment_names())
+    assert all((site / link).exists() for link in index.links)
+    table3 = Page()
+    table3.feed((site / "pqcache_table3.html").read_text())
+    assert table3.tags.count("table") >= 3 and "protocol differences (scale smoke)" in table3.headings
+    assert "47.99" in (site / "pqcache_table3.html").read_text()
+    fig = Page()
+    fig.feed((site / "pqcache_fig11c.html").read_text())
+    assert fig.sources and all(src.startswith("data:image/png;base64,") for src in fig.sources)
+    for page in site.glob("*.html"):
+        parsed = Page()
+        parsed.feed(page.read_text())
+        assert all(src.startswith("data:") for src in parsed.sources), page
+        assert all(link and not link.startswith(("http", "//", "/")) for link in parsed.links), page
