@@ -39,3 +39,14 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--lengths" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_reuse_ttft_reports_every_config_against_full():
+    """reuse_ttft on a tiny model: full and both reuse methods from both tiers, ratios from paired rounds."""
+    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "reuse_ttft", "--quick", "--repeats", "1", "--json",
+                          "--model", "tiny_llama"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["results"][0]["rows"]
+    assert [(r["method"], r["chunks from"]) for r in rows] == [
+        ("full", "-"), ("cacheblend@0.15", "ram"), ("full_reuse", "ram"), ("cacheblend@0.15", "disk"), ("full_reuse", "disk")]
+    assert rows[0]["ratio to full"] == 1 and all(r["ttft_s"] > 0 and r["ratio to full"] > 0 for r in rows)

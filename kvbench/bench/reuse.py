@@ -80,22 +80,27 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
                   "disk": ChunkStore(StoreConfig(tier="disk", dir=scratch, disk_gb=64.0))}
         for index, segments in enumerate(prompts):
             ids = join_segments(segments)
-            times: dict[tuple[str, str | None], float] = {}
+            methods = []
             for label, cfg, tier in CONFIGS:
                 method = create_method({**method_node(cfg.get("name", "full")), **cfg})
                 if tier is not None:
                     method.attach_store(stores[tier])
-                samples = []
-                for _ in range(repeats + 1):  # the first run precomputes the chunks and warms up
+                methods.append(((label, tier), method))
+            times: dict[tuple[str, str | None], list[float]] = {key: [] for key, _ in methods}
+            for round_ in range(repeats + 1):  # round 0 precomputes the chunks and warms up
+                for key, method in methods:  # interleaved: a load change hits every config of a round alike
                     out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
-                    samples.append(out.telemetry["ttft_s"])
-                times[label, tier] = statistics.median(samples[1:])
+                    if round_:
+                        times[key].append(out.telemetry["ttft_s"])
             full = times["full", None]
             for (label, tier), seconds in times.items():
+                ratios = [s / f for s, f in zip(seconds, full)]
                 rows.append({"prompt": index, "tokens": len(ids), "method": label, "chunks from": tier or "-",
-                             "ttft_s": round(seconds, 4), "ratio to full": round(seconds / full, 3)})
+                             "ttft_s": round(statistics.median(seconds), 4),
+                             "ratio to full": round(statistics.median(ratios), 3)})
     notes = [f"model {loaded.spec.name} on {loaded.spec.device}; prompts: {source}",
-             f"median of {repeats} runs after one warm-up run that also precomputes the chunk caches (excluded from TTFT)",
+             f"{repeats} interleaved rounds (every config once per round) after a warm-up round that also precomputes the chunk "
+             "caches (excluded from TTFT); ttft_s: median; ratio: median of the per-round ratios to full",
              "disk: one safetensors file per chunk, dropped from the page cache before each read (cold reads)",
              f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end"]
     return BenchResult("reuse_ttft", "TTFT of reuse methods vs full prefill (same prompts, one process)", rows, notes)
