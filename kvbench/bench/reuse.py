@@ -32,8 +32,9 @@ CONFIGS = (
 )
 
 
-def _prompts(loaded: Any, count: int) -> tuple[list[Any], str]:
-    """``count`` chunked prompts (tuples of Segments) and where they come from."""
+def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], str]:
+    """``count`` chunked prompts (tuples of Segments) and where they come from (synthetic chunks of
+    ``chunk`` tokens)."""
     from kvbench.requests import Segment
 
     folder = os.environ.get("KVBENCH_RAG_DATA")
@@ -51,10 +52,10 @@ def _prompts(loaded: Any, count: int) -> tuple[list[Any], str]:
     question = loaded.tokenizer("\n\nQuestion: what is the author's advice?\nAnswer:", add_special_tokens=False).input_ids
     prompts = []
     for p in range(count):
-        start = p * 10 * CHUNK
-        chunks = [Segment(tuple(ids[start + i * CHUNK : start + (i + 1) * CHUNK]), "chunk") for i in range(10)]
+        start = p * 10 * chunk
+        chunks = [Segment(tuple(ids[start + i * chunk : start + (i + 1) * chunk]), "chunk") for i in range(10)]
         prompts.append((Segment(tuple(prefix), "prefix"), *chunks, Segment(tuple(question), "query")))
-    return prompts, f"synthetic: essays cut into 10 chunks of {CHUNK} tokens"
+    return prompts, f"synthetic: essays cut into 10 chunks of {chunk} tokens"
 
 
 @benchmark("reuse_ttft")
@@ -72,7 +73,7 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
 
     loaded = load_model(compose([f"model={name}"])["model"])
     count = 1 if options.quick else 3
-    prompts, source = _prompts(loaded, count)
+    prompts, source = _prompts(loaded, count, 64 if options.quick else CHUNK)  # --quick: a smoke test
     repeats = max(1, min(options.repeats, 3))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
