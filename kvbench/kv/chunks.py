@@ -47,6 +47,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -271,7 +272,9 @@ class ChunkStore:
         tensors.update({f"v.{i}": v.contiguous() for i, v in enumerate(entry.values)})
         metadata = {"layers": str(entry.n_layers), "start": str(entry.start), "model": key.model, "mode": key.mode,
                     "tokens": str(entry.n_tokens)}
-        tmp = path.with_name(f".{path.name}.tmp")
+        # a name of this process and thread: runs sharing a store folder may write the same chunk at once;
+        # each writes its own file and the last rename wins (the contents are identical)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         save_file(tensors, str(tmp), metadata=metadata)
         fd = os.open(tmp, os.O_RDONLY)
         try:  # on the disk before any read: a cold read can then drop every page of it
