@@ -174,8 +174,8 @@ class PQCacheParams(RetrievalParams):
                           min=1)
     b: int | None = param(None, "bits per code: 2**b centroids per sub-space; set with m", min=1, max=16)
     protocol: Literal["pqcache", "pqcache_niah"] = param(
-        "pqcache", "whose k-means schedule null settings take: pqcache (the authors' quality scripts, "
-        "run_llama.sh/run_mistral.sh: adaptive) | pqcache_niah (their test_nah.py: 10 iterations)")
+        "pqcache", "the authors' script whose k-means schedule kmeans_iters=null takes: pqcache (their quality "
+        "scripts, run_llama.sh/run_mistral.sh: adaptive) | pqcache_niah (their test_nah.py: 10 iterations)")
     kmeans_iters: int | Literal["adaptive"] | None = param(
         None, "k-means iteration cap, or adaptive (the paper's cost model, fitted per machine on the k-means it "
         "governs); null: the protocol's (pqcache: adaptive, pqcache_niah: 10)", min=0)
