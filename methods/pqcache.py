@@ -27,6 +27,7 @@ maximum-inner-product search:
 ``m``/``b`` default from ``budget.comm_ratio``: the code bits per token and head may be
 ``T = comm_ratio · 16 · d_h``; T ≥ 32 → 4×8 (InfiniteBench, 1/64 at d_h 128), T ≥ 16 → 2×6
 (LongBench, 1/128 at d_h 128: the paper's choice within 16 bits), T ≥ 8 → 2×4, else 1×T.
+
 K-means schedule. ``kmeans_iters``: an integer cap, or ``adaptive`` — the paper's cost model (§3.3):
 ``T_max = (t_layer(s) − t_kmeans3(s)) / t_iter(s) + 3`` clipped to ``[3, 300]``, with the per-layer compute
 time and the k-means costs fitted on this machine (``kvbench.methods.pqcache_cost``), the k-means
@@ -35,8 +36,8 @@ timed on the very workers and device it governs, and cached. ``null`` (the defau
 ``MAX_ITER=0``) — is adaptive; ``pqcache_niah`` — their ``test_nah.py`` — fixes 10. ``kmeans_rules``:
 ``sklearn`` (default) is the reference's scikit-learn ``KMeans(n_init=1, tol=1e-4, algorithm="lloyd")``
 from shared random points (``kmeans.SKLEARN``: stop once the centroids move less than the tolerance
-or no label changes; an empty cluster takes the point farthest from its centroid), so with
-``adaptive`` the cap is an upper bound and most problems stop earlier; ``fixed`` runs exactly
+or no label changes; an empty cluster takes the point farthest from its centroid), so the cap is
+an upper bound and a problem may stop earlier; ``fixed`` runs exactly
 ``kmeans_iters`` updates and an empty cluster keeps its centroid (kvbench's earlier rule; ClusterKV
 keeps its own rules). Every sample's telemetry records the protocol, the schedule it resolved to, the
 cap used (``kmeans_iters``), the updates actually run (``kmeans_updates``), the rules, device and
@@ -142,6 +143,8 @@ class PQCache(RetrievalMethod):
         generator = torch.Generator().manual_seed(tokens)
         dtype = next(self.ctx.model.parameters()).dtype
         keys = torch.randn(spec.n_kv_heads, tokens, spec.head_dim, generator=generator).to(self.workers.device, dtype)
+        if keys.is_cuda:  # the copy ran on the current stream; the workers' stream must not overtake it
+            torch.cuda.synchronize(keys.device)
         start = time.perf_counter()
         self.workers.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
                             init=self.params.init, options={}).result()
