@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 REGISTRY: Registry[KVMethod] = Registry(
     "method", __name__,
-    exclude={"base", "eviction", "reuse", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost", "params"},
+    exclude={"base", "eviction", "reuse", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost", "pqcache_workers", "params"},
 )
 
 

@@ -157,6 +157,13 @@ class QuestParams(RetrievalParams):
     gqa: HeadGranularity = param("per_query_head", "each query head ranks pages | shared: one ranking per KV head")
 
 
+#: PQCache's ``method.protocol``: the k-means iteration cap of the authors' script it names, which
+#: ``method.kmeans_iters=null`` takes (``run_llama.sh``/``run_mistral.sh`` set ``MAX_ITER=0``, adaptive,
+#: for every quality table; ``test_nah.py`` fixes 10). A run records ``protocol`` and ``kmeans_iters``
+#: in its config.yaml, and the schedule it resolved to in every sample's telemetry.
+PQCACHE_PROTOCOL_ITERS: dict[str, int | str] = {"pqcache": "adaptive", "pqcache_niah": 10}
+
+
 @dataclass(frozen=True)
 class PQCacheParams(RetrievalParams):
     sink: int = param(32, "the authors' code: 32 sinks outside the budget", min=0)
@@ -166,14 +173,25 @@ class PQCacheParams(RetrievalParams):
     m: int | None = param(None, "PQ sub-spaces; null (with b): from budget.comm_ratio (2x6 at 1/128, 4x8 at 1/64)",
                           min=1)
     b: int | None = param(None, "bits per code: 2**b centroids per sub-space; set with m", min=1, max=16)
-    kmeans_iters: int | Literal["adaptive"] = param(
-        10, "k-means iterations, or adaptive (the paper's cost model, fitted per machine)", min=0)
+    protocol: Literal["pqcache", "pqcache_niah"] = param(
+        "pqcache", "the authors' script whose k-means schedule kmeans_iters=null takes: pqcache (their quality "
+        "scripts, run_llama.sh/run_mistral.sh: adaptive) | pqcache_niah (their test_nah.py: 10 iterations)")
+    kmeans_iters: int | Literal["adaptive"] | None = param(
+        None, "k-means iteration cap, or adaptive (the paper's cost model, fitted per machine on the k-means it "
+        "governs); null: the protocol's (pqcache: adaptive, pqcache_niah: 10)", min=0)
+    kmeans_rules: Literal["sklearn", "fixed"] = param(
+        "sklearn", "sklearn (the authors' scikit-learn KMeans): stop at tol 1e-4 or unchanged labels, an empty "
+        "cluster takes the farthest point | fixed: exactly kmeans_iters updates, an empty cluster keeps its centroid")
+    kmeans_device: Literal["cpu", "model"] = param(
+        "cpu", "cpu: host copies of the keys, clustered by CPU workers (the paper's Alg. 1) | model: batched "
+        "k-means on the model's device (on a GPU, on its own stream)")
     metric: Literal["l2", "ip", "cosine"] = param("l2", "k-means metric: l2 (authors' default) | ip | cosine")
     init: KMeansInit = param("random", "random points shared by all groups (authors') | kmeans++")
     gqa: GqaRule = param("softmax_sum", "group rule on approximate scores: softmax_sum (authors') | logit_sum | max")
     seed: int = param(4321, "k-means initialisation seed (the authors')")
-    overlap: bool = param(True, "cluster on a worker thread while later layers compute")
-    workers: int = param(1, "k-means worker threads", min=1)
+    overlap: bool = param(True, "cluster on the workers while later layers compute (false: inside the prefill)")
+    workers: int = param(1, "k-means worker threads of this method instance; a layer's KV heads x sub-spaces "
+                         "are split among them (the authors run h_kv*m processes)", min=1)
 
     def validate(self) -> None:
         if (self.m is None) != (self.b is None):

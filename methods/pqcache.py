@@ -6,8 +6,13 @@ maximum-inner-product search:
 * **prefill** — all K/V go to the host tier. For every layer and KV head the post-RoPE keys of the
   non-sink prompt tokens (the local window's too, as the authors' code does) are split into ``m``
   sub-spaces and clustered into ``2**b`` centroids each; every token gets ``m`` codes of ``b`` bits.
-  K-means of a layer runs on a worker thread while the model computes the next layers; the first
-  decode step of that layer waits for it, so clustering that outlasts the prefill shows in TT2T.
+  As in the paper's Algorithm 1, a layer's k-means runs on **host copies** of its keys in this
+  instance's CPU worker pool (``workers`` threads, :mod:`kvbench.methods.pqcache_workers`) while the
+  model computes the next layers: on a GPU the keys come from the host tier the store offloads them
+  to (or a side-stream copy when ``offload=false``), and the workers wait for that copy on their own
+  threads, so clustering never queues on the model's stream. The first decode step of a layer waits
+  for its codebook, so clustering that outlasts the prefill shows in TT2T. ``kmeans_device=model``
+  keeps the batched GPU variant (the model's device, its own CUDA stream) as an option.
 * **decode** — per layer: the query × centroid lookup table plus a gather-sum over the codes scores
   every middle token; per query head the scores go through a softmax (over the candidates, scaled
   by ``1/sqrt(d)``) and are summed over the GQA group (the authors' rule; ``gqa: logit_sum`` sums raw
@@ -22,18 +27,36 @@ maximum-inner-product search:
 ``m``/``b`` default from ``budget.comm_ratio``: the code bits per token and head may be
 ``T = comm_ratio · 16 · d_h``; T ≥ 32 → 4×8 (InfiniteBench, 1/64 at d_h 128), T ≥ 16 → 2×6
 (LongBench, 1/128 at d_h 128: the paper's choice within 16 bits), T ≥ 8 → 2×4, else 1×T.
-``kmeans_iters``: an integer, or ``adaptive`` — the paper's cost model (§3.3):
-``T_max = (t_layer(s) − t_kmeans3(s)) / t_iter(s) + 3`` clipped to ``[3, 300]``, with the per-layer compute time
-and the k-means costs fitted on this machine (``kvbench.methods.pqcache_cost``) and cached.
+
+K-means schedule. ``kmeans_iters``: an integer cap, or ``adaptive`` — the paper's cost model (§3.3):
+``T_max = (t_layer(s) − t_kmeans3(s)) / t_iter(s) + 3`` clipped to ``[3, 300]``, with the per-layer compute
+time and the k-means costs fitted on this machine (``kvbench.methods.pqcache_cost``), the k-means
+timed on the very workers and device it governs, and cached. ``null`` (the default) takes
+``method.protocol``'s: ``pqcache`` — the authors' quality scripts (``run_llama.sh``/``run_mistral.sh``,
+``MAX_ITER=0``) — is adaptive; ``pqcache_niah`` — their ``test_nah.py`` — fixes 10. ``kmeans_rules``:
+``sklearn`` (default) is the reference's scikit-learn ``KMeans(n_init=1, tol=1e-4, algorithm="lloyd")``
+from shared random points (``kmeans.SKLEARN``: stop once the centroids move less than the tolerance
+or no label changes; an empty cluster takes the point farthest from its centroid), so the cap is
+an upper bound and a problem may stop earlier; ``fixed`` runs exactly
+``kmeans_iters`` updates and an empty cluster keeps its centroid (kvbench's earlier rule; ClusterKV
+keeps its own rules). Every sample's telemetry records the protocol, the schedule it resolved to, the
+cap used (``kmeans_iters``), the updates actually run (``kmeans_updates``), the rules, device and
+workers, and for ``adaptive`` which fitted cost model decided.
+
+Block cache. Blocks of ``cache_block`` tokens are counted from the first non-sink slot, as the
+reference's cache indexes its offloaded middle buffer (``cache_manager.py``: block = index // 128 in a
+buffer that starts at the sink): block ``i`` holds slots ``[sink + 128·i, sink + 128·(i + 1))``.
+
+The pool belongs to the instance and lives for one request: ``start`` opens it with this instance's
+``workers``, ``after_request`` shuts it down (queued shares of layers no decode step asked for are
+dropped; running ones finish outside the measured time).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,8 +64,10 @@ import torch
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
-from kvbench.methods.params import PQCacheParams
-from kvbench.methods.primitives.pq import PQCodebook, comm_ratio, gqa_topk, pq_encode, pq_fit, pq_scores
+from kvbench.methods.params import PQCACHE_PROTOCOL_ITERS, PQCacheParams
+from kvbench.methods.pqcache_workers import KMeansWorkers, LayerJob
+from kvbench.methods.primitives.kmeans import SKLEARN
+from kvbench.methods.primitives.pq import PQCodebook, comm_ratio, gqa_topk, pq_encode, pq_scores
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import compose
 
@@ -62,8 +87,8 @@ def default_pq(comm: float, head_dim: int) -> tuple[int, int]:
 class _Layer:
     """One layer's PQ state: the codebook (once clustering finished) and the coded prefix."""
 
-    def __init__(self, future: Future) -> None:
-        self.future = future
+    def __init__(self, job: LayerJob) -> None:
+        self.job = job
         self.book: PQCodebook | None = None
         self.coded_end = 0  # codes exist for slots [sink, coded_end)
         self.iterations = 0
@@ -76,15 +101,7 @@ class PQCache(RetrievalMethod):
     name = "pqcache"
     Params = PQCacheParams
     params: PQCacheParams
-    _pool: ThreadPoolExecutor | None = None
-    _pool_lock = threading.Lock()
-
-    @classmethod
-    def pool(cls, workers: int) -> ThreadPoolExecutor:
-        with cls._pool_lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbench-kmeans")
-            return cls._pool
+    workers: KMeansWorkers | None = None  # this instance's pool, open from start to after_request
 
     def start(self, ctx: Any) -> None:
         super().start(ctx)
@@ -95,16 +112,51 @@ class PQCache(RetrievalMethod):
             raise ValueError(f"head_dim {ctx.spec.head_dim} is not divisible by method.m={m}")
         self.m, self.b = int(m), int(b)
         self.layers: dict[int, _Layer] = {}
-        self.iters_setting = self.params.kmeans_iters
+        self.iters_setting = self.schedule()
+        self.kmeans_options = dict(SKLEARN) if self.params.kmeans_rules == "sklearn" else {}
+        if self.workers is not None:  # a request that failed before after_request
+            self.workers.shutdown()
+        device = ctx.spec.device if self.params.kmeans_device == "model" else "cpu"
+        self.workers = KMeansWorkers(self.params.workers, device)
         self.cost: dict[str, Any] | None = None
         if self.iters_setting == "adaptive":  # fitted (once per machine) before the generation starts
             from kvbench.methods.pqcache_cost import load_or_fit
 
-            self.cost = load_or_fit(ctx, self.m, self.b)
+            self.cost = load_or_fit(ctx, self.m, self.b, self.kmeans_backend(), self._time_layer_kmeans)
         self.timers = {"kmeans_s": 0.0, "wait_kmeans_s": 0.0, "pq_search_s": 0.0, "encode_s": 0.0}
+        self.updates: list[int] = []
+
+    def schedule(self) -> int | str:
+        """The iteration setting this run uses: ``kmeans_iters``, else the protocol's."""
+        setting = self.params.kmeans_iters
+        return PQCACHE_PROTOCOL_ITERS[self.params.protocol] if setting is None else setting
+
+    def kmeans_backend(self) -> dict[str, Any]:
+        """Where the k-means runs (what a cost model is fitted on, and recorded with it)."""
+        return {"device": str(self.workers.device), "workers": self.workers.workers,
+                "threads": torch.get_num_threads(), "metric": self.params.metric}
+
+    def _time_layer_kmeans(self, tokens: int, iters: int) -> float:
+        """Seconds of one layer's PQ construction at ``tokens`` tokens and exactly ``iters`` updates, on
+        this instance's workers and k-means device (random keys of the layer's shape and dtype)."""
+        spec = self.ctx.spec
+        generator = torch.Generator().manual_seed(tokens)
+        dtype = next(self.ctx.model.parameters()).dtype
+        keys = torch.randn(spec.n_kv_heads, tokens, spec.head_dim, generator=generator).to(self.workers.device, dtype)
+        if keys.is_cuda:  # the copy ran on the current stream; the workers' stream must not overtake it
+            torch.cuda.synchronize(keys.device)
+        start = time.perf_counter()
+        self.workers.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
+                            init=self.params.init, options={}).result()
+        return time.perf_counter() - start
 
     def cache_offset(self, ctx: Any) -> int:
-        return 0
+        return ctx.budget.sink  # blocks index the middle tokens, as the reference's offloaded buffer
+
+    def after_request(self, ctx: Any, segments: Any) -> None:
+        """The request is answered: close this instance's k-means pool (see the module docstring)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ------------------------------------------------------------------ prefill
     def kmeans_iterations(self, tokens: int) -> int:
@@ -114,21 +166,43 @@ class PQCache(RetrievalMethod):
             return iterations_for(self.cost, tokens)
         return int(self.iters_setting)
 
+    def _kmeans_keys(self, key: torch.Tensor, kv: LayerKV) -> tuple[torch.Tensor, Any]:
+        """The layer's non-sink keys where the workers cluster them, and the CUDA event to wait for.
+
+        ``kmeans_device=cpu`` on a CUDA model: the store's host tier already holds them (offloaded on
+        the model's stream; the event follows that copy), else a pinned copy on a side stream. On a CPU
+        model the keys are host tensors already. ``model``: the keys on the model's device."""
+        sink = self.ctx.budget.sink
+        keys = key[0, :, sink:].detach()
+        if keys.device.type != "cuda":
+            return keys, None
+        current = torch.cuda.current_stream(keys.device)
+        event = torch.cuda.Event()
+        if self.params.kmeans_device == "model":
+            event.record(current)
+            return keys, event
+        if kv.home.type == "cpu" and kv.n == key.shape[2]:
+            event.record(current)
+            return kv.keys[:, sink:], event
+        if not hasattr(self, "_copy_stream"):
+            self._copy_stream = torch.cuda.Stream(keys.device)
+        self._copy_stream.wait_stream(current)
+        with torch.cuda.stream(self._copy_stream):
+            host = torch.empty(keys.shape, dtype=keys.dtype, pin_memory=True)
+            host.copy_(keys, non_blocking=True)
+            event.record(self._copy_stream)
+        keys.record_stream(self._copy_stream)
+        return host, event
+
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
         if layer in self.dense_layers:
             return
-        sink = self.ctx.budget.sink
-        keys = key[0, :, sink:].detach()
+        keys, ready = self._kmeans_keys(key, kv)
         iters = self.kmeans_iterations(keys.shape[1])
-        seed, metric, init = self.params.seed, self.params.metric, self.params.init
-
-        def build() -> tuple[PQCodebook, float]:
-            start = time.perf_counter()
-            with torch.inference_mode():  # inference mode is per thread
-                book = pq_fit(keys.float(), self.m, self.b, iters=iters, metric=metric, seed=seed, init=init)
-            return book, time.perf_counter() - start
-
-        state = _Layer(self.pool(self.params.workers).submit(build) if self.params.overlap else _done(build()))
+        job = self.workers.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
+                                  init=self.params.init, options=self.kmeans_options, ready=ready,
+                                  inline=not self.params.overlap)
+        state = _Layer(job)
         state.coded_end = kv.n
         state.iterations = iters
         self.layers[layer] = state
@@ -137,9 +211,10 @@ class PQCache(RetrievalMethod):
         state = self.layers[layer]
         if state.book is None:
             start = time.perf_counter()
-            book, seconds = state.future.result()
+            book, seconds = state.job.result()
             self.timers["wait_kmeans_s"] += time.perf_counter() - start
             self.timers["kmeans_s"] += seconds
+            self.updates.append(book.iterations)
             device = torch.device(self.ctx.spec.device)
             codes = book.codes.to(self.ctx.store[layer].home)
             if device.type == "cuda":
@@ -232,12 +307,14 @@ class PQCache(RetrievalMethod):
             "m": self.m,
             "b": self.b,
             "comm_ratio_used": comm_ratio(self.m, self.b, self.ctx.spec.head_dim),
-            "kmeans_iters": iters[0] if len(iters) == 1 else iters,
+            "protocol": self.params.protocol,
+            "kmeans_schedule": self.iters_setting,  # adaptive, or the fixed cap
+            "kmeans_iters": iters[0] if len(iters) == 1 else iters,  # the cap each layer got
+            # updates actually run (the most over a layer's problems), mean over the layers a decode step awaited
+            "kmeans_updates": sum(self.updates) / len(self.updates) if self.updates else None,
+            "kmeans_rules": self.params.kmeans_rules,
+            "kmeans_device": str(self.workers.device) if self.workers is not None else None,
+            "kmeans_workers": self.params.workers,
+            "cost_model": None if self.cost is None else {"kmeans": self.cost.get("kmeans"), "device": self.cost["device"]},
             **{k: round(v, 6) for k, v in self.timers.items()},
         }
-
-
-def _done(result: Any) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future

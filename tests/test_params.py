@@ -240,5 +240,5 @@ def test_list_methods_shows_parameters(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "pqcache (retrieval)" in lines and "full (dense): no parameters" in lines
     row = next(line for line in lines if line.split()[:1] == ["kmeans_iters"] and "adaptive" in line)
-    assert row.split()[1:5] == ["int", "|", "adaptive", "10"]
+    assert row.split()[1:7] == ["int", "|", "adaptive", "|", "null", "null"]  # null: method.protocol's
     assert sum(line.startswith(tuple(f"{name} (" for name in PARAMS)) for line in lines) == len(PARAMS)

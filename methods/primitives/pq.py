@@ -65,6 +65,32 @@ def _codes(labels: Tensor, groups: int, m: int, bits: int) -> Tensor:
     return labels.reshape(groups, m, -1).permute(0, 2, 1).to(code_dtype(bits)).contiguous()
 
 
+def subspace_problems(keys: Tensor, m: int, first: int = 0, last: int | None = None) -> Tensor:
+    """Problems ``first .. last - 1`` of ``_subspaces(keys, m)`` ``[last - first, n, d / m]`` (problem
+    ``g * m + j`` is group ``g``, sub-space ``j``), copying only those: a worker that clusters a share
+    of a layer's problems reads just its share."""
+    groups, n, d = keys.shape
+    if d % m:
+        raise ValueError(f"head_dim {d} is not divisible into {m} sub-spaces")
+    last = groups * m if last is None else last
+    index = torch.arange(first, last, device=keys.device)
+    return keys.unflatten(-1, (m, d // m))[index // m, :, index % m]
+
+
+def codebook_from(result: KMeansResult, groups: int, m: int, b: int, metric: str) -> PQCodebook:
+    """The codebook of ``groups`` groups from the k-means ``result`` of their ``groups * m`` sub-space
+    problems (in ``_subspaces`` order)."""
+    d_sub = result.centroids.shape[-1]
+    return PQCodebook(
+        centroids=result.centroids.reshape(groups, m, 2**b, d_sub),
+        codes=_codes(result.labels, groups, m, b),
+        iterations=result.iterations,
+        metric=metric,
+        phi=None if result.phi is None else result.phi.reshape(groups, m),
+        extra=None if result.extra is None else result.extra.reshape(groups, m, 2**b),
+    )
+
+
 def fit_with(
     kmeans_fn: Callable[..., KMeansResult],
     keys: Tensor,
@@ -83,14 +109,7 @@ def fit_with(
     groups, n, d = keys.shape
     mask = None if valid is None else valid.repeat_interleave(m, dim=0)  # [G, n] → [G * m, n]
     result = kmeans_fn(_subspaces(keys, m), 2**b, iters=iters, metric=metric, seed=seed, valid=mask, **options)
-    return PQCodebook(
-        centroids=result.centroids.reshape(groups, m, 2**b, d // m),
-        codes=_codes(result.labels, groups, m, b),
-        iterations=result.iterations,
-        metric=metric,
-        phi=None if result.phi is None else result.phi.reshape(groups, m),
-        extra=None if result.extra is None else result.extra.reshape(groups, m, 2**b),
-    )
+    return codebook_from(result, groups, m, b, metric)
 
 
 def pq_fit(
@@ -223,6 +242,7 @@ __all__ = [
     "GQA_RULES",
     "PQCodebook",
     "code_dtype",
+    "codebook_from",
     "comm_ratio",
     "exact_scores",
     "fit_with",
@@ -231,5 +251,6 @@ __all__ = [
     "pq_encode",
     "pq_fit",
     "pq_scores",
+    "subspace_problems",
     "topk_ascending",
 ]
