@@ -36,9 +36,9 @@ def conf_dir() -> Path:
 def group_options(group: str) -> list[str]:
     """The choices of a config group: YAML files, except methods (declared in kvbench.methods.params)."""
     if group == "method":
-        from kvbench.methods import PARAMS
+        from kvbench.methods import method_choices
 
-        return sorted(PARAMS)
+        return method_choices()
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 

@@ -29,10 +29,10 @@ def register_method_configs() -> None:
     Call before any compose or ``hydra.main``."""
     from hydra.core.config_store import ConfigStore
 
-    from kvbench.methods import PARAMS, method_node
+    from kvbench.methods import method_choices, method_node
 
     store = ConfigStore.instance()
-    for name in PARAMS:
+    for name in method_choices():
         store.store(group="method", name=name, node=method_node(name))
 
 
@@ -158,7 +158,7 @@ def method_sweep_points(overrides: Sequence[str]) -> list[dict[str, Any]]:
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
-    from kvbench.methods import PARAMS, method_node
+    from kvbench.methods import method_choices, method_node
 
     parser = OverridesParser.create()
     axes: list[list[tuple[str, bool, Any]]] = []  # per override: its (key, delete, value) choices
@@ -188,7 +188,7 @@ def method_sweep_points(overrides: Sequence[str]) -> list[dict[str, Any]]:
                 changes[key.removeprefix("method.")] = (delete, value)
         if name is None:  # ~method: no method group (the runner says so)
             continue
-        node = method_node(name) if name in PARAMS else {"name": name}
+        node = method_node(name) if name in method_choices() else {"name": name}
         for key, (delete, value) in changes.items():
             if delete:
                 node.pop(key, None)

@@ -48,10 +48,26 @@ def create_method(cfg: Mapping[str, Any]) -> KVMethod:
     return cls(params)
 
 
+#: extra ``method=`` choices: a registered method with some parameters set, for sweeps that mix methods
+#: (``method=full,h2o,pqcache_niah``), where a ``method.<key>=`` override would reach every method. The
+#: run records the method's own name (``pqcache``) and the parameters, as if they had been given.
+#: ``pqcache_niah``: PQCache as its authors' NIAH script runs it (``test_nah.py``: 10 k-means iterations).
+METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {"pqcache_niah": ("pqcache", {"protocol": "pqcache_niah"})}
+
+
+def method_choices() -> list[str]:
+    """Every ``method=`` choice: the registered methods and the presets."""
+    return sorted([*PARAMS, *METHOD_PRESETS])
+
+
 def method_node(name: str) -> dict[str, Any]:
-    """The default config node of ``method=<name>``: ``{"name": name, **defaults}``."""
+    """The default config node of ``method=<name>``: ``{"name": name, **defaults}`` (a preset: its
+    method's node with the preset's values)."""
+    if name in METHOD_PRESETS:
+        base, values = METHOD_PRESETS[name]
+        return {**method_node(base), **values}
     if name not in PARAMS:
-        raise ConfigError(f"unknown method {name!r}", f"choose one of: {', '.join(sorted(PARAMS))} (`kvbench list`)")
+        raise ConfigError(f"unknown method {name!r}", f"choose one of: {', '.join(method_choices())} (`kvbench list`)")
     return {"name": name, **defaults(PARAMS[name])}
 
 

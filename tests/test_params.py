@@ -242,3 +242,24 @@ def test_list_methods_shows_parameters(capsys):
     row = next(line for line in lines if line.split()[:1] == ["kmeans_iters"] and "adaptive" in line)
     assert row.split()[1:7] == ["int", "|", "adaptive", "|", "null", "null"]  # null: method.protocol's
     assert sum(line.startswith(tuple(f"{name} (" for name in PARAMS)) for line in lines) == len(PARAMS)
+
+
+def test_a_method_preset_is_its_method_with_the_values_set(tmp_path):
+    """``method=pqcache_niah`` composes to PQCache with ``protocol=pqcache_niah`` (the same node, so the same
+    run id, as ``method=pqcache method.protocol=pqcache_niah``), can be swept beside other methods, and is
+    listed among the choices of an unknown-method error."""
+    from kvbench.compose import compose_many
+    from kvbench.methods import METHOD_PRESETS, method_choices, method_node
+    from kvbench.results import run_id_for
+
+    assert "pqcache_niah" in method_choices() and set(METHOD_PRESETS) <= set(method_choices())
+    preset, explicit = compose_many([
+        ["method=pqcache_niah", "model=tiny_llama", "task=niah", "budget.token_ratio=0.1"],
+        ["method=pqcache", "method.protocol=pqcache_niah", "model=tiny_llama", "task=niah", "budget.token_ratio=0.1"],
+    ])
+    assert preset["method"] == explicit["method"] == method_node("pqcache_niah")
+    assert preset["method"]["name"] == "pqcache" and preset["method"]["protocol"] == "pqcache_niah"
+    assert run_id_for(preset) == run_id_for(explicit)
+    with pytest.raises(ConfigError) as error:
+        method_node("pqcache_nah")
+    assert "pqcache_niah" in error.value.fix
