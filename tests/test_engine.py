@@ -168,3 +168,30 @@ def test_stop_texts_cut_the_output_and_change_nothing_before(tiny_llama, random_
     out = generate(tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=20, stop_texts=[marker])
     assert out.stop_reason == "stop_text" and out.text == text[:6]
     assert free.tokens[: len(out.tokens)] == out.tokens
+
+
+@pytest.mark.parametrize("t", [5, 97, 300])
+def test_rows_attending_held_keys_match_exact_attention(t):
+    """attention.with_past (blocked by position when the keys are in position order, one rectangle
+    otherwise) equals softmax attention written out, GQA included, for rows spread over the prompt."""
+    from kvbench.engine import attention
+
+    gen = torch.Generator().manual_seed(t)
+    n, heads, kv_heads, d = 400, 6, 2, 16
+    keys, values = torch.randn(kv_heads, n, d, generator=gen), torch.randn(kv_heads, n, d, generator=gen)
+    rows = torch.sort(torch.randperm(n, generator=gen)[:t]).values[torch.randperm(t, generator=gen)]  # unsorted rows
+    query = torch.randn(1, heads, t, d, generator=gen)
+    positions = torch.arange(n)
+
+    def exact(key_positions):
+        k = keys.repeat_interleave(heads // kv_heads, 0)
+        v = values.repeat_interleave(heads // kv_heads, 0)
+        scores = torch.einsum("htd,hnd->htn", query[0], k) * 0.25
+        scores = scores.masked_fill(key_positions[None, None, :] > rows[None, :, None], float("-inf"))
+        return torch.einsum("htn,hnd->thd", scores.softmax(-1), v)[None]
+
+    blocked = attention.with_past(query, keys, values, positions, rows, 0.25)
+    torch.testing.assert_close(blocked, exact(positions), atol=1e-5, rtol=1e-4)
+    shuffle = torch.randperm(n, generator=gen)  # keys not in position order: the one-rectangle path
+    held = attention.with_past(query, keys[:, shuffle], values[:, shuffle], positions[shuffle], rows, 0.25)
+    torch.testing.assert_close(held, exact(positions), atol=1e-5, rtol=1e-4)
