@@ -79,6 +79,13 @@ class PQCache(RetrievalMethod):
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
+    @property
+    def shares_prefill(self) -> bool:
+        """Only with ``overlap: false``: overlapped k-means is timed against the prefill's compute (the
+        first decode step waits for what the later layers did not hide, TT2T), which a shared prefill
+        does not run, so ``overlap: true`` keeps its own prefill and its timing."""
+        return super().shares_prefill and not self.params.overlap
+
     @classmethod
     def pool(cls, workers: int) -> ThreadPoolExecutor:
         with cls._pool_lock:
