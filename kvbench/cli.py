@@ -268,8 +268,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     saved = sys.argv
     sys.argv = ["kvbench"] + (["--multirun"] if flags["multirun"] else []) + overrides
     _SWEEP_RUNS.clear()
+    from kvbench.engine.prefill_cache import sweep
+
     try:
-        main()
+        with sweep(flags["multirun"]):  # the sweep's methods share dense prefills (prefill_cache: null)
+            main()
     except KeyboardInterrupt:  # between runs of a sweep, or inside Hydra: every finished sample is saved
         done = f"{len(_SWEEP_RUNS)} of {len(points)} runs finished" if len(points) > 1 else "nothing was lost"
         return _fail(Interrupted(f"interrupted ({done})"))

@@ -124,11 +124,14 @@ def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Poi
             if code:
                 raise SystemExit(code)
         return
-    for index, point in enumerate(todo, 1):
-        command = f"kvbench reproduce {exp.ref} scale={scale} {shlex.join(extra)}".strip()
-        print(f"[{index}/{len(todo)}] {point.label or point.run_dir.name}", flush=True)
-        summary = run(point.config, wait=wait, command=command)
-        print(format_summary(summary), flush=True)
+    from kvbench.engine.prefill_cache import sweep
+
+    with sweep():  # the points share dense prefills (prefill_cache: null)
+        for index, point in enumerate(todo, 1):
+            command = f"kvbench reproduce {exp.ref} scale={scale} {shlex.join(extra)}".strip()
+            print(f"[{index}/{len(todo)}] {point.label or point.run_dir.name}", flush=True)
+            summary = run(point.config, wait=wait, command=command)
+            print(format_summary(summary), flush=True)
 
 
 def run_bench(exp: Experiment, scale: str, options: dict[str, Any], output_dir: Path, *, run: bool) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from kvbench.results import RunDir, run_id_for
 TELEMETRY_MEANS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "prefill_s", "decode_s", "recall",
                    "kv_bytes_ratio", "kv_bytes_after_prefill", "kv_bytes_full", "bytes_h2d", "bytes_h2d_fetch",
                    "bytes_h2d_index", "bytes_h2d_cache_fill", "bytes_h2d_index_per_step", "bytes_h2d_kv_per_step",
-                   "select_s", "fetch_s", "compute_s", "prompt_tokens", "new_tokens")
+                   "select_s", "fetch_s", "compute_s", "prompt_tokens", "new_tokens", "prefill_shared")
 
 
 @dataclass
@@ -139,6 +139,7 @@ def _run_samples(
 ) -> int:
     import yaml
 
+    from kvbench.engine import prefill_cache
     from kvbench.models.loading import load_model
     from kvbench.progress import Progress
 
@@ -155,18 +156,19 @@ def _run_samples(
     ran = 0
     progress = Progress(run_dir, total=total, enabled=bool(resolved.get("progress", True)))
     try:
-        for sample in task.shard_samples(model):
-            if sample.id in done:
-                continue
-            clock = time.perf_counter()
-            result = run_sample(task, sample, model, method, budget, profile)
-            record = result.to_record()
-            record["protocol"] = task.protocol()
-            if ran == 0:
-                run_dir.create(config_yaml, environment(model.spec), total=len(ids) if ids is not None else None)
-            run_dir.append(record)
-            ran += 1
-            progress.sample(sample.id, result.score, time.perf_counter() - clock)
+        with prefill_cache.scope(prefill_cache.enabled(resolved)):  # sweeps share dense prefills
+            for sample in task.shard_samples(model):
+                if sample.id in done:
+                    continue
+                clock = time.perf_counter()
+                result = run_sample(task, sample, model, method, budget, profile)
+                record = result.to_record()
+                record["protocol"] = task.protocol()
+                if ran == 0:
+                    run_dir.create(config_yaml, environment(model.spec), total=len(ids) if ids is not None else None)
+                run_dir.append(record)
+                ran += 1
+                progress.sample(sample.id, result.score, time.perf_counter() - clock)
     finally:
         progress.close()
     return ran

@@ -3,6 +3,10 @@
 Definitions (shared by every method so that tables compare like with like):
 
 * ``ttft_s`` — prompt in, first token out (the prefill and its logits).
+* ``prefill_shared`` — the K/V came from a dense prefill shared by a sweep's methods
+  (:mod:`kvbench.engine.prefill_cache`); ``ttft_s`` is then the dense prefill time measured when it
+  was computed, plus the method's own prefill work (its statistics, indexing or eviction) measured on
+  the shared K/V.
 * ``tt2t_s`` — time to the 2nd token: TTFT plus the first decode step. PQCache's metric: work a
   method overlaps with prefill (K-means) and waits for at the first decode step lands here.
 * ``tpot_s`` — mean time of the decode steps after the first (PQCache measures TPOT as
@@ -75,6 +79,7 @@ class Telemetry:
         self.kept_after_prefill: list[int] | None = None
         self.kv_bytes_after_prefill: int | None = None
         self.prefill_s: float | None = None
+        self.prefill_shared = False  # the prefill's K/V came from a sweep's shared prefill (prefill_cache)
         self.step_s: list[float] = []
         self.excluded_s = 0.0  # profiling time inside a step, removed from its duration
         self.select_s = 0.0  # decode time in the method's select()
@@ -100,6 +105,7 @@ class Telemetry:
             "tpot_p50_s": float(np.percentile(later, 50)) if later else None,
             "tpot_p90_s": float(np.percentile(later, 90)) if later else None,
             "prefill_s": self.prefill_s,
+            "prefill_shared": self.prefill_shared,
             "decode_s": float(sum(steps)) if steps else 0.0,
             "select_s": self.select_s,
             "fetch_s": self.fetch_s,

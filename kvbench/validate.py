@@ -13,7 +13,7 @@ Two lists of checks, run in order:
   types and its own checks, prompt lengths the model cannot hold (tasks whose prompts are exactly
   ``task.lengths`` tokens), a missing local ``model.path``, an output folder that cannot be written,
   a ``task.data_dir`` that is not a folder and data files with a malformed line (file and line named),
-  a reuse method on a task whose prompts have no chunks.
+  a reuse method on a task whose prompts have no chunks, a ``prefill_cache`` that is not a boolean.
 * :data:`METHOD_CHECKS` need the method classes, and importing those imports torch (about two
   seconds): a compressing method without a budget, a ``budget.tokens`` larger than every prompt.
 
@@ -58,6 +58,14 @@ def check_groups(resolved: dict[str, Any]) -> None:
             raise ConfigError(f"the config has no {group} group", f"pass {group}=<name> (see `kvbench list`)")
     if not isinstance(resolved.get("progress", True), bool):
         raise ConfigError(f"progress={resolved['progress']!r} is not true or false", "use progress=true or progress=false")
+
+
+def check_prefill_cache(resolved: dict[str, Any]) -> None:
+    """``prefill_cache``: true, false or null (on in sweeps, off in a single run; :mod:`kvbench.engine.prefill_cache`)."""
+    value = resolved.get("prefill_cache")
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"prefill_cache={value!r} is not true, false or null",
+                          "use prefill_cache=false to give every method its own prefill (null: shared in sweeps)")
 
 
 def _typed(key: str, value: Any, types: tuple[type, ...], nullable: bool, low: float | None, example: str) -> None:
@@ -286,8 +294,9 @@ def check_reuse_task(resolved: dict[str, Any]) -> None:
                       f"use a chunked task (task={' or task='.join(chunked)}) or a method that is not in the reuse family")
 
 
-CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_budget, check_profile, check_task_types, check_task,
-                              check_reuse_task, check_model, check_lengths, check_output_dir, check_data]
+CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_prefill_cache, check_budget, check_profile,
+                              check_task_types, check_task, check_reuse_task, check_model, check_lengths,
+                              check_output_dir, check_data]
 
 
 # ---------------------------------------------------------------------- checks that need the method classes

@@ -34,12 +34,20 @@ Per-sample state lives on the method object between :meth:`KVMethod.start` and t
 sample; the engine calls ``start`` before every prompt. When several questions share one compressed
 context (:mod:`kvbench.engine.conversation`), the engine rolls the store back after each answer and
 the method's own state with it: :meth:`KVMethod.snapshot` / :meth:`KVMethod.restore`.
+
+Within a sweep, methods whose prefill is the stock dense one (:attr:`KVMethod.shares_prefill`) take
+it from a cache shared by the sweep's methods (:mod:`kvbench.engine.prefill_cache`): the engine
+installs the cached K/V layer by layer and calls :meth:`KVMethod.on_prefill` as a dense prefill
+would, but without the prefill's queries. A method whose ``on_prefill`` reads the queries declares
+what it computes from them (:class:`QueryStatistic`, :meth:`KVMethod.prefill_statistics`) and reads
+it through :meth:`KVMethod.query_statistic`; the shared prefill computes it once while the queries
+exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -52,6 +60,32 @@ if TYPE_CHECKING:
     from kvbench.engine.prefill import PrefillPlan
     from kvbench.kv.store import LayerKV
     from kvbench.requests import Segment
+
+
+@dataclass(frozen=True)
+class QueryStatistic:
+    """A per-layer tensor that ``on_prefill`` computes from the layer's prefill queries and keys.
+
+    ``function(query [H, s, d], key [H_kv, s, d], *args, **dict(kwargs))`` (post-RoPE, no batch axis)
+    must be a module-level function of its inputs only: the statistic is a cache key (two methods
+    asking for the same function with the same arguments share one computation) and a shared prefill
+    computes it without the method. Examples: SnapKV's observation-window votes, H2O's accumulated
+    attention, InfLLM's local attention received.
+    """
+
+    function: Callable[..., torch.Tensor]
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def compute(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """The statistic of one layer from its ``query`` ``[1, H, s, d]`` and ``key`` ``[1, H_kv, s, d]``."""
+        return self.function(query[0], key[0], *self.args, **dict(self.kwargs))
+
+    @property
+    def label(self) -> str:
+        """A readable name (``window_votes(32, 0.125)``)."""
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs]
+        return f"{self.function.__name__}({', '.join(parts)})"
 
 
 @dataclass
@@ -160,6 +194,28 @@ class KVMethod:
 
         return DensePrefill(ctx, input_ids, torch.arange(input_ids.numel()))
 
+    @property
+    def shares_prefill(self) -> bool:
+        """Whether the method may start from a dense prefill computed once for the sweep's methods
+        (:mod:`kvbench.engine.prefill_cache`) instead of its own: true when its prefill is the stock
+        dense plan, whose K/V and logits do not depend on the method. A method that changes its
+        prefill (a reuse plan, or work timed against the prefill such as PQCache's overlapped
+        k-means) returns false, and its TTFT is always measured on its own prefill."""
+        return type(self).prefill_plan is KVMethod.prefill_plan
+
+    def prefill_statistics(self) -> tuple[QueryStatistic, ...]:
+        """The statistics of the prefill queries that :meth:`on_prefill` reads through
+        :meth:`query_statistic` (called after :meth:`start`); a method that reads none returns ``()``,
+        and a shared prefill then hands its ``on_prefill`` no queries (``query=None``)."""
+        return ()
+
+    def query_statistic(self, stat: QueryStatistic, layer: int, query: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+        """``stat`` of ``layer``: computed now from ``query``/``key`` during the method's own prefill, or
+        taken from the shared prefill that computed it (which must be among
+        :meth:`prefill_statistics`)."""
+        shared = getattr(self.ctx, "prefill_statistic", None)  # (a test's stand-in context has none)
+        return shared(stat, layer, query, key) if shared is not None else stat.compute(query, key)
+
     def after_request(self, ctx: GenerationContext, segments: tuple[Segment, ...] | None) -> None:
         """After the request is answered, outside any measured time (prefix caching may store the prompt)."""
 
@@ -167,7 +223,8 @@ class KVMethod:
         """After the dense prefill attention of ``layer``: build an index or evict.
 
         ``query`` is ``[1, q_heads, s, d]``, ``key``/``value`` ``[1, kv_heads, s, d]`` (post-RoPE);
-        ``kv`` already holds the ``s`` tokens.
+        ``kv`` already holds the ``s`` tokens. From a shared prefill ``query`` is ``None``: what the
+        method needs of the queries comes through :meth:`query_statistic`.
         """
 
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:

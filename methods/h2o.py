@@ -44,7 +44,7 @@ from kvbench.budget import MethodBudgetDefaults
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import accumulated_attention, group_reduce
-from kvbench.methods.base import Selection
+from kvbench.methods.base import QueryStatistic, Selection
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.params import H2OParams
 from kvbench.methods.selection import topk_sorted
@@ -83,12 +83,19 @@ class H2O(EvictionMethod):
     def _rank(self, scores: torch.Tensor) -> torch.Tensor:
         return group_reduce(scores, scores.shape[1], self.gqa)
 
+    def prefill_statistics(self) -> tuple[QueryStatistic, ...]:
+        return (self._received(),)
+
+    def _received(self) -> QueryStatistic:
+        """The attention every prompt token received from the prompt's queries ``[q_heads, s]``."""
+        spec = self.ctx.spec
+        return QueryStatistic(accumulated_attention, (spec.head_dim**-0.5,),
+                              (("chunk", self.chunk or None), ("max_elements", self.chunk_elements)))
+
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
         budget, spec = self.ctx.budget, self.ctx.spec
         s = kv.n
-        received = accumulated_attention(
-            query[0], key[0], spec.head_dim**-0.5, chunk=self.chunk or None, max_elements=self.chunk_elements
-        )
+        received = self.query_statistic(self._received(), layer, query, key)
         scores = received.view(kv.n_kv_heads, spec.group, s).to(kv.home)
         if self._limit(layer) >= s:
             self.scores[layer] = scores

@@ -30,7 +30,7 @@ import torch
 
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
+from kvbench.methods.base import QueryStatistic, Selection
 from kvbench.methods.params import InfLLMParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_sorted
@@ -57,6 +57,12 @@ def local_attention_received(query: torch.Tensor, keys: torch.Tensor, window: in
     return received
 
 
+def received_from_kv_heads(query: torch.Tensor, keys: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """:func:`local_attention_received` with ``keys`` ``[H_kv, s, d]`` per KV head (repeated to the query
+    heads of each GQA group first)."""
+    return local_attention_received(query, keys.repeat_interleave(query.shape[0] // keys.shape[0], dim=0), window, scale)
+
+
 @register
 class InfLLM(RetrievalMethod):
     name = "infllm"
@@ -78,13 +84,18 @@ class InfLLM(RetrievalMethod):
     def _expand(self, keys: torch.Tensor) -> torch.Tensor:
         return keys.repeat_interleave(self.ctx.spec.group, dim=0)
 
+    def prefill_statistics(self) -> tuple[QueryStatistic, ...]:
+        return (self._local_received(),)
+
+    def _local_received(self) -> QueryStatistic:
+        """The attention each prompt token received from the queries of its local window ``[q_heads, s]``."""
+        return QueryStatistic(received_from_kv_heads, (max(1, self.ctx.budget.local), self.ctx.spec.head_dim**-0.5))
+
     def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
         if layer in self.dense_layers:
             return
         spec = self.ctx.spec
-        window = max(1, self.ctx.budget.local)
-        keys = self._expand(key[0])
-        self._received[layer] = local_attention_received(query[0], keys, window, spec.head_dim**-0.5)
+        self._received[layer] = self.query_statistic(self._local_received(), layer, query, key)
         self._block_keys[layer] = torch.empty(spec.n_heads, 0, spec.head_dim, device=kv.home)
 
     def _extend_blocks(self, layer: int, kv: LayerKV, full_blocks: int) -> torch.Tensor:

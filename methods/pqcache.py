@@ -103,6 +103,13 @@ class PQCache(RetrievalMethod):
     params: PQCacheParams
     workers: KMeansWorkers | None = None  # this instance's pool, open from start to after_request
 
+    @property
+    def shares_prefill(self) -> bool:
+        """Only with ``overlap: false``: overlapped k-means is timed against the prefill's compute (the
+        first decode step waits for what the later layers did not hide, TT2T), which a shared prefill
+        does not run, so ``overlap: true`` keeps its own prefill and its timing."""
+        return super().shares_prefill and not self.params.overlap
+
     def start(self, ctx: Any) -> None:
         super().start(ctx)
         m, b = self.params.m, self.params.b  # both set or both null (PQCacheParams.validate)

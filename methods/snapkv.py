@@ -53,6 +53,7 @@ from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import group_reduce, pool1d, window_votes
+from kvbench.methods.base import QueryStatistic
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.params import SnapKVParams
 from kvbench.methods.selection import topk_sorted
@@ -85,12 +86,19 @@ class SnapKV(EvictionMethod):
         budget = self.ctx.budget
         return budget.layer_budget(layer) - budget.local
 
-    def scores(self, query: torch.Tensor, key: torch.Tensor, local: int) -> torch.Tensor:
+    def prefill_statistics(self) -> tuple[QueryStatistic, ...]:
+        return (self._votes(),)
+
+    def _votes(self) -> QueryStatistic:
+        """The observation window's raw votes ``[q_heads, s]`` (what the prefill's queries are read for)."""
+        return QueryStatistic(window_votes, (self.window, self.ctx.spec.head_dim**-0.5))
+
+    def scores(self, layer: int, query: torch.Tensor | None, key: torch.Tensor, local: int) -> torch.Tensor:
         """Pooled votes for the prefix before the kept window: ``[q_heads, s - local]`` per query head,
         or ``[kv_heads, s - local]`` reduced over the group (before pooling) at ``kv_head`` granularity."""
         spec = self.ctx.spec
         s = key.shape[-2]
-        votes = window_votes(query[0], key[0], self.window, spec.head_dim**-0.5)[:, : s - local]
+        votes = self.query_statistic(self._votes(), layer, query, key)[:, : s - local]
         if not self.per_query_head:
             votes = group_reduce(votes, spec.group, self.gqa)
         return pool1d(votes, self.kernel, self.pooling)
@@ -102,7 +110,7 @@ class SnapKV(EvictionMethod):
         if budget.sink + budget.local + select >= s:
             return  # the budget covers the prompt: keep everything
         local = budget.local
-        votes = self.scores(query, key, local).to(kv.home)
+        votes = self.scores(layer, query, key, local).to(kv.home)
         chosen = topk_sorted(votes[:, budget.sink :], select) + budget.sink
         fixed = torch.cat([torch.arange(budget.sink, device=kv.home), torch.arange(s - local, s, device=kv.home)])
         kv.keep(torch.cat([fixed.expand(chosen.shape[0], -1), chosen], dim=1))  # one row per query head: repeated K/V

@@ -12,7 +12,7 @@ what was attended.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -27,7 +27,9 @@ from kvbench.telemetry import Clock, Telemetry
 
 if TYPE_CHECKING:
     from kvbench.engine.prefill import PrefillPlan
-    from kvbench.methods.base import KVMethod, Selection
+    from kvbench.engine.prefill_cache import PrefillEntry
+    from kvbench.methods.base import KVMethod, QueryStatistic, Selection
+    from kvbench.requests import Segment
     from kvbench.models.loading import LoadedModel
 
 
@@ -63,6 +65,8 @@ class GenerationContext:
         self.driver = ModelDriver(self.model)
         self.plan: PrefillPlan | None = None
         self._positions: torch.Tensor | None = None  # positions of the rows in the running layer
+        self._replaying: PrefillEntry | None = None  # the shared prefill being installed
+        self._statistic_s = 0.0  # seconds its statistics took when it was made (the ones read)
 
     # ------------------------------------------------------------------ model
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, after_layer=None) -> torch.Tensor:
@@ -83,6 +87,77 @@ class GenerationContext:
                 rotary = tuple(part.index_select(1, keep) for part in rotary)  # type: ignore[assignment]
         self._positions = None
         return hidden
+
+    def prefill(self, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None,
+                check: Callable[[PrefillPlan], None] | None = None) -> torch.Tensor:
+        """Prefill the prompt ``input_ids`` ``[n]`` for the method (inside ``activate(self)``); returns the
+        last token's logits ``[1, vocab]`` and records ``telemetry.prefill_s`` and ``prefill_shared``.
+
+        When the run shares prefills (:mod:`kvbench.engine.prefill_cache`) and the method's prefill is
+        the dense one, the K/V come from the cache (computed now on a miss) and are installed by
+        :meth:`replay_prefill`; ``prefill_s`` is then the entry's measured dense time plus its
+        statistics' time plus the replay's (the module's timing rule). Otherwise the method's own plan
+        runs (``check`` may refuse it before it runs), timed as it goes. Cache lookups, loads and stores
+        are outside ``prefill_s``.
+        """
+        from kvbench.engine import prefill_cache
+
+        clock, tele = self.clock, self.telemetry
+        cache = prefill_cache.active()
+        if cache is None or not self.method.shares_prefill:
+            start = clock.now()
+            plan = self.method.prefill_plan(self, input_ids, segments)
+            if check is not None:
+                check(plan)
+            logits = self.run_prefill(plan)
+            tele.prefill_s = clock.now() - start
+            tele.prefill_plan = plan.telemetry()
+            tele.prefill_shared = False
+            return logits
+        stats = tuple(self.method.prefill_statistics())
+        key = cache.key(self.loaded, input_ids)
+        entry = cache.get(key, stats, torch.device(self.spec.device))
+        tele.prefill_shared = entry is not None
+        if entry is None:
+            entry = prefill_cache.capture(self, input_ids, stats)
+            cache.put(key, entry)
+        start = clock.now()
+        logits = self.replay_prefill(entry)
+        tele.prefill_s = entry.dense_s + self._statistic_s + clock.now() - start
+        return logits
+
+    def replay_prefill(self, entry: PrefillEntry) -> torch.Tensor:
+        """Install a shared dense prefill: per layer, append its K/V to the store and call the method's
+        ``on_prefill`` as :class:`~kvbench.engine.prefill.DensePrefill` does (without the queries: the
+        statistics the method reads come from the entry, see :meth:`prefill_statistic`); returns the
+        entry's last-token logits."""
+        self._replaying, self._statistic_s = entry, 0.0
+        positions = torch.arange(entry.tokens)
+        try:
+            for layer in range(self.spec.n_layers):
+                kv = self.store[layer]
+                if kv.n:
+                    raise RuntimeError(f"a shared prefill found layer {layer} already holding {kv.n} tokens")
+                key, value = entry.keys[layer], entry.values[layer]
+                kv.append(key[0], value[0], positions)
+                self.method.on_prefill(layer, None, key, value, kv)
+        finally:
+            self._replaying = None
+        return entry.logits.clone()
+
+    def prefill_statistic(self, stat: QueryStatistic, layer: int, query: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+        """``stat`` of ``layer``: from the shared prefill being replayed (its time then is credited to this
+        prefill), else computed now from ``query`` and ``key``."""
+        entry = self._replaying
+        if entry is None:
+            if query is None:
+                raise RuntimeError(f"method {self.method.name} asked for {stat.label} without the prefill's queries")
+            return stat.compute(query, key)
+        if stat not in entry.stats:
+            raise RuntimeError(f"method {self.method.name} reads {stat.label} in on_prefill but its "
+                               "prefill_statistics() does not declare it, so a shared prefill lacks it")
+        self._statistic_s += entry.stat_s[stat][layer]
+        return entry.stats[stat][layer]
 
     def run_prefill(self, plan: PrefillPlan) -> torch.Tensor:
         """Prefill under ``plan``; returns the logits ``[1, vocab]`` of the prompt's last token."""

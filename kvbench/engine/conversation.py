@@ -48,6 +48,7 @@ import torch
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
+from kvbench.engine.prefill import PrefillPlan
 from kvbench.engine.generate import _find_stop, _new_context, _telemetry
 from kvbench.errors import ConfigError
 from kvbench.methods.base import KVMethod
@@ -123,17 +124,16 @@ def converse(
     with torch.inference_mode():
         tele.prepared = method.prepare(ctx, ids, segments)
     with torch.inference_mode(), activate(ctx):
-        start = clock.now()
-        plan = method.prefill_plan(ctx, ids, segments)
-        if plan.positions.numel() == 0:
-            raise ConfigError(
-                f"method {method.name} takes every context token from its caches, so the context cannot be "
-                "prefilled before a question exists",
-                "use task.compression=question_aware with this method",
-            )
-        logits = ctx.run_prefill(plan)
-        tele.prefill_s = clock.now() - start
-        tele.prefill_plan = plan.telemetry()
+        def check(plan: PrefillPlan) -> None:
+            if plan.positions.numel() == 0:
+                raise ConfigError(
+                    f"method {method.name} takes every context token from its caches, so the context cannot be "
+                    "prefilled before a question exists",
+                    "use task.compression=question_aware with this method",
+                )
+
+        logits = ctx.prefill(ids, segments, check)
+        start = clock.now() - tele.prefill_s  # when the prefill would have started (a shared one ran earlier)
         ctx.check_after_prefill()
         rollback = len(queries) > 1 and not request.keep_answers
         saved = (ctx.store.snapshot(), method.snapshot()) if rollback else None

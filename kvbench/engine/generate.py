@@ -95,12 +95,10 @@ def generate(
     with torch.inference_mode():
         tele.prepared = method.prepare(ctx, ids, tuple(segments) if segments is not None else None)
     with torch.inference_mode(), activate(ctx):
-        start = clock.now()
-        plan = method.prefill_plan(ctx, ids, tuple(segments) if segments is not None else None)
-        logits = ctx.run_prefill(plan)
+        logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
+        picked_at = clock.now()
         token = pick(logits, 0)
-        tele.prefill_s = clock.now() - start
-        tele.prefill_plan = plan.telemetry()
+        tele.prefill_s += clock.now() - picked_at
         ctx.check_after_prefill()
         tokens.append(token)
         while True:
@@ -177,11 +175,7 @@ def teacher_force(
     with torch.inference_mode():
         ctx.telemetry.prepared = method.prepare(ctx, ids, None)
     with torch.inference_mode(), activate(ctx):
-        start = ctx.clock.now()
-        plan = method.prefill_plan(ctx, ids, None)
-        logits = ctx.run_prefill(plan)
-        ctx.telemetry.prefill_s = ctx.clock.now() - start
-        ctx.telemetry.prefill_plan = plan.telemetry()
+        logits = ctx.prefill(ids, None)
         ctx.check_after_prefill()
         for i, target in enumerate(targets):
             nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
