@@ -1,13 +1,15 @@
 # Two entry points for a fresh machine (Python >= 3.10 with venv):
 #   make run    set up .venv and run the quickstart (SmolLM2, needle-in-a-haystack, 3 methods)
 #   make test   set up .venv and run the test suite
+# and for development:
+#   make lint   ruff (style and bug patterns, [tool.ruff]) and mypy (types, [tool.mypy]); not part of `make test`
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 RUN_ARGS ?= -m method=full,oracle,streamingllm budget.token_ratio=0.1 'task.depths=[0,0.5,1]'
 
-.PHONY: install run test clean
+.PHONY: install run test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,5 +25,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# mypy runs through tools/typecheck.py, which maps methods/ and tasks/ to kvbench.methods and kvbench.tasks
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/python tools/typecheck.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info results/runs
+	rm -rf $(VENV) build *.egg-info results/runs .ruff_cache .mypy_cache
