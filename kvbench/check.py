@@ -7,8 +7,9 @@ and compares ``metrics.json`` values within a tolerance. Exit status 1 when any 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kvbench.errors import ConfigError
 

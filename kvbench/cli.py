@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
-
-from kvbench.errors import KvbenchError
+from typing import Any
 
 from kvbench.compose import CONFIG_MODULE, register_method_configs
+from kvbench.errors import KvbenchError
 
 GROUPS = ("model", "method", "task", "experiment")
 _SWEEP_RUNS: list[Any] = []
@@ -131,9 +131,8 @@ def resolve_points(overrides: Sequence[str], multirun: bool) -> tuple[list[list[
     """Every point of the command (one without ``-m``), composed and validated, before any runs."""
     from kvbench.compose import compose_many, is_sweep, merge_overrides, shard_overrides, sweep_points
     from kvbench.errors import ConfigError
-    from kvbench.validate import validate_points
-
     from kvbench.experiments import sweeper_overrides
+    from kvbench.validate import validate_points
 
     # an experiment's hydra.sweeper.params come first and command-line values replace an axis, as in
     # Hydra's basic sweeper (which runs the jobs); validating the merged list checks what will run

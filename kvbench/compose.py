@@ -14,7 +14,8 @@ types); :func:`kvbench.methods.validate_method_config` checks the values.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvbench.errors import ConfigError
 

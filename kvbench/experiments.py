@@ -31,9 +31,10 @@ Names: ``pqcache_table3`` is ``pqcache/table3`` (the paper is the part before th
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvbench.errors import ConfigError
 
@@ -118,7 +119,7 @@ def name_of(ref: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_experiment(ref: str) -> Experiment:
     """The experiment ``pqcache/table3`` (or ``pqcache_table3``), validated."""
     import yaml
@@ -195,7 +196,7 @@ def _sweep_value(value: Any) -> str:
     return str(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_scale(name: str) -> Scale:
     import yaml
 

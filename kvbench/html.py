@@ -12,8 +12,9 @@ from __future__ import annotations
 import base64
 import html
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
@@ -77,7 +78,7 @@ def image_html(path: Path, alt: str) -> str:
 
 def page(report: Any) -> str:
     """One artifact's page (``report``: a :class:`kvbench.reproduce.Report`)."""
-    parts = [f"<nav><a href=\"index.html\">all artifacts</a></nav>", f"<h1>{html.escape(report.title)}</h1>",
+    parts = ["<nav><a href=\"index.html\">all artifacts</a></nav>", f"<h1>{html.escape(report.title)}</h1>",
              f"<p class=\"note\">scale {html.escape(report.scale)} · <code>kvbench reproduce {html.escape(report.exp.ref)} "
              f"scale={html.escape(report.scale)}</code></p>"]
     for section in report.sections:

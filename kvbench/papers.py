@@ -59,10 +59,11 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import ConfigError
 
@@ -158,7 +159,7 @@ def paper_names() -> list[str]:
     return sorted(p.stem for p in papers_dir().glob("*.yaml"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_paper(name: str) -> Paper:
     """The validated contents of ``<papers_dir>/<name>.yaml``."""
     path = papers_dir() / f"{name}.yaml"
@@ -195,7 +196,7 @@ def get_artifact(ref: str, artifact: str | None = None) -> Artifact:
     return found
 
 
-def values_frame(paper: str, artifact: str) -> "pd.DataFrame":
+def values_frame(paper: str, artifact: str) -> pd.DataFrame:
     """The artifact's rows as a DataFrame: ``paper``, ``artifact``, the dims, the paper's labels, the
     ``fixed`` keys, then ``value``, ``low``, ``high``, ``relation`` (default ``=``), ``metric``,
     ``unit``, ``quote`` and ``note``. Empty (with the same columns) when the paper gives no numbers."""

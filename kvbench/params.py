@@ -38,8 +38,8 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Sequence
-from typing import Any, Literal, Mapping, Union, get_args, get_origin
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Union, get_args, get_origin
 
 from kvbench.errors import ConfigError
 
@@ -53,7 +53,7 @@ class Params:
         owner's name: :func:`parse` prefixes it)."""
 
 
-def param(default: Any, help: str, *, min: float | None = None, max: float | None = None) -> Any:  # noqa: A002
+def param(default: Any, help: str, *, min: float | None = None, max: float | None = None) -> Any:
     """A field with its help text and an optional inclusive range (checked by :func:`parse`)."""
     metadata: dict[str, Any] = {"help": help}
     if min is not None:

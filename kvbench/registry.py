@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Generic, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
 
 from kvbench.errors import ConfigError
 

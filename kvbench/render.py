@@ -48,9 +48,10 @@ parameter (``m``, ``cache_steps``, ``recompute_ratio``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvbench.errors import ConfigError
 

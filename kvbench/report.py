@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import difflib
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 COLUMNS = {
     "config.model.name": "model",

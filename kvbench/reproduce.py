@@ -22,14 +22,23 @@ import hashlib
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kvbench.errors import ConfigError
 from kvbench.experiments import Experiment, bench_options, load_experiment, load_scale, sweeps, why
-from kvbench.render import (Section, protocol_section, render_bench, render_claims, render_curve, render_figure,
-                            render_paired, render_table)
+from kvbench.render import (
+    Section,
+    protocol_section,
+    render_bench,
+    render_claims,
+    render_curve,
+    render_figure,
+    render_paired,
+    render_table,
+)
 
 DEFAULT_OUT = Path("results/reproduce")
 

@@ -19,8 +19,9 @@ summaries) is a :class:`FollowUp`: the runner calls it with the outputs so far a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Union
 
 SEGMENT_ROLES = ("prefix", "chunk", "query")
 

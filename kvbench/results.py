@@ -35,11 +35,12 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from kvbench.errors import ConfigError, KvbenchError
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.budget import BudgetConfig
-from kvbench.profile import Profile
 from kvbench.errors import ConfigError, Interrupted
+from kvbench.profile import Profile
 from kvbench.results import RunDir, run_id_for
 
 TELEMETRY_MEANS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "prefill_s", "decode_s", "recall",

@@ -19,8 +19,8 @@ Both are computed with numpy alone and are deterministic (fixed seeds).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

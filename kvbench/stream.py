@@ -37,8 +37,9 @@ random numbers), so the methods differ only by their service times.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvbench.errors import BudgetError, ConfigError, KvbenchError
 

@@ -11,7 +11,8 @@ method is created or listed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import ConfigError
 from kvbench.methods.params import PARAMS

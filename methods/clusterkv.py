@@ -53,7 +53,7 @@ class ClusterIndex:
     clustered_end: int  # slots below this are clustered (or sinks)
 
     @staticmethod
-    def build(slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> "ClusterIndex":
+    def build(slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> ClusterIndex:
         clusters = centroids.shape[1]
         sizes = torch.zeros(labels.shape[0], clusters, dtype=torch.long, device=labels.device)
         sizes.scatter_add_(1, labels, torch.ones_like(labels))
@@ -68,7 +68,7 @@ class ClusterIndex:
             clustered_end=int(slots[-1]) + 1 if slots.numel() else 0,
         )
 
-    def append(self, slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> "ClusterIndex":
+    def append(self, slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> ClusterIndex:
         """Add clusters of new tokens (labels relative to the new centroids)."""
         shifted = labels + self.centroids.shape[1]
         merged_slots = torch.cat([self.slots, slots])

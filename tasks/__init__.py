@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvbench.registry import Registry
 from kvbench.tasks.base import Sample, SampleResult, Task

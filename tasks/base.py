@@ -22,15 +22,24 @@ scores apart; the record keeps them in ``queries`` and :meth:`Task.aggregate` re
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from kvbench.errors import ConfigError
-from kvbench.requests import (COMPRESSIONS, GenerateRequest, MultiQueryRequest, Output, Query, Request, Segment,
-                              join_segments)
+from kvbench.requests import (
+    COMPRESSIONS,
+    GenerateRequest,
+    MultiQueryRequest,
+    Output,
+    Query,
+    Request,
+    Segment,
+    join_segments,
+)
 
 if TYPE_CHECKING:
     from kvbench.models.loading import LoadedModel

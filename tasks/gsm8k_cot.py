@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import register

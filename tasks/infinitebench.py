@@ -45,17 +45,25 @@ import random
 import re
 import statistics
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
-
-import numpy as np
+from typing import Any
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.infinitebench_protocol import (CHAT_TEMPLATES, INFLLM_CONV, INFLLM_INIT_TOKENS, INFLLM_TEMPLATES,
-                                                  MAX_NEW_TOKENS, OPEN_TEMPLATES, PROTOCOLS, SYNTHETIC, TASKS,
-                                                  infllm_conv)
+from kvbench.tasks.infinitebench_protocol import (
+    CHAT_TEMPLATES,
+    INFLLM_CONV,
+    INFLLM_INIT_TOKENS,
+    INFLLM_TEMPLATES,
+    MAX_NEW_TOKENS,
+    OPEN_TEMPLATES,
+    PROTOCOLS,
+    SYNTHETIC,
+    TASKS,
+    infllm_conv,
+)
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"

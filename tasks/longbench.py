@@ -34,16 +34,25 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.longbench_protocol import (DATASETS, GROUPS, LENGTH_LIMITS, NO_CHAT, PQCACHE_SYSTEM_PROMPT, QA,
-                                              Dataset, pqcache_chat_style)
+from kvbench.tasks.longbench_protocol import (
+    DATASETS,
+    GROUPS,
+    LENGTH_LIMITS,
+    NO_CHAT,
+    PQCACHE_SYSTEM_PROMPT,
+    QA,
+    Dataset,
+    pqcache_chat_style,
+)
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"

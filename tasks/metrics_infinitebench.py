@@ -23,8 +23,9 @@ sentences), max over references. Scores are in [0, 1]; a task's score is ``100 Â
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from kvbench.tasks.metrics import f1_score, normalize_answer, normalize_zh_answer
 

@@ -34,10 +34,11 @@ report --figure`` then draws each method's score by question index.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvbench.errors import ConfigError
 from kvbench.requests import Segment

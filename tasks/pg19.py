@@ -27,14 +27,15 @@ Quest's evaluation does.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from kvbench.errors import ConfigError
-from kvbench.tasks import register
 from kvbench.requests import Output, Request, ScoreRequest
+from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.sources import data_dir, hub_rows
 

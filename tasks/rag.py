@@ -71,11 +71,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
-
-import numpy as np
+from typing import Any
 
 from kvbench.errors import ConfigError
 from kvbench.requests import Segment
@@ -83,9 +82,9 @@ from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
 from kvbench.tasks.rag_figures import FIGURE_KINDS
-from kvbench.tasks.rag_system_figures import SYSTEM_FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
+from kvbench.tasks.rag_system_figures import SYSTEM_FIGURE_KINDS
 
 PLACEHOLDER = "\u0000KVBENCH_RAG_USER\u0000"
 ANSWER_CUE = "\nAnswer:"

@@ -33,9 +33,10 @@ without reading pixels; :func:`draw` hands them to :func:`kvbench.plots.series_p
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -26,8 +26,9 @@ Porter stemmer, ``scorer.score(gold, pred)``, max over references.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvbench.tasks.metrics import normalize_answer
 

@@ -27,8 +27,9 @@ Ties go to the earlier chunk.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 

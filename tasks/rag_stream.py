@@ -30,16 +30,17 @@ beside the figure (``F.csv``, ``F.md``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample
-from kvbench.tasks.rag import RawSample, Rag
+from kvbench.tasks.rag import Rag, RawSample
 
 
 @register
@@ -101,11 +102,11 @@ class RagStream(Rag):
         """TTFT p50/p90 (queueing included) against achieved throughput, one line per run, on a rate grid
         shared by the runs (:func:`kvbench.stream.rate_grid`); the numbers go to ``path`` with ``.csv`` and
         ``.md`` suffixes."""
+        import pandas as pd
+
         from kvbench.plots import stream_figure
         from kvbench.report import to_markdown
         from kvbench.stream import rate_grid, service_times, stream_stats
-
-        import pandas as pd
 
         if kind is not None:
             raise ConfigError(f"task rag_stream has a single figure, not {kind!r}", "drop --figure-kind")

@@ -27,15 +27,29 @@ axis or a panel (``top_k``, ``chunk_tokens``, ``pipeline``, the store) do not sp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvbench.errors import ConfigError
 from kvbench.plots import Panel, Series, series_panels
-from kvbench.tasks.rag_figures import (METHODS, Palette, RunInfo, _metric, _metric_caption, _samples, _score, _scored,
-                                       _text, _titled, _where, groups, run_infos)
+from kvbench.tasks.rag_figures import (
+    METHODS,
+    Palette,
+    RunInfo,
+    _metric,
+    _metric_caption,
+    _samples,
+    _score,
+    _scored,
+    _text,
+    _titled,
+    _where,
+    groups,
+    run_infos,
+)
 
 SYSTEM_FIGURE_KINDS = ("retrieval", "scaling", "pipelines", "storage")
 #: F1 points (0–100) CacheBlend may lose against full recompute and still count as equal quality (Fig. 15: 0.015)

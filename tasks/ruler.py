@@ -63,10 +63,11 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
 from random import Random
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -74,10 +75,22 @@ from kvbench.errors import ConfigError
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame, multi_query_metrics
-from kvbench.tasks.ruler_data import Question
-from kvbench.tasks.ruler_data import (WONDERWORDS_VERSION, Draw, QASet, common_words, common_words_vocabulary,
-                                      essay_words, freq_words, niah, qa, read_hotpotqa, read_squad, ruler_question,
-                                      variable_tracking)
+from kvbench.tasks.ruler_data import (
+    WONDERWORDS_VERSION,
+    Draw,
+    QASet,
+    Question,
+    common_words,
+    common_words_vocabulary,
+    essay_words,
+    freq_words,
+    niah,
+    qa,
+    read_hotpotqa,
+    read_squad,
+    ruler_question,
+    variable_tracking,
+)
 from kvbench.tasks.ruler_protocol import FAMILIES, QA_TASKS, TASKS, PromptText, render, score
 
 #: bump when a change to the generators or prompts changes any sample

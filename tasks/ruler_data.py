@@ -39,11 +39,11 @@ import math
 import re
 import string
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from random import Random
-from typing import Callable, Sequence
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

@@ -9,8 +9,9 @@ start of the assistant's reply; :func:`render` returns it apart for that reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kvbench.tasks.ruler_data import Draw, Question, numbered
 

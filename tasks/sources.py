@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 from kvbench.errors import ConfigError

@@ -18,7 +18,6 @@ from kvbench.tasks import create_task
 from kvbench.tasks.base import followup_frame, multi_query_metrics
 from kvbench.tasks.niah import EXTRA_NEEDLES, _insert_all
 from kvbench.tasks.ruler_protocol import score as ruler_score
-
 from tests.conftest import niah_run_config
 
 

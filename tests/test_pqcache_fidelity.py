@@ -13,8 +13,7 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate
 from kvbench.kv.block_cache import BlockCache
 from kvbench.kv.store import KVStore
-from kvbench.methods import create_method
-from kvbench.methods import pqcache_workers
+from kvbench.methods import create_method, pqcache_workers
 from kvbench.methods.pqcache_workers import KMeansWorkers
 from kvbench.methods.primitives.kmeans import SKLEARN, initial_rows
 from kvbench.methods.primitives.pq import pq_fit

@@ -16,9 +16,8 @@ from kvbench.cli import conf_dir
 from kvbench.errors import ConfigError
 from kvbench.tasks import create_task
 from kvbench.tasks.ruler import GENERATOR_VERSION, Ruler, largest_fitting
-from kvbench.tasks.ruler_data import NOISE, Draw, Question, ruler_question, split_sentences, zeta
+from kvbench.tasks.ruler_data import NOISE, Draw, Question, ruler_question, zeta
 from kvbench.tasks.ruler_protocol import TASKS, render, score, string_match_all, string_match_part
-
 from tests.conftest import SHARED_DATA
 
 SYNTHETIC = [t for t in TASKS if not t.startswith("qa")]

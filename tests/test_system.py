@@ -14,7 +14,7 @@ from kvbench.methods import create_method
 from kvbench.methods.cacheblend import Costs, LoadingController
 from kvbench.methods.reuse import ReusePrefill
 from kvbench.profile import Profile
-from kvbench.requests import FollowUp, GenerateRequest, Output, Segment, join_segments
+from kvbench.requests import FollowUp, GenerateRequest, Output, join_segments
 from kvbench.runner import run_sample
 from kvbench.tasks import create_task
 from kvbench.tasks.rag_pipelines import parse_rerank, rerank

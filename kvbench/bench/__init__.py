@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -87,9 +88,9 @@ def time_call(fn: Callable[[], Any], *, repeats: int, device: torch.device, warm
 
 
 def render(result: BenchResult) -> str:
-    from kvbench.report import to_markdown
-
     import pandas as pd
+
+    from kvbench.report import to_markdown
 
     lines = [f"## {result.name}: {result.title}", "", to_markdown(pd.DataFrame(result.rows))]
     lines += [""] + [f"- {note}" for note in result.notes] if result.notes else []

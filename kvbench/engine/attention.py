@@ -14,9 +14,10 @@ so ``method=full`` is token-identical to ``model.generate``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,8 @@ what was attended.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,16 +22,16 @@ from kvbench.engine import attention
 from kvbench.engine.driver import ModelDriver
 from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
-from kvbench.profile import Profile
 from kvbench.methods.selection import attended_recall, exact_topk
+from kvbench.profile import Profile
 from kvbench.telemetry import Clock, Telemetry
 
 if TYPE_CHECKING:
     from kvbench.engine.prefill import PrefillPlan
     from kvbench.engine.prefill_cache import PrefillEntry
     from kvbench.methods.base import KVMethod, QueryStatistic, Selection
-    from kvbench.requests import Segment
     from kvbench.models.loading import LoadedModel
+    from kvbench.requests import Segment
 
 
 class GenerationContext:

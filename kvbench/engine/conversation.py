@@ -40,16 +40,17 @@ answer token, ``tpot_s`` over every answer's decode steps) plus ``query_ttft_s``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
-from kvbench.engine.prefill import PrefillPlan
 from kvbench.engine.generate import _find_stop, _new_context, _telemetry
+from kvbench.engine.prefill import PrefillPlan
 from kvbench.errors import ConfigError
 from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel

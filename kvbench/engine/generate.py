@@ -7,18 +7,19 @@ This is the only code that drives a model. It computes logits for the last posit
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
-from kvbench.profile import Profile
 from kvbench.errors import ContextTooLongError
 from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
+from kvbench.profile import Profile
 from kvbench.requests import Segment
 
 

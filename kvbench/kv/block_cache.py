@@ -51,7 +51,7 @@ class BlockCache:
     def blocks(self) -> list[int]:
         return list(self._order)
 
-    def block_of(self, slots: "torch.Tensor") -> "torch.Tensor":
+    def block_of(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots - self.offset).div(self.block_size, rounding_mode="floor")
 
     def lookup(self, blocks: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from kvbench.methods.primitives.pq import PQCodebook, fit_with
 
 def _faiss() -> Any:
     try:
-        import faiss  # noqa: PLC0415 (optional dependency, imported on use)
+        import faiss
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("the faiss k-means backend needs faiss: pip install faiss-cpu") from error
     return faiss

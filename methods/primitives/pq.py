@@ -12,8 +12,8 @@ int16 up to 15, int32 above. Scores are float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
