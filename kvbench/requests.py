@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 SEGMENT_ROLES = ("prefix", "chunk", "query")
 
@@ -160,7 +160,7 @@ class MultiQueryRequest:
                 raise ValueError("the context of a multi-query request has no query segment (questions are queries)")
 
 
-Request = Union[GenerateRequest, ScoreRequest, MultiQueryRequest]
+Request = GenerateRequest | ScoreRequest | MultiQueryRequest
 
 
 @dataclass

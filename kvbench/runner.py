@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.budget import BudgetConfig
-from kvbench.errors import ConfigError, Interrupted
+from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.profile import Profile
 from kvbench.results import RunDir, run_id_for
 

@@ -483,7 +483,6 @@ class ReusePrefill(PrefillPlan):
         * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute.
         """
         keys_f, values_f, queries_f = self.reference
-        model = self.ctx.model
         cached = torch.nonzero(self.cached_mask).flatten()
         curves, means, top15, per_layer = [], [], [], []
         blended, attention_dev = [], []

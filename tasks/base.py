@@ -264,9 +264,11 @@ class Task:
                 raise ConfigError(f"task {self.name} sample {sample.id} has no separate questions to ask",
                                   "drop task.queries_per_context / task.compression / task.keep_answers")
             asked = sample.queries[: int(self.cfg["queries_per_context"])]
-            query = lambda q: Query(q.ids, sample.max_new_tokens, followup_ids=q.followup_ids,  # noqa: E731
-                                    min_new_tokens=sample.min_new_tokens, stop_ids=stop_ids,
-                                    stop_texts=tuple(sample.stop_texts))
+
+            def query(q: SampleQuery) -> Query:
+                return Query(q.ids, sample.max_new_tokens, followup_ids=q.followup_ids,
+                             min_new_tokens=sample.min_new_tokens, stop_ids=stop_ids, stop_texts=tuple(sample.stop_texts))
+
             return [MultiQueryRequest(join_segments(sample.context), tuple(query(q) for q in asked),
                                       compression=str(self.cfg["compression"]), keep_answers=bool(self.cfg["keep_answers"]),
                                       context_segments=tuple(sample.context))]

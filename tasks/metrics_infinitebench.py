@@ -217,5 +217,5 @@ def score_sample(task: str, prediction: str, labels: Any, scorer_version: str = 
 
 def score_task(task: str, predictions: Sequence[str], labels: Sequence[Any], scorer_version: str = "2024-08") -> float:
     """``100 · mean`` over the samples."""
-    scores = [score_sample(task, p, l, scorer_version) for p, l in zip(predictions, labels)]
+    scores = [score_sample(task, p, label, scorer_version) for p, label in zip(predictions, labels)]
     return 100 * sum(scores) / len(scores)

@@ -178,7 +178,10 @@ class NeedleInAHaystack(Task):
         chat = model.chat
         system = self.cfg["system_prompt"]
         chat = type(chat)(chat.tokenizer, system_prompt=system, template=chat.template) if system else chat
-        encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+
+        def encode(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False).input_ids
+
         # per needle: the template before and after the haystack when its question is asked
         frames = [[encode(part) for part in chat.render(self._user_message(PLACEHOLDER, n)).split(PLACEHOLDER)]
                   for n in self.needles]

@@ -245,7 +245,7 @@ class Rag(Task):
                 )
         elif name == "multi_news":
             with open(self.path, encoding="utf-8") as handle:
-                for index, line in enumerate(l for l in handle if l.strip()):
+                for index, line in enumerate(row for row in handle if row.strip()):
                     row = json.loads(line)
                     yield RawSample(id=f"{name}-{row.get('_id', index)}", passages=split_articles(row["context"]),
                                     query=data.query_prompt, question=None, answers=list(row["answers"]))

@@ -400,7 +400,7 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             points = [(i, _mean_se([d["attention_mean"] for d in i.deviations if d.get("attention_mean") is not None]))
                       for i in series]
             if series[0].ratio is None:
-                for _, (mean, se) in points:
+                for _, (mean, _se) in points:
                     panel.series.append(Series(label, [0.0], [mean], kind="hline", color=color, linestyle=line))
                 continue
             panel.series.append(Series(label, [i.ratio for i, _ in points], [m for _, (m, _) in points],

@@ -307,7 +307,10 @@ def read_squad(path: Path) -> QASet:
 def read_hotpotqa(path: Path) -> QASet:
     """HotpotQA (dev, distractor setting): each question's ten paragraphs are its gold documents."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
-    as_doc = lambda title, sentences: f"{title}\n{''.join(sentences)}"  # noqa: E731
+
+    def as_doc(title: str, sentences: list[str]) -> str:
+        return f"{title}\n{''.join(sentences)}"
+
     documents = tuple(sorted({as_doc(t, s) for row in data for t, s in row["context"]}))
     index = {doc: i for i, doc in enumerate(documents)}
     items = tuple(QAItem(row["question"], (row["answer"],), tuple(index[as_doc(t, s)] for t, s in row["context"]))

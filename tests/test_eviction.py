@@ -284,7 +284,7 @@ def test_h2o_keeps_evicting_during_decode_and_keeps_the_heavy_hitter(swap):
     assert kv.n == 8 and 7 in kv.positions[0].tolist()
     prefill_score = {p: method.scores[0][0, 0, i].item() for i, p in enumerate(kv.positions[0].tolist())}
     heavy_total = prefill_score[7]
-    for step in range(12):
+    for _ in range(12):
         kv.append(torch.zeros(1, 1, d), torch.zeros(1, 1, d))
         positions = kv.positions[0].tolist()
         # the step's attention: half on the heavy hitter, the rest spread evenly
@@ -432,7 +432,7 @@ def test_h2o_without_a_window_still_keeps_the_token_it_just_generated():
     budget = ResolvedBudget(context=s, sink=2, local=0, select=4)
     method = create_method({"name": "h2o"})
     kv = prefill(method, query, key, budget)
-    for step in range(6):
+    for _ in range(6):
         kv.append(torch.zeros(1, 1, d), torch.zeros(1, 1, d))
         probs = torch.full((1, kv.n), 1.0 / kv.n)
         probs[0, -1] = 1e-6  # the new token attends almost nothing to itself: the lowest score

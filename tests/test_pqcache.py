@@ -15,9 +15,9 @@ def first_step_selection(loaded, cfg, ids, budget, layer=1):
     captured = []
     original = method.select
 
-    def spy(l, query, kv):
-        sel = original(l, query, kv)
-        if l == layer and not captured:
+    def spy(index, query, kv):
+        sel = original(index, query, kv)
+        if index == layer and not captured:
             captured.append(sel.selected.clone())
         return sel
 

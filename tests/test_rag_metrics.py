@@ -64,7 +64,10 @@ def test_f1_uses_the_model_tokenizer_ids():
     from kvbench.tasks.rag_metrics import tokenizer_encode
 
     tokenizer = AutoTokenizer.from_pretrained(str(converted_model_dir("smollm2_135m")))
-    pieces = lambda text: tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def pieces(text):
+        return tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False).input_ids)
+
     # only "ford" is shared: "ox"/"Ġox" and "Ġuniversity"/"university" are different ids
     assert pieces("oxford university") == ["ox", "ford", "Ġuniversity"]
     assert pieces("university of oxford") == ["university", "Ġof", "Ġox", "ford"]

@@ -62,7 +62,10 @@ def test_quest_attends_whole_pages_inside_the_budget(tiny_llama, random_ids):
     """Quest's own accounting (no sinks, max(3, B // 16) pages, the partial newest page one of them);
     the defaults changed from ClusterKV's alignment (16 free sinks, free partial pages)."""
     ids = random_ids(700, seed=13)
-    first = lambda out: out.telemetry["attended_first_step"]  # noqa: E731
+
+    def first(out):
+        return out.telemetry["attended_first_step"]
+
     # 700 candidates = 43 pages + a partial page of 12; B = 160: 10 pages = 9 full + the partial one
     out = gen(tiny_llama, "quest", ids, n=2, tokens=160)
     assert out.budget.sink == 0 and first(out)[2:] == [9 * 16 + 12 + 1] * 2  # + the current token
@@ -144,7 +147,10 @@ def test_quest_picks_the_pages_whose_bound_is_highest_and_keeps_the_partial_page
     method.ctx = SimpleNamespace(spec=spec, budget=ResolvedBudget(context=n, sink=0, local=0, select=48))
     method._bounds = {}
     sel = method.select(2, query, kv)
-    page = lambda p: list(range(16 * p, 16 * p + 16))  # noqa: E731
+
+    def page(p):
+        return list(range(16 * p, 16 * p + 16))
+
     partial = list(range(160, 165))
     # 3 pages of budget: the partial page and each head's two best pages, then the current token
     assert sel.slots[0].tolist() == page(3) + page(6) + partial + [n]

@@ -162,7 +162,10 @@ def test_cacheblend_recomputes_the_ratio_after_its_check_layer_and_the_query_alw
     assert per_layer == [1.0, 1.0] + [expected_after] * (tiny_llama.spec.n_layers - 2)
     full = run(tiny_llama, "full", segments)
     reuse = run(tiny_llama, "full_reuse", segments)
-    agree = lambda a, b: sum(x == y for x, y in zip(a.tokens, b.tokens))  # noqa: E731
+
+    def agree(a, b):
+        return sum(x == y for x, y in zip(a.tokens, b.tokens))
+
     assert agree(out, full) >= agree(reuse, full)
 
 

@@ -214,7 +214,9 @@ def test_zeta():
 
 # ---------------------------------------------------------------------------------------- length fitting
 def test_largest_fitting_finds_the_boundary():
-    measure = lambda n: 100 + 7 * n + (n % 3)  # noqa: E731  (almost linear, like a prompt)
+    def measure(n):
+        return 100 + 7 * n + (n % 3)  # almost linear, like a prompt
+
     for budget in (108, 500, 4096, 100000):
         n = largest_fitting(measure, budget, 1)
         assert measure(n) <= budget < measure(n + 1)

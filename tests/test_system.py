@@ -183,8 +183,11 @@ def test_controller_applies_its_ratio_and_matches_the_measured_load(tiny_llama, 
     store = ChunkStore(StoreConfig(tier="disk", dir=str(tmp_path), read_mbps=2.0))
     method = create_method({"name": "cacheblend", "controller": True})
     method.attach_store(store)
-    run = lambda: generate(tiny_llama, method, join_segments(segments), max_new_tokens=2, segments=segments,  # noqa: E731
-                           budget=BudgetConfig())
+
+    def run():
+        return generate(tiny_llama, method, join_segments(segments), max_new_tokens=2, segments=segments,
+                        budget=BudgetConfig())
+
     out = run()
     choice = out.telemetry["prepared"]["controller"]
     c = choice["costs"]
@@ -266,7 +269,10 @@ def test_mapreduce_maps_every_chunk_then_reduces_the_summaries(tiny_llama, qa_di
     requests = task.requests(sample, tiny_llama)
     maps, follow = requests[:-1], requests[-1]
     assert len(maps) == len(chunks) == 6 and isinstance(follow, FollowUp)
-    encode = lambda text: tiny_llama.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+
+    def encode(text):
+        return tiny_llama.tokenizer(text, add_special_tokens=False).input_ids
+
     question = encode("where was Ada Lovelace born?")
     for request, chunk in zip(maps, chunks):
         assert request.segments[1] == chunk and request.max_new_tokens == 64

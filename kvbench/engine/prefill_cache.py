@@ -192,7 +192,10 @@ class PrefillEntry:
 
     def to(self, device: torch.device | str) -> PrefillEntry:
         """A copy on ``device`` (the same tensors when they are there already); strides are kept."""
-        move = lambda t: _compact(t).to(device)  # noqa: E731
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return _compact(t).to(device)
+
         return PrefillEntry(
             keys=[move(t) for t in self.keys], values=[move(t) for t in self.values], logits=move(self.logits),
             dense_s=self.dense_s, stats={s: [move(t) for t in ts] for s, ts in self.stats.items()},
