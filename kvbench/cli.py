@@ -102,11 +102,15 @@ def _parse_run_args(argv: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
         elif arg == "--cfg" or arg.startswith("--cfg="):
             value = arg.partition("=")[2] or (args.pop(0) if args else "")
             if value != "job":
-                raise ConfigError(f"--cfg {value} is not supported", "use --dry-run (or --cfg job) to print the resolved config")
+                raise ConfigError(
+                    f"--cfg {value} is not supported", "use --dry-run (or --cfg job) to print the resolved config"
+                )
             flags["dry_run"] = True
         elif arg.startswith("-"):
-            raise ConfigError(f"unknown option {arg}", f"kvbench run takes {', '.join(RUN_FLAGS)} and key=value overrides "
-                                                      "(kvbench run --help)")
+            raise ConfigError(
+                f"unknown option {arg}",
+                f"kvbench run takes {', '.join(RUN_FLAGS)} and key=value overrides (kvbench run --help)",
+            )
         else:
             overrides.append(arg)
     return flags, overrides
@@ -123,7 +127,8 @@ def _check_choices(overrides: Sequence[str]) -> None:
             for choice in value.split(","):
                 if choice and choice not in group_options(group):
                     raise ConfigError(
-                        f"unknown {group} {choice!r}", f"choose one of: {', '.join(group_options(group))} (`kvbench list`)"
+                        f"unknown {group} {choice!r}",
+                        f"choose one of: {', '.join(group_options(group))} (`kvbench list`)",
                     )
 
 
@@ -423,7 +428,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
     except ValueError:
-        raise ConfigError(f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536") from None
+        raise ConfigError(
+            f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536"
+        ) from None
     options = BenchOptions(quick=args.quick, device=args.device, repeats=args.repeats, model=args.model,
                            lengths=lengths, new_tokens=args.new_tokens)
     results = [benches[name](options) for name in names]
@@ -473,13 +480,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
                           help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
                                "unknown columns are refused with the valid ones")
-    p_repro = sub.add_parser("reproduce", help="run a paper artifact's sweep (what is missing) and render it beside the "
-                                              "published numbers; --list shows the artifacts")
+    p_repro = sub.add_parser(
+        "reproduce",
+        help="run a paper artifact's sweep (what is missing) and render it beside the "
+        "published numbers; --list shows the artifacts",
+    )
     p_repro.add_argument("name", nargs="?", help="<paper>/<artifact>, e.g. pqcache/table3")
     p_repro.add_argument("overrides", nargs="*", help="scale=smoke|cpu|paper (default cpu), then Hydra overrides "
                                                       "(hydra/launcher=joblib runs the sweep in parallel)")
     p_repro.add_argument("--list", action="store_true", help="list the artifacts with a one-line description")
-    p_repro.add_argument("--dry-run", action="store_true", help="validate every point and show its run directory and state")
+    p_repro.add_argument(
+        "--dry-run", action="store_true", help="validate every point and show its run directory and state"
+    )
     p_repro.add_argument("--no-run", action="store_true", help="render from the runs that exist; run nothing")
     p_repro.add_argument("--out", default=None, help="where the report goes (default results/reproduce/<scale>/<name>)")
     p_repro.add_argument("--wait", action="store_true", help="wait for another process writing a run directory")
@@ -499,7 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p_bench.add_argument("--repeats", type=int, default=5)
     p_bench.add_argument("--model", default=None, help="end-to-end benchmarks: model config (e.g. llama31_8b_shape)")
-    p_bench.add_argument("--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072")
+    p_bench.add_argument(
+        "--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072"
+    )
     p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
     args = parser.parse_args(argv)
     handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench, "check": cmd_check,

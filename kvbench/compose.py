@@ -119,7 +119,9 @@ def override_error(exc: Exception, overrides: Sequence[str]) -> ConfigError:
             f"quote the value for Hydra and the whole override for the shell: '{key}=\"{value}\"'",
         )
     if "Ambiguous value for argument" in first:
-        return ConfigError(f"{first.split('argument', 1)[1].strip()} is a sweep", "add -m to run every value (kvbench run -m ...)")
+        return ConfigError(
+            f"{first.split('argument', 1)[1].strip()} is a sweep", "add -m to run every value (kvbench run -m ...)"
+        )
     if "Lexer" in first or "mismatched input" in first or "token recognition" in first:
         return ConfigError(
             f"cannot parse the override {first.split(':', 1)[-1].strip()!r}",

@@ -177,12 +177,24 @@ def _experiment(name: str, path: Path, data: Any) -> Experiment:
             check_render(item)
         except ConfigError as error:
             raise bad(f"render[{index}]: {error.message}") from None
-    return Experiment(name=name, paper=paper, artifact=artifact, compare=str(spec.get("compare") or f"{paper}/{artifact}"),
-                      description=" ".join(spec["description"].split()), path=path,
-                      sweep={str(k): _sweep_value(v) for k, v in sweep.items()}, scales=scales, also=also, bench=bench,
-                      render=render, join=dict(spec.get("join") or {}), stand_ins=dict(spec.get("stand_ins") or {}),
-                      why=dict(spec.get("why") or {}), notes=spec.get("notes"),
-                      paper_factor=float(spec.get("paper_factor", 1.0)))
+    return Experiment(
+        name=name,
+        paper=paper,
+        artifact=artifact,
+        compare=str(spec.get("compare") or f"{paper}/{artifact}"),
+        description=" ".join(spec["description"].split()),
+        path=path,
+        sweep={str(k): _sweep_value(v) for k, v in sweep.items()},
+        scales=scales,
+        also=also,
+        bench=bench,
+        render=render,
+        join=dict(spec.get("join") or {}),
+        stand_ins=dict(spec.get("stand_ins") or {}),
+        why=dict(spec.get("why") or {}),
+        notes=spec.get("notes"),
+        paper_factor=float(spec.get("paper_factor", 1.0)),
+    )
 
 
 def _sweep_value(value: Any) -> str:

@@ -78,9 +78,12 @@ def image_html(path: Path, alt: str) -> str:
 
 def page(report: Any) -> str:
     """One artifact's page (``report``: a :class:`kvbench.reproduce.Report`)."""
-    parts = ["<nav><a href=\"index.html\">all artifacts</a></nav>", f"<h1>{html.escape(report.title)}</h1>",
-             f"<p class=\"note\">scale {html.escape(report.scale)} · <code>kvbench reproduce {html.escape(report.exp.ref)} "
-             f"scale={html.escape(report.scale)}</code></p>"]
+    parts = [
+        '<nav><a href="index.html">all artifacts</a></nav>',
+        f"<h1>{html.escape(report.title)}</h1>",
+        f'<p class="note">scale {html.escape(report.scale)} · <code>kvbench reproduce {html.escape(report.exp.ref)} '
+        f"scale={html.escape(report.scale)}</code></p>",
+    ]
     for section in report.sections:
         parts.append(f'<section><h2>{html.escape(section.title)}</h2>' if section.title else "<section>")
         if section.frame is not None:

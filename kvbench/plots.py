@@ -21,7 +21,8 @@ def _niah_grid(records: list[dict[str, Any]]):
     depths = sorted({float(r["meta"]["depth"]) for r in records})
     grid = np.full((len(depths), len(lengths)), np.nan)
     for record in records:
-        grid[depths.index(float(record["meta"]["depth"])), lengths.index(int(record["meta"]["length"]))] = record["score"]
+        row, col = depths.index(float(record["meta"]["depth"])), lengths.index(int(record["meta"]["length"]))
+        grid[row, col] = record["score"]
     return lengths, depths, grid
 
 
@@ -327,7 +328,9 @@ def score_by_query(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> 
 
         raise ConfigError("none of the matching runs asked several questions per context",
                           "run with task.queries_per_context=N (N > 1) or task.compression=question_agnostic")
-    order = [m for m in ("question_aware", "question_agnostic") if m in modes] + sorted(set(modes) - {"question_aware", "question_agnostic"})
+    order = [m for m in ("question_aware", "question_agnostic") if m in modes] + sorted(
+        set(modes) - {"question_aware", "question_agnostic"}
+    )
     labels = sorted({label for lines in modes.values() for label, _ in lines})
     colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
     fig, axes = plt.subplots(1, len(order), figsize=(4.6 * len(order) + 2.2, 3.6), dpi=120, squeeze=False,

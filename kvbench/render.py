@@ -23,7 +23,8 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
 
   The row's keys besides ``ours`` pick the paper's row. Ops: ``value`` (mean of ``a``), ``ratio``
   (a / b), ``diff`` (a − b), ``max_diff`` (largest a − b over rows aligned on ``over``),
-  ``rel_gain_over_best`` (100 · (a / max over the ``among`` rows − 1)), ``rel_gap`` (100 · (b − a) / b, the reduction of a from b);
+  ``rel_gain_over_best`` (100 · (a / max over the ``among`` rows − 1)), ``rel_gap`` (100 · (b − a) / b,
+  the reduction of a from b);
   ``scale`` multiplies the result. ``holds`` says whether ours satisfies the paper's bound or range.
 
 ``curve`` — y against x, one line per ``series``, one panel per ``split`` (recall vs budget, PPL,
@@ -224,7 +225,9 @@ def paper_rows(exp: Any, compare: str | None = None) -> tuple[Any, Any]:
     frame = values_frame(art.paper, art.id)
     on_01 = frame["unit"].astype(str).str.contains("(0-1)", regex=False)  # scores a paper prints on 0-1
     for key in ("value", "low", "high"):
-        frame[key] = [v * exp.paper_factor if scaled and not is_missing(v) else v for v, scaled in zip(frame[key], on_01)]
+        frame[key] = [
+            v * exp.paper_factor if scaled and not is_missing(v) else v for v, scaled in zip(frame[key], on_01)
+        ]
     if exp.paper_factor != 1.0:
         frame.loc[on_01, "unit"] = f"score (the paper's 0-1 x {exp.paper_factor:g})"
     return art, frame
@@ -336,7 +339,9 @@ def _merge(ours: Any, paper: Any, join: list[str], shown: list[str]) -> Any:
         theirs = f"{key}_paper"
         if theirs in merged.columns:
             mine = merged[key] if key in merged.columns else pd.Series([None] * len(merged), index=merged.index)
-            merged[key] = mine.where(mine.notna() & (mine != "–") if key in merged.columns else mine.notna(), merged[theirs])
+            merged[key] = mine.where(
+                mine.notna() & (mine != "–") if key in merged.columns else mine.notna(), merged[theirs]
+            )
             merged[key] = merged[key].fillna("–")
     return merged
 
@@ -365,13 +370,21 @@ def _table_section(title: str, merged: Any, rows: list[str], cols: list[str], pa
         theirs = paper.iloc[int(r["_row"])] if not is_missing(r.get("_row")) else None
         ours = r.get("ours")
         paper_value = theirs.get("value") if theirs is not None else None
-        csv_rows.append({**({"split": split_label} if split else {}), **{k: r[k] for k in rows + cols},
-                         "ours": ours, "ours_ci95": r.get("ours_ci"), "paper": paper_value,
-                         "paper_low": theirs.get("low") if theirs is not None else None,
-                         "paper_high": theirs.get("high") if theirs is not None else None,
-                         "relation": theirs.get("relation") if theirs is not None else None,
-                         "delta": float(ours) - float(paper_value) if not is_missing(ours) and not is_missing(paper_value)
-                         else None})
+        csv_rows.append(
+            {
+                **({"split": split_label} if split else {}),
+                **{k: r[k] for k in rows + cols},
+                "ours": ours,
+                "ours_ci95": r.get("ours_ci"),
+                "paper": paper_value,
+                "paper_low": theirs.get("low") if theirs is not None else None,
+                "paper_high": theirs.get("high") if theirs is not None else None,
+                "relation": theirs.get("relation") if theirs is not None else None,
+                "delta": float(ours) - float(paper_value)
+                if not is_missing(ours) and not is_missing(paper_value)
+                else None,
+            }
+        )
     csv = pd.DataFrame(csv_rows).to_csv(index=False)
     dupes = merged.duplicated(subset=rows + cols, keep=False)
     if dupes.any():  # several of our runs in one cell (a key the table does not show differs): list them
@@ -450,7 +463,9 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     return None if result is None else result * scale
 
 
-def render_claims(exp: Any, spec: Mapping[str, Any], runs: Any, bench_rows: Any = None, samples: Any = None) -> list[Section]:
+def render_claims(
+    exp: Any, spec: Mapping[str, Any], runs: Any, bench_rows: Any = None, samples: Any = None
+) -> list[Section]:
     """``claims``: see the module doc (``source: samples`` computes from per-sample columns)."""
     import pandas as pd
 
@@ -515,7 +530,9 @@ def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, ben
                 continue
             line = names + (f" · {y}" if len(ys) > 1 or not series else "")
             line = line.str.strip(" ·")
-            part = pd.DataFrame({"split": label, "series": line, "x": xs, "y": pd.to_numeric(group[y_col], errors="coerce")})
+            part = pd.DataFrame(
+                {"split": label, "series": line, "x": xs, "y": pd.to_numeric(group[y_col], errors="coerce")}
+            )
             if spec.get("label"):
                 part["label"] = values(group, spec["label"]).values
             points.append(part)
@@ -534,7 +551,9 @@ def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, ben
     grid = table.pivot_table(index=index + (["label"] if "label" in data.columns else []), columns="x", values="y",
                              aggfunc="first", sort=False)
     if grid.isna().to_numpy().mean() > 0.5:  # a scatter (x not shared between series): the points, one per row
-        grid = table.assign(x=table["x"].map(lambda v: fmt(v, 3)))[[*index, *(["label"] if "label" in table else []), "x", "y"]]
+        grid = table.assign(x=table["x"].map(lambda v: fmt(v, 3)))[
+            [*index, *(["label"] if "label" in table else []), "x", "y"]
+        ]
     else:
         grid = grid.reset_index()
         grid.columns = [fmt(c, 3) if isinstance(c, float) else str(c) for c in grid.columns]
@@ -612,16 +631,29 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
                 continue
             result = paired([float(a[i]) for i in common], [float(b[i]) for i in common])
             ci = "–" if result.ci_low is None else f"[{result.ci_low:+.2f}, {result.ci_high:+.2f}]"
-            out.append({**({"split": label} if split else {}), **{k: values(run, k).iloc[0] for k in by},
-                        "n": result.n, "mean": fmt(result.mean_a), "baseline": fmt(result.mean_b),
-                        "Δ": f"{result.diff:+.2f}", "95% CI of Δ": ci,
-                        "p": "–" if result.p is None else f"{result.p:.3g}",
-                        "test": result.test + (f" ({result.a_only}/{result.b_only} discordant)" if result.test == "mcnemar" else "")})
-    title = spec.get("title") or f"paired against {', '.join(f'{k}={v}' for k, v in spec['baseline'].items())} ({value})"
+            out.append(
+                {
+                    **({"split": label} if split else {}),
+                    **{k: values(run, k).iloc[0] for k in by},
+                    "n": result.n,
+                    "mean": fmt(result.mean_a),
+                    "baseline": fmt(result.mean_b),
+                    "Δ": f"{result.diff:+.2f}",
+                    "95% CI of Δ": ci,
+                    "p": "–" if result.p is None else f"{result.p:.3g}",
+                    "test": result.test
+                    + (f" ({result.a_only}/{result.b_only} discordant)" if result.test == "mcnemar" else ""),
+                }
+            )
+    title = (
+        spec.get("title") or f"paired against {', '.join(f'{k}={v}' for k, v in spec['baseline'].items())} ({value})"
+    )
     if not out:
         return [Section(title, markdown="(no pairs: the runs share no samples with the baseline)")]
     table = pd.DataFrame(out)
-    return [Section(title, markdown=to_markdown(table), latex=to_latex(table), csv=table.to_csv(index=False), frame=table)]
+    return [
+        Section(title, markdown=to_markdown(table), latex=to_latex(table), csv=table.to_csv(index=False), frame=table)
+    ]
 
 
 def render_bench(spec: Mapping[str, Any], bench_rows: Any, notes: Sequence[str]) -> list[Section]:
@@ -638,7 +670,9 @@ ASPECTS = ("model", "data", "n", "truncation", "template", "question", "generati
            "hardware", "metric", "notes")
 
 
-def protocol_section(exp: Any, scale: str, runs: Any, reasons: Mapping[str, str], bench: Mapping[str, Any] | None) -> Section:
+def protocol_section(
+    exp: Any, scale: str, runs: Any, reasons: Mapping[str, str], bench: Mapping[str, Any] | None
+) -> Section:
     """The protocol-difference table: per aspect the paper's protocol, ours, and why they differ; then
     the keys that differ between our runs (the sweep) — ``kvbench report --diff`` over all of them."""
     import pandas as pd
@@ -649,15 +683,20 @@ def protocol_section(exp: Any, scale: str, runs: Any, reasons: Mapping[str, str]
     art = get_artifact(exp.compare)
     protocol = dict(art.protocol)
     paper = {
-        "model": art.model_label or (", ".join(art.model) if isinstance(art.model, tuple) else art.model) or "not stated",
-        "data": protocol.get("data", "–"), "truncation": protocol.get("truncation", "–"),
+        "model": art.model_label
+        or (", ".join(art.model) if isinstance(art.model, tuple) else art.model)
+        or "not stated",
+        "data": protocol.get("data", "–"),
+        "truncation": protocol.get("truncation", "–"),
         "template": protocol.get("template", "–"),
         "question": str(art.fixed.get("question_position", "end (not stated)" if art.task else "–")),
         "generation": protocol.get("generation", "–"),
         "budget": protocol.get("budget", ", ".join(f"{k} {v}" for k, v in art.fixed.items()) or "–"),
-        "precision": protocol.get("precision", "–"), "hardware": protocol.get("hardware", "–"),
+        "precision": protocol.get("precision", "–"),
+        "hardware": protocol.get("hardware", "–"),
         "metric": protocol.get("metric", art.metric if isinstance(art.metric, str) else "–"),
-        "notes": protocol.get("notes", "–"), "n": protocol.get("n", "–"),
+        "notes": protocol.get("notes", "–"),
+        "n": protocol.get("n", "–"),
     }
     for key in ("lengths", "chunks", "criterion"):
         if key in protocol:
@@ -672,7 +711,10 @@ def protocol_section(exp: Any, scale: str, runs: Any, reasons: Mapping[str, str]
     markdown = to_markdown(table)
     if varying:
         sweep = pd.DataFrame([{"key": k, "values in our runs": ", ".join(v)} for k, v in varying.items()])
-        markdown += "\n\nKeys that differ between our runs (`kvbench report --diff` of any two of them):\n\n" + to_markdown(sweep)
+        markdown += (
+            "\n\nKeys that differ between our runs (`kvbench report --diff` of any two of them):\n\n"
+            + to_markdown(sweep)
+        )
     return Section(f"protocol differences (scale {scale})", markdown=markdown, latex=to_latex(table),
                    csv=table.to_csv(index=False), frame=table)
 
@@ -715,9 +757,16 @@ def _ours_aspects(runs: Any, constant: dict[str, Any], varying: dict[str, list[s
                 "generation": str(options.get("new_tokens") or "the benchmark's default"),
                 "hardware": f"{bench.get('device')} ({bench.get('cpus')} CPUs, torch {bench.get('torch')})"}
     models = " | ".join(dict.fromkeys(values(runs, "model")))
-    task_keys = [k for k in list(constant) + list(varying) if k.startswith("config.task.") and k.split(".")[-1] in
-                 ("subsets", "dataset", "file", "lengths", "depths", "data_dir", "limit", "book", "chunk_tokens", "top_k")]
-    data = "; ".join(f"{k.removeprefix('config.task.')}: {constant.get(k) or ' | '.join(varying[k])}" for k in task_keys)
+    task_keys = [
+        k
+        for k in list(constant) + list(varying)
+        if k.startswith("config.task.")
+        and k.split(".")[-1]
+        in ("subsets", "dataset", "file", "lengths", "depths", "data_dir", "limit", "book", "chunk_tokens", "top_k")
+    ]
+    data = "; ".join(
+        f"{k.removeprefix('config.task.')}: {constant.get(k) or ' | '.join(varying[k])}" for k in task_keys
+    )
     ns = [int(n) for n in runs.get("n", []) if not is_missing(n)]
     n = f"{min(ns)}–{max(ns)} samples per run, {len(ns)} runs" if ns and min(ns) != max(ns) else \
         f"{ns[0]} samples per run, {len(ns)} runs" if ns else "–"

@@ -229,7 +229,9 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     frame = runs_frame(paths, every_column=True)
     frame = finished_runs(filtered(frame, {COLUMNS.get(k, k): v for k, v in (where or {}).items()}))
     if frame.empty:
-        raise ConfigError("no finished runs match", "check the folder and the --where filters (`kvbench report` lists the runs)")
+        raise ConfigError(
+            "no finished runs match", "check the folder and the --where filters (`kvbench report` lists the runs)"
+        )
     tasks = sorted(frame["task"].unique())
     if len(tasks) > 1:
         raise ConfigError(f"the matching runs span several tasks ({', '.join(tasks)})", "add --where task=<name>")
@@ -263,7 +265,9 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
 def _differing_columns(frame) -> list[str]:
     """Short names first, then config and protocol keys, whose values differ between the rows of ``frame``."""
     preferred = [c for c in COLUMNS.values() if c in frame.columns]
-    others = sorted(c for c in frame.columns if c.startswith(("config.", "protocol.")) and c not in ("config.output_dir",))
+    others = sorted(
+        c for c in frame.columns if c.startswith(("config.", "protocol.")) and c not in ("config.output_dir",)
+    )
     out = []
     for column in preferred + others:
         if column in ("status", "state", "n", "score", "95% CI") or column in out:

@@ -143,7 +143,9 @@ def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Poi
             print(format_summary(summary), flush=True)
 
 
-def run_bench(exp: Experiment, scale: str, options: dict[str, Any], output_dir: Path, *, run: bool) -> dict[str, Any] | None:
+def run_bench(
+    exp: Experiment, scale: str, options: dict[str, Any], output_dir: Path, *, run: bool
+) -> dict[str, Any] | None:
     """The benchmark record of ``exp`` at ``scale`` with ``options`` (run once, then read from disk)."""
     from kvbench.bench import BenchOptions, discover
 
@@ -245,7 +247,9 @@ def _override_value(extra: Sequence[str], key: str) -> str | None:
     return None
 
 
-def render(exp: Experiment, scale: str, run_dirs: Sequence[Path], bench: dict[str, Any] | None, out_dir: Path) -> list[Section]:
+def render(
+    exp: Experiment, scale: str, run_dirs: Sequence[Path], bench: dict[str, Any] | None, out_dir: Path
+) -> list[Section]:
     """Every section of the artifact, from the finished runs at ``run_dirs`` (or the bench record)."""
     import pandas as pd
 
@@ -266,9 +270,11 @@ def render(exp: Experiment, scale: str, run_dirs: Sequence[Path], bench: dict[st
         header.append(f"`kvbench bench {exp.bench}`, {state} ({json.dumps(bench_options(exp, scale))}).")
     else:
         missing = len(run_dirs) - len(runs)
-        header.append(f"Runs: {len(runs)} of {len(run_dirs)} finished"
-                      + (f"; {missing} not finished: `kvbench reproduce {exp.ref} scale={scale}` runs them" if missing else "")
-                      + ".")
+        header.append(
+            f"Runs: {len(runs)} of {len(run_dirs)} finished"
+            + (f"; {missing} not finished: `kvbench reproduce {exp.ref} scale={scale}` runs them" if missing else "")
+            + "."
+        )
     sections = [Section("", markdown="\n\n".join(header))]
     for index, item in enumerate(exp.render):
         (kind, spec), = item.items()

@@ -3,7 +3,8 @@
 Tasks never drive the model: they turn a sample into one or more *requests*, the runner hands each
 request to the engine (:func:`kvbench.engine.execute`), and the task turns the outputs into a scored
 result. A request that needs earlier outputs (a RAG pipeline's reduce step reads the map steps'
-summaries) is a :class:`FollowUp`: the runner calls it with the outputs so far and runs what it returns. Two kinds of request cover every task kvbench runs:
+summaries) is a :class:`FollowUp`: the runner calls it with the outputs so far and runs what it returns.
+Two kinds of request cover every task kvbench runs:
 
 * :class:`GenerateRequest` — greedy generation after a prompt. The prompt is token ids, optionally
   described as ordered :class:`Segment` s: a fixed ``prefix`` (system prompt, instruction, chat

@@ -314,7 +314,8 @@ class RunDir:
             raise ConfigError(
                 f"{self.path / CONFIG} records {key}={was!r} but this run has {key}={now_!r}{more}; "
                 "its samples belong to the recorded config",
-                f"restore {self.path / CONFIG} (its hash is the directory name), or move {self.path} away to start over",
+                f"restore {self.path / CONFIG} (its hash is the directory name), "
+                f"or move {self.path} away to start over",
             )
 
     def metrics(self) -> dict[str, Any]:

@@ -135,7 +135,13 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
 
 
 def _run_samples(
-    resolved: dict[str, Any], task: Any, method: Any, budget: BudgetConfig, profile: Profile, run_dir: RunDir, done: set[str]
+    resolved: dict[str, Any],
+    task: Any,
+    method: Any,
+    budget: BudgetConfig,
+    profile: Profile,
+    run_dir: RunDir,
+    done: set[str],
 ) -> int:
     import yaml
 
@@ -208,7 +214,10 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
                 for r in records if any(a is not None for a in r["telemetry"].get("attended_per_layer", []))]
     metrics["attended_tokens"] = float(np.mean(attended)) if attended else None
     metrics["method"] = method.describe()
-    metrics["budget"] = {**{k: getattr(budget, k) for k in budget.__dataclass_fields__}, "label": method.budget_label(budget)}
+    metrics["budget"] = {
+        **{k: getattr(budget, k) for k in budget.__dataclass_fields__},
+        "label": method.budget_label(budget),
+    }
     metrics["protocol"] = task.protocol()
     return metrics
 

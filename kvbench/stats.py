@@ -41,7 +41,9 @@ class Paired:
     b_only: int | None = None
 
 
-def bootstrap_diff(a: Sequence[float], b: Sequence[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+def bootstrap_diff(
+    a: Sequence[float], b: Sequence[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
     """95 % percentile bootstrap interval of mean(a - b), resampling pairs; None below two pairs."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     if d.size < 2:

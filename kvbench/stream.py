@@ -100,7 +100,9 @@ def service_times(records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.nda
     return np.asarray(service), np.asarray(first)
 
 
-def stream_stats(records: Sequence[dict[str, Any]], rates: Sequence[float], *, warmup: int, seed: int = 0) -> list[dict[str, Any]]:
+def stream_stats(
+    records: Sequence[dict[str, Any]], rates: Sequence[float], *, warmup: int, seed: int = 0
+) -> list[dict[str, Any]]:
     """TTFT p50/p90 and achieved throughput per arrival rate (requests/s) of one method's stream run
     (its records in arrival order), the first ``warmup`` requests excluded from the statistics."""
     service, first = service_times(records)

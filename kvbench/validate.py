@@ -58,11 +58,14 @@ def check_groups(resolved: dict[str, Any]) -> None:
         if not isinstance(resolved.get(group), dict) or not resolved[group].get("name"):
             raise ConfigError(f"the config has no {group} group", f"pass {group}=<name> (see `kvbench list`)")
     if not isinstance(resolved.get("progress", True), bool):
-        raise ConfigError(f"progress={resolved['progress']!r} is not true or false", "use progress=true or progress=false")
+        raise ConfigError(
+            f"progress={resolved['progress']!r} is not true or false", "use progress=true or progress=false"
+        )
 
 
 def check_prefill_cache(resolved: dict[str, Any]) -> None:
-    """``prefill_cache``: true, false or null (on in sweeps, off in a single run; :mod:`kvbench.engine.prefill_cache`)."""
+    """``prefill_cache``: true, false or null (on in sweeps, off in a single run;
+    :mod:`kvbench.engine.prefill_cache`)."""
     value = resolved.get("prefill_cache")
     if value is not None and not isinstance(value, bool):
         raise ConfigError(f"prefill_cache={value!r} is not true, false or null",
@@ -86,7 +89,9 @@ def check_budget(resolved: dict[str, Any]) -> None:
 
     budget = resolved.get("budget") or {}
     if not isinstance(budget, dict):
-        raise BudgetError(f"budget={budget!r} is not a group of keys", "set budget.token_ratio=... or budget.tokens=...")
+        raise BudgetError(
+            f"budget={budget!r} is not a group of keys", "set budget.token_ratio=... or budget.tokens=..."
+        )
     for key, value in budget.items():
         if key in BUDGET_TYPES:
             _typed(f"budget.{key}", value, *BUDGET_TYPES[key])
@@ -102,7 +107,9 @@ def check_profile(resolved: dict[str, Any]) -> None:
     known = {f.name: f for f in fields(Profile)}
     unknown = sorted(set(profile) - set(known))
     if unknown:
-        raise ConfigError(f"unknown profile key(s): {', '.join(unknown)}", f"use only profile.{{{', '.join(sorted(known))}}}")
+        raise ConfigError(
+            f"unknown profile key(s): {', '.join(unknown)}", f"use only profile.{{{', '.join(sorted(known))}}}"
+        )
     for key, value in profile.items():
         default = known[key].default
         _typed(f"profile.{key}", value, (type(default),), False, None, f"profile.{key}={_show(default)}")
@@ -168,8 +175,10 @@ def check_task(resolved: dict[str, Any]) -> None:
     try:
         create_task(resolved["task"])
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"task {resolved['task']['name']}: a value has the wrong type ({exc})",
-                          "compare your task.* overrides with conf/task/" + f"{resolved['task']['name']}.yaml") from None
+        raise ConfigError(
+            f"task {resolved['task']['name']}: a value has the wrong type ({exc})",
+            "compare your task.* overrides with conf/task/" + f"{resolved['task']['name']}.yaml",
+        ) from None
 
 
 def model_max_length(model: dict[str, Any]) -> int | None:
@@ -200,7 +209,9 @@ def check_model(resolved: dict[str, Any]) -> None:
         local = Path(str(path)).expanduser()
         if local.is_dir():
             if not (local / "config.json").exists():
-                raise ConfigError(f"model.path={path} holds no config.json", "point model.path at a Hugging Face model folder")
+                raise ConfigError(
+                    f"model.path={path} holds no config.json", "point model.path at a Hugging Face model folder"
+                )
         elif looks_like_path(str(path)):
             raise ConfigError(f"model.path={path} is not a folder",
                               "point model.path at a local model folder, or give a hub id such as org/name")
@@ -291,8 +302,10 @@ def check_reuse_task(resolved: dict[str, Any]) -> None:
     if params is None or not issubclass(params, ReuseParams) or task.chunked:
         return
     chunked = [name for name in REGISTRY.names() if REGISTRY.get(name).chunked]
-    raise ConfigError(f"method {method} reuses chunk caches, but task {task.name}'s prompts are not split into chunks",
-                      f"use a chunked task (task={' or task='.join(chunked)}) or a method that is not in the reuse family")
+    raise ConfigError(
+        f"method {method} reuses chunk caches, but task {task.name}'s prompts are not split into chunks",
+        f"use a chunked task (task={' or task='.join(chunked)}) or a method that is not in the reuse family",
+    )
 
 
 CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_prefill_cache, check_budget, check_profile,

@@ -23,8 +23,20 @@ if TYPE_CHECKING:
     from kvbench.methods.base import KVMethod, Selection
 
 REGISTRY: Registry[KVMethod] = Registry(
-    "method", __name__,
-    exclude={"base", "eviction", "reuse", "selection", "primitives", "retrieval", "attention_scores", "pqcache_cost", "pqcache_workers", "params"},
+    "method",
+    __name__,
+    exclude={
+        "base",
+        "eviction",
+        "reuse",
+        "selection",
+        "primitives",
+        "retrieval",
+        "attention_scores",
+        "pqcache_cost",
+        "pqcache_workers",
+        "params",
+    },
 )
 
 

@@ -171,7 +171,11 @@ class KVMethod:
         size = f"{budget.tokens} tokens" if budget.tokens is not None else f"ratio {budget.token_ratio:g}"
         if budget.comm_ratio:
             inverse = 1 / float(budget.comm_ratio)
-            size += f", comm 1/{round(inverse)}" if abs(inverse - round(inverse)) < 1e-6 else f", comm {budget.comm_ratio:g}"
+            size += (
+                f", comm 1/{round(inverse)}"
+                if abs(inverse - round(inverse)) < 1e-6
+                else f", comm {budget.comm_ratio:g}"
+            )
         return size + (" (C)" if budget.compensate and self.defaults().compensable else "")
 
     def describe(self) -> dict[str, Any]:
@@ -183,12 +187,16 @@ class KVMethod:
         """Reset per-sample state; ``ctx.budget`` and ``ctx.store`` are ready."""
         self.ctx = ctx
 
-    def prepare(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> dict[str, Any]:
+    def prepare(
+        self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None
+    ) -> dict[str, Any]:
         """Work done before the request's clock starts (reuse: precompute missing chunk caches, as a
         store would hold them from earlier requests); returns figures recorded apart from TTFT."""
         return {}
 
-    def prefill_plan(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> PrefillPlan:
+    def prefill_plan(
+        self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None
+    ) -> PrefillPlan:
         """How the prompt ``input_ids`` ``[n]`` is prefilled: a dense prefill unless a reuse method says
         otherwise (called inside the measured TTFT)."""
         from kvbench.engine.prefill import DensePrefill
@@ -210,7 +218,9 @@ class KVMethod:
         and a shared prefill then hands its ``on_prefill`` no queries (``query=None``)."""
         return ()
 
-    def query_statistic(self, stat: QueryStatistic, layer: int, query: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    def query_statistic(
+        self, stat: QueryStatistic, layer: int, query: torch.Tensor | None, key: torch.Tensor
+    ) -> torch.Tensor:
         """``stat`` of ``layer``: computed now from ``query``/``key`` during the method's own prefill, or
         taken from the shared prefill that computed it (which must be among
         :meth:`prefill_statistics`)."""

@@ -147,7 +147,9 @@ class CacheBlend(ReuseMethod):
         self._measure_s = 0.0
 
     # ------------------------------------------------------------------ loading controller
-    def prepare(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> dict[str, Any]:
+    def prepare(
+        self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None
+    ) -> dict[str, Any]:
         report = super().prepare(ctx, input_ids, segments)
         if not self.params.controller:
             return report
@@ -157,9 +159,13 @@ class CacheBlend(ReuseMethod):
         n_cached = sum(span.end - span.begin for span in spans)
         if self.costs is None:
             started = time.perf_counter()
-            self.costs = measure_costs(ctx, input_ids, self._store().config, chunk_tokens=max(1, n_cached // max(1, len(spans))))
+            self.costs = measure_costs(
+                ctx, input_ids, self._store().config, chunk_tokens=max(1, n_cached // max(1, len(spans)))
+            )
             self._measure_s = time.perf_counter() - started
-        choice = LoadingController(self.costs, self.params.recompute_ratio).choose(n, n_cached, self._store().config.tier)
+        choice = LoadingController(self.costs, self.params.recompute_ratio).choose(
+            n, n_cached, self._store().config.tier
+        )
         self.ratios = [choice["ratio"]]
         report["controller"] = {**choice, "costs": {**asdict(self.costs), "token_layer_s": self.costs.token_layer_s},
                                 "measure_s": self._measure_s}

@@ -36,7 +36,9 @@ from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_sorted
 
 
-def local_attention_received(query: torch.Tensor, keys: torch.Tensor, window: int, scale: float, chunk: int = 256) -> torch.Tensor:
+def local_attention_received(
+    query: torch.Tensor, keys: torch.Tensor, window: int, scale: float, chunk: int = 256
+) -> torch.Tensor:
     """Attention each key receives from the queries within ``window`` positions after it.
 
     ``query`` ``[H, s, d]``, ``keys`` ``[H, s, d]`` (already expanded to query heads). Every query ``j``
@@ -60,7 +62,9 @@ def local_attention_received(query: torch.Tensor, keys: torch.Tensor, window: in
 def received_from_kv_heads(query: torch.Tensor, keys: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """:func:`local_attention_received` with ``keys`` ``[H_kv, s, d]`` per KV head (repeated to the query
     heads of each GQA group first)."""
-    return local_attention_received(query, keys.repeat_interleave(query.shape[0] // keys.shape[0], dim=0), window, scale)
+    return local_attention_received(
+        query, keys.repeat_interleave(query.shape[0] // keys.shape[0], dim=0), window, scale
+    )
 
 
 @register
@@ -122,7 +126,9 @@ class InfLLM(RetrievalMethod):
         lay = self.layout(kv)
         full_blocks = max(0, lay.middle) // self.block
         blocks_end = lay.sink_end + full_blocks * self.block
-        fixed = torch.cat([torch.arange(0, lay.sink_end, device=kv.home), torch.arange(blocks_end, kv.n, device=kv.home)])
+        fixed = torch.cat(
+            [torch.arange(0, lay.sink_end, device=kv.home), torch.arange(blocks_end, kv.n, device=kv.home)]
+        )
         take = min(math.ceil(budget.select / self.block), full_blocks)
         if take == 0:
             return Selection(slots=fixed.expand(spec.n_kv_heads, -1))
@@ -130,7 +136,8 @@ class InfLLM(RetrievalMethod):
         q = query[0, :, 0, :].to(reps.device).float()  # [H, d]
         scores = torch.einsum("hd,hbd->b", q, reps) / spec.n_heads
         chosen = topk_sorted(scores[None], take)[0]
-        selected = (lay.sink_end + chosen[:, None] * self.block + torch.arange(self.block, device=kv.home)).reshape(1, -1)
+        offsets = chosen[:, None] * self.block + torch.arange(self.block, device=kv.home)
+        selected = (lay.sink_end + offsets).reshape(1, -1)
         selected = selected.expand(spec.n_kv_heads, -1)
         slots, _ = torch.sort(torch.cat([fixed.expand(spec.n_kv_heads, -1), selected], dim=1), dim=1)
         candidates = torch.arange(lay.sink_end, blocks_end, device=kv.home)
@@ -146,7 +153,9 @@ class InfLLM(RetrievalMethod):
         if received.shape[1] < kv.n:
             grow = torch.zeros(received.shape[0], kv.n - received.shape[1], device=received.device)
             received = self._received[layer] = torch.cat([received, grow], dim=1)
-        slots = selection.slots if selection is not None else torch.arange(kv.n, device=kv.home).expand(kv.n_kv_heads, -1)
+        slots = (
+            selection.slots if selection is not None else torch.arange(kv.n, device=kv.home).expand(kv.n_kv_heads, -1)
+        )
         slots = slots.repeat_interleave(probs.shape[0] // slots.shape[0], dim=0).to(received.device)
         window_start = kv.n - 1 - self.ctx.budget.local
         in_window = slots >= window_start

@@ -89,7 +89,9 @@ class SnapKVParams(SinkParams):
     sink: int = param(32, "the PQCache-table methods' 32 sinks (budget.sink=0: SnapKV's own)", min=0)
     window: int = param(32, "observation window = kept recent window (the authors' LongBench configs: 32)", min=1)
     kernel: int = param(7, "pooling kernel, odd (the authors' LongBench configs: 7; code default 5)", min=1)
-    pooling: Literal["avg", "max"] = param("max", "vote pooling (the authors' LongBench configs: max; code default avg)")
+    pooling: Literal["avg", "max"] = param(
+        "max", "vote pooling (the authors' LongBench configs: max; code default avg)"
+    )
     granularity: HeadSelection = param(
         "query_head", "query_head: every query head keeps its own tokens, K/V stored per query head (the authors' "
         "code) | kv_head: one set per KV head from votes reduced by method.gqa")
@@ -252,13 +254,18 @@ class CacheBlendParams(ReuseParams):
     suffix: Literal["query", "last_token"] = param(
         "query", "rows always recomputed: the whole query | the last token (the released QA scripts)")
     seed: int = param(0, "random selection seed")
-    controller: bool = param(False, "loading controller (paper 5.1): r = max(r_load, recompute_ratio) from the measured "
-                             "recompute and load costs; recompute_ratio is then the floor r*")
+    controller: bool = param(
+        False,
+        "loading controller (paper 5.1): r = max(r_load, recompute_ratio) from the measured "
+        "recompute and load costs; recompute_ratio is then the floor r*",
+    )
 
     def validate(self) -> None:
         ratios = list(self.filter_ratios)
         if any(b > a for a, b in zip(ratios, ratios[1:])):
-            raise ConfigError(f"method.filter_ratios={ratios} must not increase", "e.g. method.filter_ratios=[0.3,0.2,0.15]")
+            raise ConfigError(
+                f"method.filter_ratios={ratios} must not increase", "e.g. method.filter_ratios=[0.3,0.2,0.15]"
+            )
         if self.controller and ratios:
             raise ConfigError("method.controller picks one recompute ratio, so it cannot follow method.filter_ratios",
                               "drop method.filter_ratios, or set method.controller=false")

@@ -322,6 +322,8 @@ class PQCache(RetrievalMethod):
             "kmeans_rules": self.params.kmeans_rules,
             "kmeans_device": str(self.workers.device) if self.workers is not None else None,
             "kmeans_workers": self.params.workers,
-            "cost_model": None if self.cost is None else {"kmeans": self.cost.get("kmeans"), "device": self.cost["device"]},
+            "cost_model": None
+            if self.cost is None
+            else {"kmeans": self.cost.get("kmeans"), "device": self.cost["device"]},
             **{k: round(v, 6) for k, v in self.timers.items()},
         }

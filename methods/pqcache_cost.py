@@ -47,7 +47,8 @@ KMEANS_LENGTHS = (512, 1024, 2048, 4096)
 
 def _cache_path(ctx: Any, m: int, b: int, backend: dict[str, Any]) -> Path:
     device = ctx.spec.device.replace(":", "")
-    kmeans = f"kmeans-{str(backend['device']).replace(':', '')}-w{backend['workers']}-t{backend['threads']}-{backend['metric']}"
+    kmeans_device = str(backend["device"]).replace(":", "")
+    kmeans = f"kmeans-{kmeans_device}-w{backend['workers']}-t{backend['threads']}-{backend['metric']}"
     return kvbench_home() / "cost_models" / f"{ctx.spec.name}-{device}-{ctx.spec.dtype}-m{m}b{b}-{kmeans}.json"
 
 

@@ -59,7 +59,9 @@ class Quest(RetrievalMethod):
         super().start(ctx)
         self._bounds: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # layer -> (first slot, low, high)
 
-    def _page_bounds(self, layer: int, kv: LayerKV, start: int, pages: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _page_bounds(
+        self, layer: int, kv: LayerKV, start: int, pages: int, page: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bounds of the ``pages`` full pages from slot ``start``, kept per layer and extended as pages
         fill (device metadata)."""
         cached = self._bounds.get(layer)

@@ -162,7 +162,9 @@ class ReuseMethod(KVMethod):
             )
         return segments
 
-    def prepare(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> dict[str, Any]:
+    def prepare(
+        self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None
+    ) -> dict[str, Any]:
         segments = self._require_segments(segments)
         check_rerotatable(ctx.model)
         store = self._store()
@@ -190,7 +192,9 @@ class ReuseMethod(KVMethod):
         return report
 
     # ------------------------------------------------------------------ the plan
-    def prefill_plan(self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None) -> PrefillPlan:
+    def prefill_plan(
+        self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None
+    ) -> PrefillPlan:
         segments = self._require_segments(segments)
         return ReusePrefill(ctx, self, input_ids, segments)
 
@@ -304,14 +308,18 @@ class LayerLoader:
 
 
 def _query_rows(segments: tuple[Segment, ...]) -> torch.Tensor:
-    return torch.cat([torch.arange(b, e) for seg, (b, e) in zip(segments, segment_spans(segments)) if seg.role == "query"]
-                     or [torch.zeros(0, dtype=torch.long)])
+    return torch.cat(
+        [torch.arange(b, e) for seg, (b, e) in zip(segments, segment_spans(segments)) if seg.role == "query"]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
 
 
 class ReusePrefill(PrefillPlan):
     """The per-layer plan of a reuse method: install cached rows, recompute the active ones."""
 
-    def __init__(self, ctx: GenerationContext, method: ReuseMethod, input_ids: torch.Tensor, segments: tuple[Segment, ...]) -> None:
+    def __init__(
+        self, ctx: GenerationContext, method: ReuseMethod, input_ids: torch.Tensor, segments: tuple[Segment, ...]
+    ) -> None:
         n = int(input_ids.numel())
         self.method = method
         self.n = n
@@ -353,7 +361,9 @@ class ReusePrefill(PrefillPlan):
         n_layers = ctx.spec.n_layers
         self.recompute_per_layer = [0.0] * n_layers
         self._layer_started = 0.0
-        self.cache_layers = [layer for layer in method.cache_layers(self) if 0 <= layer < n_layers] if self.spans else []
+        self.cache_layers = (
+            [layer for layer in method.cache_layers(self) if 0 <= layer < n_layers] if self.spans else []
+        )
         self.loader = LayerLoader(self.spans, torch.device(ctx.spec.device), n_layers,
                                   pipelined=bool(store.config.pipeline))
         if self.cache_layers:
@@ -406,7 +416,13 @@ class ReusePrefill(PrefillPlan):
         self.installed_layers += 1
 
     def attend(
-        self, layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
     ) -> torch.Tensor:
         kv = self.ctx.store[layer]
         active = self.active
@@ -431,7 +447,9 @@ class ReusePrefill(PrefillPlan):
             query_positions = torch.arange(self.n - m, self.n)[rows]
         else:
             query_positions = active[rows]
-        out[:, rows.to(query.device)] = attention.with_past(q, kv.keys, kv.values, kv.positions[0], query_positions, scaling)
+        out[:, rows.to(query.device)] = attention.with_past(
+            q, kv.keys, kv.values, kv.positions[0], query_positions, scaling
+        )
         return out
 
     def after_layer(self, layer: int) -> torch.Tensor | None:
@@ -495,11 +513,17 @@ class ReusePrefill(PrefillPlan):
                 assert span.reader is not None
                 _, v = span.reader.layer(layer)
                 v = v[:, span.rows].float()
-                dev[span.begin : span.end] = (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
+                dev[span.begin : span.end] = (
+                    (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
+                )
             tokens = dev[cached]
             per_layer.append(tokens)
             ordered = torch.sort(tokens).values
-            curves.append([round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))] if tokens.numel() else [])
+            curves.append(
+                [round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))]
+                if tokens.numel()
+                else []
+            )
             means.append(float(tokens.mean()) if tokens.numel() else 0.0)
             k = max(1, int(0.15 * tokens.numel()))
             total = float(tokens.sum())
@@ -526,7 +550,9 @@ class ReusePrefill(PrefillPlan):
         }
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Softmax attention ``[heads, rows, keys]`` of queries ``[heads, rows, d]`` over keys ``[kv_heads, n, d]``
     (query head h reads KV head h // group), causal by position."""
     group = q.shape[0] // k.shape[0]

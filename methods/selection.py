@@ -61,7 +61,8 @@ def compose(lay: Layout, selected: torch.Tensor) -> Selection:
 
 
 def group_logits(query: torch.Tensor, keys: torch.Tensor, group: int) -> torch.Tensor:
-    """Exact ``q·k`` logits ``[kv_heads, group, n]`` from ``query`` ``[1, H, 1, d]`` and ``keys`` ``[kv_heads, n, d]``."""
+    """Exact ``q·k`` logits ``[kv_heads, group, n]`` from ``query`` ``[1, H, 1, d]`` and ``keys``
+    ``[kv_heads, n, d]``."""
     q = query[0, :, -1, :].to(device=keys.device, dtype=torch.float32)
     q = q.view(keys.shape[0], group, -1)
     return torch.einsum("hgd,hnd->hgn", q, keys.to(torch.float32))

@@ -159,12 +159,16 @@ class Task:
     def _check_multi_query(self) -> None:
         n, compression, keep = self.cfg["queries_per_context"], self.cfg["compression"], self.cfg["keep_answers"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"task.queries_per_context={n!r} must be a positive integer", "e.g. task.queries_per_context=4")
+            raise ConfigError(
+                f"task.queries_per_context={n!r} must be a positive integer", "e.g. task.queries_per_context=4"
+            )
         if compression not in COMPRESSIONS:
             raise ConfigError(f"task.compression={compression!r} is not one of {', '.join(COMPRESSIONS)}",
                               "use task.compression=question_aware or task.compression=question_agnostic")
         if not isinstance(keep, bool):
-            raise ConfigError(f"task.keep_answers={keep!r} must be true or false", "use task.keep_answers=true or false")
+            raise ConfigError(
+                f"task.keep_answers={keep!r} must be true or false", "use task.keep_answers=true or false"
+            )
 
     @property
     def multi_query(self) -> bool:
@@ -252,7 +256,9 @@ class Task:
             return join_segments(sample.segments)
         if sample.input_ids is not None:
             return list(sample.input_ids)
-        return model.chat.encode(sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix)
+        return model.chat.encode(
+            sample.prompt or "", use_template=sample.use_template, assistant_prefix=sample.assistant_prefix
+        )
 
     def requests(self, sample: Sample, model: LoadedModel) -> list[Request]:
         """What the sample asks of the engine: by default one greedy generation of its prompt; in
@@ -266,12 +272,24 @@ class Task:
             asked = sample.queries[: int(self.cfg["queries_per_context"])]
 
             def query(q: SampleQuery) -> Query:
-                return Query(q.ids, sample.max_new_tokens, followup_ids=q.followup_ids,
-                             min_new_tokens=sample.min_new_tokens, stop_ids=stop_ids, stop_texts=tuple(sample.stop_texts))
+                return Query(
+                    q.ids,
+                    sample.max_new_tokens,
+                    followup_ids=q.followup_ids,
+                    min_new_tokens=sample.min_new_tokens,
+                    stop_ids=stop_ids,
+                    stop_texts=tuple(sample.stop_texts),
+                )
 
-            return [MultiQueryRequest(join_segments(sample.context), tuple(query(q) for q in asked),
-                                      compression=str(self.cfg["compression"]), keep_answers=bool(self.cfg["keep_answers"]),
-                                      context_segments=tuple(sample.context))]
+            return [
+                MultiQueryRequest(
+                    join_segments(sample.context),
+                    tuple(query(q) for q in asked),
+                    compression=str(self.cfg["compression"]),
+                    keep_answers=bool(self.cfg["keep_answers"]),
+                    context_segments=tuple(sample.context),
+                )
+            ]
         segments = sample.segments
         if sample.queries is not None and sample.context is not None:
             segments = [*sample.context, Segment(sample.queries[0].ids, "query")]
@@ -294,9 +312,17 @@ class Task:
             assert sample.queries is not None
             queries = []
             for index, (query, turn) in enumerate(zip(sample.queries, out.turns)):
-                queries.append({"index": index, "question": query.text, "reference": query.reference,
-                                "prediction": turn.text, "score": float(self.score_answer(sample, query.reference, turn.text)),
-                                "stop_reason": turn.stop_reason, "telemetry": turn.telemetry})
+                queries.append(
+                    {
+                        "index": index,
+                        "question": query.text,
+                        "reference": query.reference,
+                        "prediction": turn.text,
+                        "score": float(self.score_answer(sample, query.reference, turn.text)),
+                        "stop_reason": turn.stop_reason,
+                        "telemetry": turn.telemetry,
+                    }
+                )
             return SampleResult(
                 id=sample.id,
                 prediction=[q["prediction"] for q in queries],

@@ -50,7 +50,8 @@ WEI8 = (
      "Jason give to Denny?",
      "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
      "The answer is 8."),
-    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
+     "now?",
      "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. "
      "The answer is 9."),
     ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
@@ -135,8 +136,12 @@ class GSM8kCoT(Task):
             else:
                 folder = data_dir(self.cfg)
                 if folder is None:
-                    raise ConfigError("protocol=pqcache needs PQCache's prompt file", f"pass task.data_dir=<folder> ({WHERE})")
-                self._exemplars = find_file(folder, PROMPT_FILES, "PQCache's GSM8k prompt", WHERE).read_text(encoding="utf-8")
+                    raise ConfigError(
+                        "protocol=pqcache needs PQCache's prompt file", f"pass task.data_dir=<folder> ({WHERE})"
+                    )
+                self._exemplars = find_file(folder, PROMPT_FILES, "PQCache's GSM8k prompt", WHERE).read_text(
+                    encoding="utf-8"
+                )
         return self._exemplars
 
     def build_prompt(self, question: str) -> str:

@@ -196,12 +196,15 @@ class InfiniteBench(Task):
             real = [n for n in self.names if n not in SYNTHETIC]
             if real:
                 raise ConfigError(
-                    f"{', '.join(real)} cannot be generated", f"pass task.data_dir=<folder> ({WHERE}) or task.generate=false"
+                    f"{', '.join(real)} cannot be generated",
+                    f"pass task.data_dir=<folder> ({WHERE}) or task.generate=false",
                 )
 
     # ------------------------------------------------------------------ protocol
     def template(self, task: str) -> str:
-        table = {"open": OPEN_TEMPLATES, "chat": CHAT_TEMPLATES, "infllm": INFLLM_TEMPLATES}[self.protocol_cfg["templates"]]
+        table = {"open": OPEN_TEMPLATES, "chat": CHAT_TEMPLATES, "infllm": INFLLM_TEMPLATES}[
+            self.protocol_cfg["templates"]
+        ]
         text = table[task]
         if self.cfg["question_position"] == "start":
             for slot in ("{input}", "{question}"):

@@ -34,76 +34,116 @@ MAX_NEW_TOKENS = {
 _MC = "A. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}"
 
 OPEN_TEMPLATES = {
-    "passkey": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
-               "quiz you about the important information there.\n\n{context}\n\n{input}\n\nThe pass key is",
-    "number_string": "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about "
-                     "the important information there.\n\n{context}\n\n{input}\n\nThe sequence of digits is",
-    "kv_retrieval": "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}",
+    "passkey": (
+        "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
+        "quiz you about the important information there.\n\n{context}\n\n{input}\n\nThe pass key is"
+    ),
+    "number_string": (
+        "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about "
+        "the important information there.\n\n{context}\n\n{input}\n\nThe sequence of digits is"
+    ),
+    "kv_retrieval": (
+        "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}"
+    ),
     "longbook_sum_eng": "Summarize the book below.\n\n{context}\n\nSummary:",
-    "longbook_choice_eng": "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n" + _MC
-                           + "\n\nThe letter of the correct answer is",
-    "longbook_qa_eng": "Read the book and answer the question. Be very concise in your answer.\n\n{context}\n\n"
-                       "Question: {question}\nAnswer:",
+    "longbook_choice_eng": (
+        "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n" + _MC
+        + "\n\nThe letter of the correct answer is"
+    ),
+    "longbook_qa_eng": (
+        "Read the book and answer the question. Be very concise in your answer.\n\n{context}\n\n"
+        "Question: {question}\nAnswer:"
+    ),
     "longbook_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}\n\n问题：{question}\n答案：",
     "math_find": "{prefix}\n\n{context}\n\n{input}",
-    "math_calc": "Let us calculate the intermediate values of an expression.\n\nExpression: 1 + 3 + 4\nValues: [1, 4, 8]"
-                 "\n\nExpression: 8 - 3 + 2 - 4\nValues: [8, 5, 7, 3]\n\nExpression: {context}\nValues:",
-    "code_run": "There is a function called {func} in the following Python code.\n\n{context}\n\nPlease compute the exact "
-                "value of {func_call}. The value of {func_call} is",
-    "code_debug": "Following is a Python code where exactly one of the functions/methods has a deliberate error that "
-                  "makes it crash.\n\n{context}\n\nOptions:\n" + _MC + "\n\nThe correct option is:",
-    "longdialogue_qa_eng": "Below is a dialogue script where one random occurrence of a character name is replaced with "
-                           "\"$$MASK$$\", and you should try to guess who that character is.\n\n{context}\n\nThe name "
-                           "that has been replaced with $$MASK$$ is likely",
+    "math_calc": (
+        "Let us calculate the intermediate values of an expression.\n\nExpression: 1 + 3 + 4\nValues: [1, 4, 8]"
+        "\n\nExpression: 8 - 3 + 2 - 4\nValues: [8, 5, 7, 3]\n\nExpression: {context}\nValues:"
+    ),
+    "code_run": (
+        "There is a function called {func} in the following Python code.\n\n{context}\n\nPlease compute the exact "
+        "value of {func_call}. The value of {func_call} is"
+    ),
+    "code_debug": (
+        "Following is a Python code where exactly one of the functions/methods has a deliberate error that "
+        "makes it crash.\n\n{context}\n\nOptions:\n" + _MC + "\n\nThe correct option is:"
+    ),
+    "longdialogue_qa_eng": (
+        "Below is a dialogue script where one random occurrence of a character name is replaced with "
+        "\"$$MASK$$\", and you should try to guess who that character is.\n\n{context}\n\nThe name "
+        "that has been replaced with $$MASK$$ is likely"
+    ),
 }
 
 CHAT_TEMPLATES = {
-    "passkey": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
-               "quiz you about the important information there.\n\n{context}\n\n{input}",
-    "number_string": "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about "
-                     "the important information there.\n\n{context}\n\n{input}",
-    "kv_retrieval": "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}",
-    "longbook_qa_eng": "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nBe very concise.",
-    "longbook_choice_eng": "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n\nOnly one of "
-                           "the following options is correct, tell me the answer using one single letter (A, B, C, or "
-                           "D). Don't say anything else.\n" + _MC,
+    "passkey": (
+        "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will "
+        "quiz you about the important information there.\n\n{context}\n\n{input}"
+    ),
+    "number_string": (
+        "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about "
+        "the important information there.\n\n{context}\n\n{input}"
+    ),
+    "kv_retrieval": (
+        "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}"
+    ),
+    "longbook_qa_eng": (
+        "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nBe very concise."
+    ),
+    "longbook_choice_eng": (
+        "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n\nOnly one of "
+        "the following options is correct, tell me the answer using one single letter (A, B, C, or "
+        "D). Don't say anything else.\n" + _MC
+    ),
     "longbook_sum_eng": "Summarize the following book.\n\n{context}",
     "longbook_qa_chn": "请根据以下书籍回答我的问题。\n\n{context}\n\n问题：{question}\n请尽量简短地回答。",
     "math_find": "{prefix}\n\n{context}\n\n{input}",
     "math_calc": "Compute the intermediate values in the following long expression.\n\n{context}",
-    "code_run": "Following is a set of Python functions. There is a function called named {func}.\n\n{context}\n\n"
-                "Please give me the exact number of the return value of {func_call}. Be concise. Your response must "
-                "end with the final returned value.",
-    "code_debug": "There is ONLY ONE function in the large project that is deliberately made to include an obvious "
-                  "error. Please find the function that contains the most obvious errors. I will give you four "
-                  "options to narrow your scope. You can inspect through the options and think. Eventually, tell me "
-                  "the answer using one single letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate "
-                  "error?\n" + _MC + "\n\nYou should first find the functions in the options. Repeat their content, "
-                  "inspect through code, and at last give me your answer for the function that has the deliberate "
-                  "and obvious error in A, B, C, or D.",
-    "longdialogue_qa_eng": "Below is a dialogue script where one random occurrence of a character name is replaced with "
-                           "\"$$MASK$$\", and you should try to guess who that character is.\n\nThe dialogue:\n\n---\n\n"
-                           "{context}\n\n---\n\nEnd of dialogue.\n\nWhich character is most likely \"$$MASK$$\"? Just say "
-                           "the name used by the scriptwriter (before the colon marks) of one single character and "
-                           "nothing else.",
+    "code_run": (
+        "Following is a set of Python functions. There is a function called named {func}.\n\n{context}\n\n"
+        "Please give me the exact number of the return value of {func_call}. Be concise. Your response must "
+        "end with the final returned value."
+    ),
+    "code_debug": (
+        "There is ONLY ONE function in the large project that is deliberately made to include an obvious "
+        "error. Please find the function that contains the most obvious errors. I will give you four "
+        "options to narrow your scope. You can inspect through the options and think. Eventually, tell me "
+        "the answer using one single letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate "
+        "error?\n" + _MC + "\n\nYou should first find the functions in the options. Repeat their content, "
+        "inspect through code, and at last give me your answer for the function that has the deliberate "
+        "and obvious error in A, B, C, or D."
+    ),
+    "longdialogue_qa_eng": (
+        "Below is a dialogue script where one random occurrence of a character name is replaced with "
+        "\"$$MASK$$\", and you should try to guess who that character is.\n\nThe dialogue:\n\n---\n\n"
+        "{context}\n\n---\n\nEnd of dialogue.\n\nWhich character is most likely \"$$MASK$$\"? Just say "
+        "the name used by the scriptwriter (before the colon marks) of one single character and "
+        "nothing else."
+    ),
 }
 
 #: InfLLM's prompts (``benchmark/config/dataset2prompt.json``): the chat set with three differences
 INFLLM_TEMPLATES = {
     **CHAT_TEMPLATES,
-    "kv_retrieval": "Extract the value corresponding to the specified key {key} in the JSON object below.\n\n{context}"
-                    "\n\n{input}",
-    "longbook_qa_eng": "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nPlease "
-                       "answer as short as possible. The answer is:",
-    "code_debug": "There is ONLY ONE function in the large project that is deliberately made to include an obvious "
-                  "error. Please find the function that contains the most obvious errors. I will give you four options "
-                  "to narrow your scope. You can inspect the options and think. Eventually, tell me the answer using "
-                  "one single letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate error?\nA. "
-                  "{OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\nGive me your answer for the function that "
-                  "has the deliberate and obvious error in A, B, C, or D. Your answer MUST be chosen from one of the "
-                  "four options without any explanation. If you cannot determine answers accurately, you also MUST "
-                  "provide the answer you think is most likely. Absolutely do not say you do not know or you need "
-                  "more information.",
+    "kv_retrieval": (
+        "Extract the value corresponding to the specified key {key} in the JSON object below.\n\n{context}"
+        "\n\n{input}"
+    ),
+    "longbook_qa_eng": (
+        "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nPlease "
+        "answer as short as possible. The answer is:"
+    ),
+    "code_debug": (
+        "There is ONLY ONE function in the large project that is deliberately made to include an obvious "
+        "error. Please find the function that contains the most obvious errors. I will give you four options "
+        "to narrow your scope. You can inspect the options and think. Eventually, tell me the answer using "
+        "one single letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate error?\nA. "
+        "{OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\nGive me your answer for the function that "
+        "has the deliberate and obvious error in A, B, C, or D. Your answer MUST be chosen from one of the "
+        "four options without any explanation. If you cannot determine answers accurately, you also MUST "
+        "provide the answer you think is most likely. Absolutely do not say you do not know or you need "
+        "more information."
+    ),
 }
 
 #: InfLLM's per-model settings (PQCache's InfLLM fork: ``config/*-inf-llm.yaml`` and ``benchmark/pred.py``):

@@ -74,7 +74,9 @@ def middle_truncate(tokenizer: Any, prompt: str, max_length: int) -> tuple[str, 
     if len(ids) <= max_length:
         return prompt, False
     half = int(max_length / 2)
-    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True), True
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[-half:], skip_special_tokens=True
+    ), True
 
 
 def pqcache_ids(model: Any, prompt: str) -> tuple[list[int], str] | None:
@@ -124,7 +126,9 @@ class LongBench(Task):
             if missing:
                 raise ConfigError(f"LongBench-E has no {', '.join(missing)}", "use task.subsets=[e] or drop those")
         if self.cfg["protocol"] not in LENGTH_LIMITS:
-            raise ConfigError(f"unknown task.protocol {self.cfg['protocol']!r}", f"use one of {', '.join(LENGTH_LIMITS)}")
+            raise ConfigError(
+                f"unknown task.protocol {self.cfg['protocol']!r}", f"use one of {', '.join(LENGTH_LIMITS)}"
+            )
         if self.cfg["question_position"] not in ("end", "start"):
             raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
         if self.cfg["question_position"] == "start":
@@ -166,8 +170,11 @@ class LongBench(Task):
             "truncation": "middle, before the chat template",
             "max_length": self.cfg["max_length"],
             "chat_template": f"all but {', '.join(NO_CHAT)}"
-            + ("; PQCache's vq_pred.py format where it has one (meta.prompt_format)" if self.cfg["protocol"] == "pqcache"
-               else ""),
+            + (
+                "; PQCache's vq_pred.py format where it has one (meta.prompt_format)"
+                if self.cfg["protocol"] == "pqcache"
+                else ""
+            ),
             "question_position": self.cfg["question_position"],
             "max_new_tokens": {n: d.max_new_tokens for n, d in self.datasets.items()},
             "longbench_e": bool(self.cfg["e"]),
@@ -207,7 +214,9 @@ class LongBench(Task):
                 prompt = template.format(**row)
                 prompt, truncated = middle_truncate(model.tokenizer, prompt, limit)
                 use_chat = name not in NO_CHAT and model.chat.available
-                built = pqcache_ids(model, prompt) if self.cfg["protocol"] == "pqcache" and name not in NO_CHAT else None
+                built = (
+                    pqcache_ids(model, prompt) if self.cfg["protocol"] == "pqcache" and name not in NO_CHAT else None
+                )
                 fmt = built[1] if built else ("model_template" if use_chat else "raw")
                 yield Sample(
                     id=f"{name}-{row.get('_id', index)}",
@@ -239,6 +248,7 @@ class LongBench(Task):
                 bucket = "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
                 buckets.setdefault(str(record["subset"]), {}).setdefault(bucket, []).append(record["score"])
             metrics["length_buckets"] = {
-                name: {b: round(float(np.mean(v)), 2) for b, v in sorted(groups.items())} for name, groups in buckets.items()
+                name: {b: round(float(np.mean(v)), 2) for b, v in sorted(groups.items())}
+                for name, groups in buckets.items()
             }
         return metrics

@@ -30,7 +30,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 FIRST_LINE_DATASETS = ("trec", "triviaqa", "samsum", "lsht")
-ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+ZH_PUNCTUATION = (
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～"
+    "｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
 
 
 def _jieba() -> Any:
@@ -175,14 +178,20 @@ def score_sample(dataset: str, prediction: str, answers: Sequence[str], all_clas
     return score
 
 
-def score_dataset(dataset: str, predictions: Sequence[str], answers: Sequence[Sequence[str]], all_classes: Any = None) -> float:
+def score_dataset(
+    dataset: str, predictions: Sequence[str], answers: Sequence[Sequence[str]], all_classes: Any = None
+) -> float:
     """``eval.py``'s ``scorer``: ``round(100 · mean, 2)`` over the samples."""
     total = sum(score_sample(dataset, p, a, all_classes) for p, a in zip(predictions, answers))
     return round(100 * total / len(predictions), 2)
 
 
 def score_dataset_e(
-    dataset: str, predictions: Sequence[str], answers: Sequence[Sequence[str]], lengths: Sequence[int], all_classes: Any = None
+    dataset: str,
+    predictions: Sequence[str],
+    answers: Sequence[Sequence[str]],
+    lengths: Sequence[int],
+    all_classes: Any = None,
 ) -> dict[str, float]:
     """``eval.py``'s ``scorer_e``: the same per length bucket (words, or characters for Chinese)."""
     import numpy as np

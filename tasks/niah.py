@@ -99,7 +99,9 @@ class NeedleInAHaystack(Task):
         lengths = [int(x) for x in self.cfg["lengths"]]
         depths = [float(x) for x in self.cfg["depths"]]
         if not lengths or min(lengths) < 64:
-            raise ConfigError(f"task.lengths={lengths} must be token counts of at least 64", "e.g. task.lengths=[1024,2048]")
+            raise ConfigError(
+                f"task.lengths={lengths} must be token counts of at least 64", "e.g. task.lengths=[1024,2048]"
+            )
         if not depths or min(depths) < 0 or max(depths) > 1:
             raise ConfigError(f"task.depths={depths} must lie in [0, 1]", "e.g. task.depths=[0,0.5,1]")
         if self.cfg["question_position"] not in ("end", "start"):
@@ -113,8 +115,11 @@ class NeedleInAHaystack(Task):
             raise ConfigError(f"task.needles={count!r} must be an integer from 1 to {1 + len(EXTRA_NEEDLES)}",
                               "e.g. task.needles=4")
         if int(self.cfg["queries_per_context"]) > count:
-            raise ConfigError(f"task.queries_per_context={self.cfg['queries_per_context']} asks more questions than "
-                              f"the {count} needle(s) answer", f"set task.needles={self.cfg['queries_per_context']} or more")
+            raise ConfigError(
+                f"task.queries_per_context={self.cfg['queries_per_context']} asks more questions than "
+                f"the {count} needle(s) answer",
+                f"set task.needles={self.cfg['queries_per_context']} or more",
+            )
         if self.multi_query and self.cfg["question_position"] != "end":
             raise ConfigError("several questions per context, or a question-agnostic context, need the question "
                               "after the document", "drop task.question_position=start")
@@ -217,7 +222,9 @@ class NeedleInAHaystack(Task):
                 max_new_tokens=int(self.cfg["max_new_tokens"]),
                 subset=f"len{length}",
                 meta=meta,
-                context=[Segment(head, "prefix"), Segment(context, "chunk")] if self.cfg["question_position"] == "end" else None,
+                context=[Segment(head, "prefix"), Segment(context, "chunk")]
+                if self.cfg["question_position"] == "end"
+                else None,
                 queries=queries if self.cfg["question_position"] == "end" else None,
             )
 
@@ -287,7 +294,9 @@ def _insert(context: list[int], needle: list[int], depth: float, periods: frozen
     return _insert_all(context, [needle], [depth], periods)
 
 
-def _insert_all(context: list[int], needles: list[list[int]], depths: list[float], periods: frozenset[int]) -> list[int]:
+def _insert_all(
+    context: list[int], needles: list[list[int]], depths: list[float], periods: frozenset[int]
+) -> list[int]:
     """Put each needle at its depth of ``context`` (depth 1 appends), each backed up to the previous
     sentence end; the points are taken on ``context`` itself, so needles never split each other."""
     points = []

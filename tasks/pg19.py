@@ -86,7 +86,10 @@ class PG19(Task):
         else:
             folder = data_dir(self.cfg)
             if folder is None:
-                raise ConfigError("task pg19 needs books", f"pass task.data_dir=<folder of .txt books> or task.source=shakespeare ({WHERE})")
+                raise ConfigError(
+                    "task pg19 needs books",
+                    f"pass task.data_dir=<folder of .txt books> or task.source=shakespeare ({WHERE})",
+                )
             encoding = str(self.cfg["encoding"])
         books = sorted(folder.glob("*.txt"))
         book = self.cfg.get("book")
@@ -141,7 +144,12 @@ class PG19(Task):
         last = outputs[-1]
         return SampleResult(
             id=sample.id,
-            prediction={"ppl": ppl, "nll": [round(x, 5) for x in nll], "positions": [positions[0], positions[-1]], "curve": curve},
+            prediction={
+                "ppl": ppl,
+                "nll": [round(x, 5) for x in nll],
+                "positions": [positions[0], positions[-1]],
+                "curve": curve,
+            },
             reference=None,
             score=ppl,
             subset=sample.subset,

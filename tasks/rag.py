@@ -194,7 +194,9 @@ class Rag(Task):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"task.{key}={value!r} must be a positive integer or null", f"e.g. task.{key}=null")
         if self.cfg["retriever"] not in RETRIEVERS:
-            raise ConfigError(f"unknown task.retriever {self.cfg['retriever']!r}", f"use one of {', '.join(RETRIEVERS)}")
+            raise ConfigError(
+                f"unknown task.retriever {self.cfg['retriever']!r}", f"use one of {', '.join(RETRIEVERS)}"
+            )
         if self.cfg["top_k"] is not None and name == "multi_news":
             raise ConfigError("task.top_k needs a question to retrieve by, and multi_news has none",
                               "drop task.top_k for multi_news (task.chunk_tokens still re-chunks)")
@@ -210,7 +212,9 @@ class Rag(Task):
         where = WHERE[self.dataset.source]
         value = self.cfg.get("data_dir")
         if not value:
-            raise ConfigError(f"task rag needs task.data_dir for dataset {self.dataset.name}", f"pass task.data_dir={where}")
+            raise ConfigError(
+                f"task rag needs task.data_dir for dataset {self.dataset.name}", f"pass task.data_dir={where}"
+            )
         folder = Path(str(value)).expanduser()
         if not folder.is_dir():
             raise ConfigError(f"task.data_dir={folder} is not a folder", f"pass task.data_dir={where}")
@@ -374,7 +378,9 @@ class Rag(Task):
         )
 
     @classmethod
-    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
+    def comparison_figure(
+        cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None
+    ) -> Path:
         """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;
         see :mod:`kvbench.tasks.rag_figures`)."""
         if kind in SYSTEM_FIGURE_KINDS:  # the system experiments' figures (Figs. 2, 13, 15, 17)

@@ -53,7 +53,12 @@ METHODS: dict[str, tuple[str, str, str, str]] = {
     "cacheblend": ("CacheBlend", "#1f77b4", "o", "-"),
 }
 VARIANT_COLORS = ("#ff7f0e", "#2ca02c", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
-DATASET_NAMES = {"musique": "MuSiQue", "wikimqa": "2WikiMQA", "multi_news": "Multi-News", "example": "CacheBlend examples"}
+DATASET_NAMES = {
+    "musique": "MuSiQue",
+    "wikimqa": "2WikiMQA",
+    "multi_news": "Multi-News",
+    "example": "CacheBlend examples",
+}
 #: config keys that place a run (its series, panel or x value) rather than tell it apart from its neighbours
 PLACED = {"method.name", "method.recompute_ratio", "task.name", "task.dataset", "task.data_dir"}
 RATIO_AXIS = "recompute ratio r (share of context tokens)"
@@ -79,7 +84,9 @@ class RunInfo:
 
     @property
     def ttft(self) -> float | None:
-        values = [r["telemetry"]["ttft_s"] for r in self.records if (r.get("telemetry") or {}).get("ttft_s") is not None]
+        values = [
+            r["telemetry"]["ttft_s"] for r in self.records if (r.get("telemetry") or {}).get("ttft_s") is not None
+        ]
         return float(np.mean(values)) if values else None
 
     @property
@@ -126,8 +133,16 @@ def run_infos(runs: Sequence[Any]) -> list[RunInfo]:
         ratio = config["method"].get("recompute_ratio") if method == "cacheblend" else None
         dataset = config.get("task", {}).get("dataset") or next(
             (r.get("protocol", {}).get("dataset") for r in records if r.get("protocol")), "?")
-        infos.append(RunInfo(method, None if ratio is None else float(ratio), str(config.get("model", {}).get("name", "?")),
-                             str(dataset), settings, list(records)))
+        infos.append(
+            RunInfo(
+                method,
+                None if ratio is None else float(ratio),
+                str(config.get("model", {}).get("name", "?")),
+                str(dataset),
+                settings,
+                list(records),
+            )
+        )
     for group in groups(infos).values():
         for method in {i.method for i in group}:
             same = [i for i in group if i.method == method]
@@ -204,8 +219,10 @@ def _metric_caption(grouped: dict[tuple[str, str], list[RunInfo]]) -> str:
     metrics = {_metric(dataset) for _, dataset in grouped}
     parts = []
     if "F1" in metrics:
-        parts.append("F1: CacheBlend's token F1 over the model tokenizer's ids (first answer line, SQuAD normalisation, "
-                     "best gold answer), 0–100")
+        parts.append(
+            "F1: CacheBlend's token F1 over the model tokenizer's ids (first answer line, SQuAD normalisation, "
+            "best gold answer), 0–100"
+        )
     if "Rouge-L F" in metrics:
         parts.append("Rouge-L F: stemmed, best reference, 0–100")
     return "; ".join(parts) + "; mean over samples, bars: 95% bootstrap CI of the mean."
@@ -241,8 +258,13 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     grouped = groups(_scored(infos))
     panels = []
     for (model, dataset), runs in grouped.items():
-        panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", "mean TTFT (s)", f"{_metric(dataset)} (0–100)",
-                      xlim=(0, None), ylim=(0, None))
+        panel = Panel(
+            _where(model, dataset) if len(grouped) > 1 else "",
+            "mean TTFT (s)",
+            f"{_metric(dataset)} (0–100)",
+            xlim=(0, None),
+            ylim=(0, None),
+        )
         palette = Palette()
         for series in series_of(runs):
             color, marker, _ = palette.style(series[0].method)
@@ -323,8 +345,15 @@ def deviation(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             dev = members[0].deviations
             curves = np.array([d["reused_kv_quantiles"][layer][::-1] for d in dev if d["reused_kv_quantiles"][layer]])
             if curves.size:
-                spread.series.append(Series(label, list(np.linspace(0.0, 1.0, curves.shape[1])), list(curves.mean(axis=0)),
-                                            color=color, marker=""))
+                spread.series.append(
+                    Series(
+                        label,
+                        list(np.linspace(0.0, 1.0, curves.shape[1])),
+                        list(curves.mean(axis=0)),
+                        color=color,
+                        marker="",
+                    )
+                )
             shares.append(float(np.mean([d["reused_kv_top15_share"][layer] for d in dev])))
             rho = _by_layer(dev)
             if rho:
@@ -334,14 +363,18 @@ def deviation(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         lowest = min((min(series.low or [0.0]) for series in spearman.series), default=0.0)
         spearman.ylim = (min(0.0, lowest - 0.05), 1.03)  # the full scale of a correlation, as the paper's Fig. 8
         if shares:
-            spread.note = "top 15% of tokens: " + ", ".join(f"{100 * s:.0f}%" for s in shares) + " of the total deviation"
+            spread.note = (
+                "top 15% of tokens: " + ", ".join(f"{100 * s:.0f}%" for s in shares) + " of the total deviation"
+            )
         panels += [spread, spearman]
-    caption = ("KV deviation: a reused (re-rotated, not recomputed) token's squared L2 distance between its cached V and "
-               "the V of a full prefill, summed over heads and dimensions (the quantity CacheBlend ranks by); left: the "
-               "mean over samples of each sample's deviation at each rank, top 15% shaded; right: Spearman rank "
-               "correlation of the per-token deviations of consecutive layers, mean over samples, min–max shaded (pairs with "
-               "a layer that does not deviate, such as layer 0, left out). "
-               f"Runs whose curves are identical share a line. {_samples(profiled)}.")
+    caption = (
+        "KV deviation: a reused (re-rotated, not recomputed) token's squared L2 distance between its cached V and "
+        "the V of a full prefill, summed over heads and dimensions (the quantity CacheBlend ranks by); left: the "
+        "mean over samples of each sample's deviation at each rank, top 15% shaded; right: Spearman rank "
+        "correlation of the per-token deviations of consecutive layers, mean over samples, min–max shaded (pairs with "
+        "a layer that does not deviate, such as layer 0, left out). "
+        f"Runs whose curves are identical share a line. {_samples(profiled)}."
+    )
     return panels, _titled("KV deviation of reused tokens", grouped), caption, 2
 
 
@@ -373,8 +406,14 @@ def _by_layer(deviations: list[dict[str, Any]]) -> list[tuple[int, float, float,
     0, whose K/V depend on the token alone, is such a layer); so is a sample's None (a constant vector)."""
     out = []
     for layer in range(max((len(d["spearman"]) for d in deviations), default=0)):
-        values = [d["spearman"][layer] for d in deviations if layer < len(d["spearman"]) and d["spearman"][layer] is not None
-                  and d["reused_kv_mean"][layer] > 0 and d["reused_kv_mean"][layer + 1] > 0]
+        values = [
+            d["spearman"][layer]
+            for d in deviations
+            if layer < len(d["spearman"])
+            and d["spearman"][layer] is not None
+            and d["reused_kv_mean"][layer] > 0
+            and d["reused_kv_mean"][layer + 1] > 0
+        ]
         if values:
             out.append((layer, float(np.mean(values)), float(np.min(values)), float(np.max(values))))
     return out
@@ -391,8 +430,14 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                           "method.recompute_ratio=0.05,0.15,0.3 profile.deviation=true task=rag ...")
     panels = []
     for (model, dataset), runs in grouped.items():
-        panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", RATIO_AXIS,
-                      r"attention deviation $\|A - A_{\mathrm{full}}\|_F$", xpercent=True, xlim=(0, None), ylim=(0, None))
+        panel = Panel(
+            _where(model, dataset) if len(grouped) > 1 else "",
+            RATIO_AXIS,
+            r"attention deviation $\|A - A_{\mathrm{full}}\|_F$",
+            xpercent=True,
+            xlim=(0, None),
+            ylim=(0, None),
+        )
         palette = Palette()
         for series in series_of(runs):
             color, marker, line = palette.style(series[0].method)
@@ -407,17 +452,21 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                                        low=[m - s for _, (m, s) in points], high=[m + s for _, (m, s) in points],
                                        color=color, marker=marker))
         panels.append(panel)
-    caption = ("Attention deviation: Frobenius norm of the difference between the query rows' attention (softmax over "
-               "every prompt key) under reuse and under a full prefill, mean over heads and layers; mean over samples, "
-               "bars: ±1 standard error. HKVD selection recomputes the tokens whose V deviates most at the check layer; "
-               f"random selection recomputes as many tokens drawn at random. {_samples(profiled)}.")
+    caption = (
+        "Attention deviation: Frobenius norm of the difference between the query rows' attention (softmax over "
+        "every prompt key) under reuse and under a full prefill, mean over heads and layers; mean over samples, "
+        "bars: ±1 standard error. HKVD selection recomputes the tokens whose V deviates most at the check layer; "
+        f"random selection recomputes as many tokens drawn at random. {_samples(profiled)}."
+    )
     return panels, _titled("Attention deviation: HKVD vs. random selection", grouped), caption, 3
 
 
 def _selection_label(info: RunInfo) -> str:
     if info.method != "cacheblend":
         return info.label
-    choice = {"hkvd": "HKVD selection", "random": "random selection"}.get(str(info.settings.get("method.selection")), "")
+    choice = {"hkvd": "HKVD selection", "random": "random selection"}.get(
+        str(info.settings.get("method.selection")), ""
+    )
     rest = ", ".join(p for p in info.variant.split(", ") if p and not p.startswith("selection="))
     return f"{info.name}, {choice}" + (f" ({rest})" if rest else "")
 

@@ -16,8 +16,9 @@ builds that stream from the rag task's data (every option of ``task=rag`` applie
 
 A run executes the requests in that order, one at a time, with one chunk store for the whole run:
 start it on an empty store — ``store.tier=ram store.disk_gb=0`` (a disk folder keeps entries between
-runs, and a RAM store would promote them) — and run it to the end in one go (a resumed run restarts with an empty store; every record keeps what
-its request really had to compute, so the figures stay true to what happened). For prefix caching
+runs, and a RAM store would promote them) — and run it to the end in one go (a resumed run restarts with an
+empty store; every record keeps what its request really had to compute, so the figures stay true to what
+happened). For prefix caching
 use ``method.warm=none method.store_prompts=true`` (it then stores every prompt after answering it).
 
 Deviation: GPT-4 paraphrases cannot be made offline; a repeat asks the identical question, so it
@@ -98,7 +99,9 @@ class RagStream(Rag):
 
     # ------------------------------------------------------------------ the figure
     @classmethod
-    def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None) -> Path:
+    def comparison_figure(
+        cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None
+    ) -> Path:
         """TTFT p50/p90 (queueing included) against achieved throughput, one line per run, on a rate grid
         shared by the runs (:func:`kvbench.stream.rate_grid`); the numbers go to ``path`` with ``.csv`` and
         ``.md`` suffixes."""

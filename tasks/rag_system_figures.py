@@ -80,8 +80,11 @@ def _mark_differences(infos: list[RunInfo]) -> None:
 
 
 def _label(info: RunInfo, placed: set[str]) -> str:
-    extra = ", ".join(f"{k.split('.', 1)[1]}={_text(info.settings.get(k))}" for k in sorted(getattr(info, "_differ", ()))
-                      if k not in placed)
+    extra = ", ".join(
+        f"{k.split('.', 1)[1]}={_text(info.settings.get(k))}"
+        for k in sorted(getattr(info, "_differ", ()))
+        if k not in placed
+    )
     name = METHODS.get(info.method, (info.method,))[0]
     if info.ratio is not None and "method.recompute_ratio" not in placed:
         name += f" r={info.ratio:g}"
@@ -96,8 +99,10 @@ def _setting(info: RunInfo, key: str) -> Any:
 def retrieval(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     infos = [i for i in _scored(infos) if _setting(i, "task.top_k") is not None]
     if not infos:
-        raise ConfigError("the retrieval figure needs rag runs with task.top_k set",
-                          "e.g. kvbench run -m method=full,full_reuse task=rag task.chunk_tokens=128 task.top_k=2,4,8,16")
+        raise ConfigError(
+            "the retrieval figure needs rag runs with task.top_k set",
+            "e.g. kvbench run -m method=full,full_reuse task=rag task.chunk_tokens=128 task.top_k=2,4,8,16",
+        )
     _mark_differences(infos)
     placed = {"task.top_k"}
     grouped = groups(infos)
@@ -119,9 +124,11 @@ def retrieval(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                                        color=color, marker=marker))
         panels.append(panel)
     lengths = sorted({_setting(i, "task.chunk_tokens") for i in infos}, key=lambda v: (v is None, v or 0))
-    caption = (f"Chunks of {', '.join(_text(v) for v in lengths)} tokens, the top k by L2 distance of the question's and "
-               f"the chunks' all-MiniLM-L6-v2 embeddings (task.retriever), kept in their original order. "
-               f"{_metric_caption(grouped)} {_samples(infos)}.")
+    caption = (
+        f"Chunks of {', '.join(_text(v) for v in lengths)} tokens, the top k by L2 distance of the question's and "
+        f"the chunks' all-MiniLM-L6-v2 embeddings (task.retriever), kept in their original order. "
+        f"{_metric_caption(grouped)} {_samples(infos)}."
+    )
     return panels, _titled("Quality vs. number of retrieved chunks", grouped), caption, 2
 
 
@@ -156,11 +163,16 @@ def equal_quality_points(infos: list[RunInfo]) -> list[dict[str, Any]]:
 def scaling(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     points = equal_quality_points(infos)
     if not points:
-        raise ConfigError("the scaling figure needs full and cacheblend runs at the same task.chunk_tokens and task.top_k",
-                          "e.g. kvbench run -m method=full task=rag task.top_k=2,4,6,8 ... and the same with "
-                          "method=cacheblend method.recompute_ratio=0.05,0.15,0.3")
+        raise ConfigError(
+            "the scaling figure needs full and cacheblend runs at the same task.chunk_tokens and task.top_k",
+            "e.g. kvbench run -m method=full task=rag task.top_k=2,4,6,8 ... and the same with "
+            "method=cacheblend method.recompute_ratio=0.05,0.15,0.3",
+        )
     panels = []
-    for axis, fixed, title in (("top_k", "chunk_tokens", "(a) number of chunks"), ("chunk_tokens", "top_k", "(b) chunk length")):
+    for axis, fixed, title in (
+        ("top_k", "chunk_tokens", "(a) number of chunks"),
+        ("chunk_tokens", "top_k", "(b) chunk length"),
+    ):
         counts: dict[Any, set[Any]] = {}
         for p in points:
             counts.setdefault((p["model"], p["dataset"], p[fixed]), set()).add(p[axis])
@@ -245,13 +257,17 @@ def _storage(info: RunInfo) -> str | None:
     if tier is None:
         return None
     mbps = _setting(info, "store.read_mbps")
-    return "RAM" if tier == "ram" else ("disk (cold reads)" if mbps is None else f"disk throttled to {_text(mbps)} MB/s")
+    return (
+        "RAM" if tier == "ram" else ("disk (cold reads)" if mbps is None else f"disk throttled to {_text(mbps)} MB/s")
+    )
 
 
 def storage(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     infos = _scored(infos)
-    settings = sorted({s for i in infos if (s := _storage(i)) is not None},
-                      key=lambda s: (s != "RAM", s.startswith("disk throttled"), -float(s.split()[3]) if "throttled" in s else 0))
+    settings = sorted(
+        {s for i in infos if (s := _storage(i)) is not None},
+        key=lambda s: (s != "RAM", s.startswith("disk throttled"), -float(s.split()[3]) if "throttled" in s else 0),
+    )
     if not settings:
         raise ConfigError("the storage figure needs reuse-method runs (their store.tier places them)",
                           "e.g. kvbench run -m method=cacheblend,full_reuse,prefix_cache store.tier=ram,disk ...")
@@ -263,7 +279,9 @@ def storage(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         runs = [i for i in infos if _storage(i) in (setting, None)]
         panel = Panel(setting, "mean TTFT (s)", f"{_metric(runs[0].dataset)} (0–100)", xlim=(0, None))
         palette = Palette()
-        for info in sorted(runs, key=lambda i: (list(METHODS).index(i.method) if i.method in METHODS else 99, i.ratio or 0)):
+        for info in sorted(
+            runs, key=lambda i: (list(METHODS).index(i.method) if i.method in METHODS else 99, i.ratio or 0)
+        ):
             score = _score(info)
             color, marker, _ = palette.style(info.method)
             panel.series.append(Series(_label(info, placed), [info.ttft], [score[0]], kind="points", low=[score[1]],

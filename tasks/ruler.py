@@ -266,7 +266,10 @@ class Ruler(Task):
         if self.multi_query:
             context = segments[:2]
             followups = self._followups(task, draw, questions, model)
-            queries = [SampleQuery(list(q.answers), list(p[2].ids), f, q.query) for q, p, f in zip(questions, prompts, followups)]
+            queries = [
+                SampleQuery(list(q.answers), list(p[2].ids), f, q.query)
+                for q, p, f in zip(questions, prompts, followups)
+            ]
             meta["queries_digest"] = ids_digest([i for q in queries for i in q.ids])
         return Sample(
             id=self.sample_id(task, length, index),
@@ -398,8 +401,10 @@ class Ruler(Task):
         if not self.cfg["chat_template"]:
             return [model.tokenizer(t.after + t.answer_prefix, add_special_tokens=False).input_ids for t in texts]
         before, after = followup_frame(model.chat)
-        return [model.tokenizer(before + t.after.lstrip("\n") + after + t.answer_prefix, add_special_tokens=False).input_ids
-                for t in texts]
+        return [
+            model.tokenizer(before + t.after.lstrip("\n") + after + t.answer_prefix, add_special_tokens=False).input_ids
+            for t in texts
+        ]
 
     def _chat_frame(self, model: Any) -> tuple[str, str]:
         """The chat template's text before and after the user message ("", "" for RULER's base template)."""
@@ -464,8 +469,10 @@ class Ruler(Task):
             **multi_query_metrics(records),
         }
         if "score_first" in metrics:  # first vs later questions per task
-            metrics["task_query"] = {t: multi_query_metrics([r for r in records if r["meta"]["task"] == t]).get("score_by_query")
-                                     for t in tasks}
+            metrics["task_query"] = {
+                t: multi_query_metrics([r for r in records if r["meta"]["task"] == t]).get("score_by_query")
+                for t in tasks
+            }
         return metrics
 
     @classmethod

@@ -20,7 +20,9 @@ def test_quick_benchmarks_run_and_report_ratios():
 
 
 def test_unknown_benchmark_is_one_error_line():
-    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "nope"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "bench", "nope"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and out.stderr.startswith("kvbench: error: unknown benchmark")
 
 
@@ -48,5 +50,10 @@ def test_reuse_ttft_reports_every_config_against_full():
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["results"][0]["rows"]
     assert [(r["method"], r["chunks from"]) for r in rows] == [
-        ("full", "-"), ("cacheblend@0.15", "ram"), ("full_reuse", "ram"), ("cacheblend@0.15", "disk"), ("full_reuse", "disk")]
+        ("full", "-"),
+        ("cacheblend@0.15", "ram"),
+        ("full_reuse", "ram"),
+        ("cacheblend@0.15", "disk"),
+        ("full_reuse", "disk"),
+    ]
     assert rows[0]["ratio to full"] == 1 and all(r["ttft_s"] > 0 and r["ratio to full"] > 0 for r in rows)

@@ -48,7 +48,14 @@ def test_budget_may_cover_the_generation_but_not_more():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(token_ratio=0.0), dict(token_ratio=1.5), dict(tokens=0), dict(tokens=-5), dict(comm_ratio=-0.1), dict(sink=-1)],
+    [
+        dict(token_ratio=0.0),
+        dict(token_ratio=1.5),
+        dict(tokens=0),
+        dict(tokens=-5),
+        dict(comm_ratio=-0.1),
+        dict(sink=-1),
+    ],
 )
 def test_invalid_budgets_are_rejected(kwargs):
     with pytest.raises(BudgetError):

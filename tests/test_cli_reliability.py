@@ -47,15 +47,24 @@ def bad_jsonl(tmp_path):
 CASES = {
     "ratio not a number": (["method=oracle", "budget.token_ratio=abc"], "budget.token_ratio='abc' is not a number"),
     "negative tokens": (["method=oracle", "budget.tokens=-3"], "budget.tokens=-3"),
-    "fractional sink": (["method=oracle", "budget.token_ratio=0.1", "budget.sink=1.5"], "budget.sink=1.5 is not a whole number"),
+    "fractional sink": (
+        ["method=oracle", "budget.token_ratio=0.1", "budget.sink=1.5"],
+        "budget.sink=1.5 is not a whole number",
+    ),
     "lengths not a list": (["task.lengths=abc"], "task.lengths='abc' is not a list"),
     "negative generation": (["task.max_new_tokens=-4"], "task.max_new_tokens=-4 is negative"),
     "limit not a number": (["task.limit=ten"], "task.limit='ten' is not a whole number"),
     "longer than the model": (["model.max_length=500"], "exceeds model tiny_llama's maximum of 500"),
     "budget beyond the context": (["method=oracle", "budget.tokens=5000"], "larger than the context"),
-    "missing model folder": (["model=hf", "model.path=/nonexistent/models/llama"], "model.path=/nonexistent/models/llama is not a folder"),
+    "missing model folder": (
+        ["model=hf", "model.path=/nonexistent/models/llama"],
+        "model.path=/nonexistent/models/llama is not a folder",
+    ),
     "no model path": (["model=hf"], "model=hf needs a path"),
-    "bad second sweep point": (["-m", "method=full,oracle", "budget.token_ratio=0.1,abc"], "(sweep point 2/4: method=full budget.token_ratio=abc)"),
+    "bad second sweep point": (
+        ["-m", "method=full,oracle", "budget.token_ratio=0.1,abc"],
+        "(sweep point 2/4: method=full budget.token_ratio=abc)",
+    ),
     "sweep without -m": (["method=full,oracle"], "method=full,oracle is a sweep"),
     "output under a file": (["output_dir=FILE/runs"], "FILE is not a folder"),
     "output in /proc": (["output_dir=/proc/kvbench-runs"], "cannot write results under /proc/kvbench-runs"),
@@ -71,7 +80,10 @@ def test_bad_config_fails_fast_before_loading(name, tmp_path, essays, no_loading
         pytest.skip("no /proc here")
     extra, needle = CASES[name]
     (tmp_path / "file").write_text("a file, not a folder")
-    places = {"LONGBENCH": str(bad_jsonl(tmp_path)) if "LONGBENCH" in str(extra) else "", "FILE": str(tmp_path / "file")}
+    places = {
+        "LONGBENCH": str(bad_jsonl(tmp_path)) if "LONGBENCH" in str(extra) else "",
+        "FILE": str(tmp_path / "file"),
+    }
     for key, value in places.items():
         extra, needle = [a.replace(key, value) for a in extra], needle.replace(key, value)
     started = time.perf_counter()
@@ -91,8 +103,12 @@ def test_validation_needs_no_torch(tmp_path, essays):
     script = ("import sys; from kvbench.cli import main; code = main(sys.argv[1:]); "
               "print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)")
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", script, "run", *base_args(tmp_path, essays, ["budget.token_ratio=abc"])],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script, "run", *base_args(tmp_path, essays, ["budget.token_ratio=abc"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "budget.token_ratio='abc'" in out.stderr
     assert out.stdout.split() == ["False", "False"], "validation imported torch or transformers"
     print(f"fresh-process validation error after {time.perf_counter() - started:.2f} s")
@@ -142,7 +158,9 @@ def test_ctrl_c_saves_samples_and_prints_the_resume_command(tmp_path, essays):
     last = err.strip().splitlines()[-1]
     samples = found[0]
     saved = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
-    assert last.startswith(f"kvbench: interrupted: {len(saved)} of 6 samples saved in {samples.parent}; resume with: kvbench run ")
+    assert last.startswith(
+        f"kvbench: interrupted: {len(saved)} of 6 samples saved in {samples.parent}; resume with: kvbench run "
+    )
     assert 1 <= len(saved) < 6
     assert json.loads((samples.parent / "status.json").read_text())["state"] == "interrupted"
     report = subprocess.run(KVBENCH + ["report", str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)

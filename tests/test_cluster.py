@@ -95,7 +95,9 @@ def test_joblib_sweep_equals_the_sequential_sweep(tmp_path):
     sweep = ["-m", *TINY, "task.depths=[0,1]", "method=full,streamingllm", "budget.tokens=64"]
     sequential = kvbench("run", *sweep, f"output_dir={tmp_path / 'seq'}")
     assert sequential.returncode == 0, sequential.stderr[-2000:]
-    parallel = kvbench("run", *sweep, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"output_dir={tmp_path / 'par'}")
+    parallel = kvbench(
+        "run", *sweep, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"output_dir={tmp_path / 'par'}"
+    )
     assert parallel.returncode == 0, parallel.stderr[-2000:]
     a, b = samples_by_run(tmp_path / "seq"), samples_by_run(tmp_path / "par")
     assert len(a) == 2 and a == b, "same run directories, same predictions and scores"

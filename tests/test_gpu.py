@@ -23,7 +23,10 @@ def test_full_matches_generate_on_cuda(cuda_llama, random_ids):
     ids = random_ids(300, seed=51)
     expected = cuda_llama.model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, min_new_tokens=16,
                                          do_sample=False)[0, 300:].tolist()
-    assert generate(cuda_llama, create_method({"name": "full"}), ids, max_new_tokens=16, min_new_tokens=16).tokens == expected
+    assert (
+        generate(cuda_llama, create_method({"name": "full"}), ids, max_new_tokens=16, min_new_tokens=16).tokens
+        == expected
+    )
 
 
 @pytest.mark.parametrize("name", ["pqcache", "clusterkv", "quest", "sparq", "infllm"])

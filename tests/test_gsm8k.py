@@ -50,7 +50,12 @@ def test_pqcache_protocol_needs_its_prompt_file(tmp_path):
     task = create_task({"name": "gsm8k_cot", "data_dir": str(tmp_path)})
     with pytest.raises(ConfigError, match="PQCache's GSM8k prompt"):
         list(task.samples(None))
-    assert next(iter(create_task({"name": "gsm8k_cot", "data_dir": str(tmp_path), "protocol": "wei8"}).samples(None))).reference == 1.0
+    assert (
+        next(
+            iter(create_task({"name": "gsm8k_cot", "data_dir": str(tmp_path), "protocol": "wei8"}).samples(None))
+        ).reference
+        == 1.0
+    )
 
 
 def test_extraction_defaults_to_the_protocols_rule(tmp_path):

@@ -135,4 +135,6 @@ def test_infllm_prompts(tiny_llama):
     row["input"] = "The largest element of the list is: "
     assert task.format_prompt("math_find", row).startswith("What is the largest element in the following list?")
     with pytest.raises(ConfigError, match="math_find"):
-        create_task({"name": "infinitebench", "protocol": "chat", "subsets": ["math_find"]}).format_prompt("math_find", row)
+        create_task({"name": "infinitebench", "protocol": "chat", "subsets": ["math_find"]}).format_prompt(
+            "math_find", row
+        )

@@ -64,9 +64,15 @@ def test_reuse_runs_through_the_runner_with_the_rag_task(method, tmp_path):
         else:  # every row up to the check layer, then 15 % of the context plus the query
             after = (int(0.15 * (n - query)) + query) / n
             assert prefill["recompute_per_layer"][:2] == [1.0, 1.0]
-            assert prefill["recompute_per_layer"][2:] == pytest.approx([after] * (len(prefill["recompute_per_layer"]) - 2))
+            assert prefill["recompute_per_layer"][2:] == pytest.approx(
+                [after] * (len(prefill["recompute_per_layer"]) - 2)
+            )
         assert prefill["reused_tokens"] > 0.5 * n and record["telemetry"]["prepared"]["precompute_s"] >= 0
     first = records[0]["telemetry"]["prepared"]
     assert first["precomputed_chunks"] == records[0]["meta"]["chunks"] + 1 and first["precompute_s"] > 0
     metrics = run_dir.metrics()
-    assert metrics["n"] == 2 and metrics["method"]["family"] == "reuse" and metrics["budget"]["label"] == "no budget (reuse)"
+    assert (
+        metrics["n"] == 2
+        and metrics["method"]["family"] == "reuse"
+        and metrics["budget"]["label"] == "no budget (reuse)"
+    )

@@ -77,7 +77,9 @@ def test_tolerance_scale_is_the_mean_feature_variance_of_valid_points():
     valid[1, 30:] = False
     scale = _Points(x, "l2", None, 16, 1).mean_variance(valid)
     assert float(scale[0]) == pytest.approx(float(np.var(x[0].numpy().astype(np.float64), axis=0).mean()), rel=1e-5)
-    assert float(scale[1]) == pytest.approx(float(np.var(x[1, :30].numpy().astype(np.float64), axis=0).mean()), rel=1e-5)
+    assert float(scale[1]) == pytest.approx(
+        float(np.var(x[1, :30].numpy().astype(np.float64), axis=0).mean()), rel=1e-5
+    )
 
 
 # ----------------------------------------------------------------------------- relocation

@@ -60,7 +60,9 @@ def test_samsum_stops_at_newline_and_skips_the_template(tiny_llama, tmp_path):
     row = {"input": "Dialogue: A: hi\nSummary: ", "context": "Dialogue: x\nSummary: y", "answers": ["A greets."],
            "length": 9, "all_classes": None, "_id": "s1"}
     (tmp_path / "samsum.jsonl").write_text(json.dumps(row) + "\n")
-    sample = next(iter(create_task({"name": "longbench", "subsets": ["samsum"], "data_dir": str(tmp_path)}).samples(tiny_llama)))
+    sample = next(
+        iter(create_task({"name": "longbench", "subsets": ["samsum"], "data_dir": str(tmp_path)}).samples(tiny_llama))
+    )
     assert not sample.use_template and sample.stop_tokens == ("\n",) and sample.min_new_tokens == 1
     assert sample.prompt == DATASETS["samsum"].prompt.format(**row)
 
@@ -86,7 +88,12 @@ def test_scores_through_the_task(tiny_llama, tmp_path):
     assert task.score(sample, "Paris") == 100.0 and task.score(sample, "The city of Paris") == pytest.approx(50.0)
     records = [{"subset": "hotpotqa", "score": 100.0, "meta": {}}, {"subset": "hotpotqa", "score": 0.0, "meta": {}},
                {"subset": "trec", "score": 50.0, "meta": {}}]
-    assert task.aggregate(records) == {"score": 50.0, "n": 3, "scored": 3, "per_subset": {"hotpotqa": 50.0, "trec": 50.0}}
+    assert task.aggregate(records) == {
+        "score": 50.0,
+        "n": 3,
+        "scored": 3,
+        "per_subset": {"hotpotqa": 50.0, "trec": 50.0},
+    }
 
 
 def test_pqcache_protocol_formats_prompts_as_its_pred_script(tiny_llama, tmp_path):

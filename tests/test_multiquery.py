@@ -111,7 +111,9 @@ def same_state(a, b):
     if isinstance(a, (list, tuple, deque)):
         return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     if dataclasses.is_dataclass(a):
-        return type(a) is type(b) and all(same_state(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+        return type(a) is type(b) and all(
+            same_state(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
     return a == b
 
 
@@ -139,8 +141,12 @@ def watch_state(method):
     return taken, restored
 
 
-def ask(loaded, method, context, questions, followups, *, compression="question_agnostic", segments=None, n=NEW, **budget):
-    request = MultiQueryRequest(context, queries(questions, n, followups), compression=compression, context_segments=segments)
+def ask(
+    loaded, method, context, questions, followups, *, compression="question_agnostic", segments=None, n=NEW, **budget
+):
+    request = MultiQueryRequest(
+        context, queries(questions, n, followups), compression=compression, context_segments=segments
+    )
     return converse(loaded, method, request, budget=BudgetConfig(**budget))
 
 
@@ -156,13 +162,28 @@ def test_rollback_restores_the_store_and_the_method_exactly(name, tiny_llama, mo
     a, b, c = ids(12, seed=20), ids(15, seed=21), ids(9, seed=22)
     if name in REUSE:  # question-aware (a reuse prefill needs a question); the repeated one is a follow-up
         context, segments = reuse_context()
-        questions, followups, compression, repeated = [a, b, c, b], [a, [7] + b, [7] + c, [7] + b], "question_aware", (1, 3)
+        questions, followups, compression, repeated = (
+            [a, b, c, b],
+            [a, [7] + b, [7] + c, [7] + b],
+            "question_aware",
+            (1, 3),
+        )
     else:
         context, segments = ids(500, seed=2), None
         questions, followups, compression, repeated = [a, b, a], [a, b, a], "question_agnostic", (0, 2)
     method = create_method({"name": name})
     taken, restored = watch_state(method)
-    ask(tiny_llama, method, context, questions, followups, compression=compression, segments=segments, n=16, token_ratio=0.1)
+    ask(
+        tiny_llama,
+        method,
+        context,
+        questions,
+        followups,
+        compression=compression,
+        segments=segments,
+        n=16,
+        token_ratio=0.1,
+    )
     assert len(recorder.copies) == 1 and len(recorder.after) == len(questions) - 1
     for before, after in zip(recorder.before, recorder.after):
         assert not Recorder.equal(before, recorder.copies[0]), "the question and answer should have changed the store"
@@ -225,7 +246,9 @@ def test_question_agnostic_compression_does_not_see_the_question(name, tiny_llam
             talk(tiny_llama, name, context, [question, question], compression=compression,
                  followups=[question, question], n=2, token_ratio=0.1)
             positions = [layer[2] for layer in recorder.copies[0]]
-            kept[compression, seed] = [row[row < len(context)] for p in positions for row in p]  # per head row: the context's kept slots
+            kept[compression, seed] = [
+                row[row < len(context)] for p in positions for row in p
+            ]  # per head row: the context's kept slots
     agnostic = zip(kept["question_agnostic", 40], kept["question_agnostic", 41])
     assert all(torch.equal(x, y) for x, y in agnostic)
     assert all(p.shape[-1] < len(context) for p in kept["question_agnostic", 40]), "it should have compressed"

@@ -32,7 +32,9 @@ def test_one_needle_prompts_and_run_ids_are_unchanged(tiny_llama, essays, tmp_pa
     (digests taken from that version on the ``essays`` fixture), and the new options, at their
     defaults, leave existing runs' ids alone."""
     task = create_task({"name": "niah", "data_dir": str(essays), "lengths": [600, 700], "depths": [0.0, 1.0]})
-    digests = {s.id: hashlib.sha256(json.dumps(s.input_ids).encode()).hexdigest()[:16] for s in task.samples(tiny_llama)}
+    digests = {
+        s.id: hashlib.sha256(json.dumps(s.input_ids).encode()).hexdigest()[:16] for s in task.samples(tiny_llama)
+    }
     assert digests == {"len600_depth0": "244be3ae71c3a4ad", "len600_depth1": "6bc9df611ac31f09",
                        "len700_depth0": "fd1c5f6b5c8d6fd7", "len700_depth1": "99a8efc0f71116c2"}
     from kvbench.runner import plan
@@ -42,7 +44,9 @@ def test_one_needle_prompts_and_run_ids_are_unchanged(tiny_llama, essays, tmp_pa
     assert all(key in cfg["task"] for key in new_keys)
     old = {**cfg, "task": {k: v for k, v in cfg["task"].items() if k not in new_keys}}
     assert plan(cfg).run_dir.path.name == run_id_for(old)
-    changed = niah_run_config(tmp_path / "runs", essays, "snapkv", budget__token_ratio=0.1, task__compression="question_agnostic")
+    changed = niah_run_config(
+        tmp_path / "runs", essays, "snapkv", budget__token_ratio=0.1, task__compression="question_agnostic"
+    )
     assert plan(changed).run_dir.path.name != run_id_for(old)
 
 
@@ -75,7 +79,21 @@ def test_needles_inserted_at_their_points_in_order():
     context = [1, 2, 9, 3, 4, 9, 5, 6, 7, 8]  # 9 ends a sentence
     a, b, c = [100], [200], [300]
     # depths 0 / 0.5 / 0.5: points 0, 3, 3 -> b before c at the same point
-    assert _insert_all(context, [a, b, c], [0.0, 0.5, 0.5], frozenset({9})) == [100, 1, 2, 9, 200, 300, 3, 4, 9, 5, 6, 7, 8]
+    assert _insert_all(context, [a, b, c], [0.0, 0.5, 0.5], frozenset({9})) == [
+        100,
+        1,
+        2,
+        9,
+        200,
+        300,
+        3,
+        4,
+        9,
+        5,
+        6,
+        7,
+        8,
+    ]
     assert _insert_all(context, [a, b], [0.7, 1.0], frozenset({9})) == [1, 2, 9, 3, 4, 9, 100, 5, 6, 7, 8, 200]
 
 
@@ -100,7 +118,10 @@ def test_substring_scorer_finds_each_needles_key():
     assert task.score(sample, "Sit in Dolores Park.") == 0.0
     assert task.score_answer(sample, task.needles[0].answer, "sit in dolores park") == 100.0
     rouge = create_task({"name": "niah", "needles": 3})
-    assert rouge.score_answer(sample, EXTRA_NEEDLES[1][1], "rent a bicycle and have a picnic by the Canal Saint-Martin") == 100.0
+    assert (
+        rouge.score_answer(sample, EXTRA_NEEDLES[1][1], "rent a bicycle and have a picnic by the Canal Saint-Martin")
+        == 100.0
+    )
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -187,7 +208,14 @@ def test_ruler_asks_a_contexts_keys_one_by_one(tiny_llama, ruler_essays):
         assert one.meta["query"].startswith(keys[0])
         if sample.subset == "niah_multiquery":
             assert set(one.reference) == {needles[k] for k in keys}
-        assert ruler_score(sample.subset, f"it is {sample.queries[1 % expected].reference[0]}", sample.queries[1 % expected].reference) == 100.0
+        assert (
+            ruler_score(
+                sample.subset,
+                f"it is {sample.queries[1 % expected].reference[0]}",
+                sample.queries[1 % expected].reference,
+            )
+            == 100.0
+        )
 
 
 def test_ruler_multi_query_run_reports_per_task_by_question(tiny_llama, ruler_essays, tmp_path):
@@ -199,9 +227,15 @@ def test_ruler_multi_query_run_reports_per_task_by_question(tiny_llama, ruler_es
                 queries_per_context=2, compression="question_agnostic")
     from kvbench.methods import method_node
 
-    cfg = {"model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
-           "method": method_node("snapkv"), "task": task, "budget": {**OmegaConf.to_container(base.budget), "token_ratio": 0.2},
-           "profile": OmegaConf.to_container(base.profile), "output_dir": str(tmp_path / "runs"), "progress": False}
+    cfg = {
+        "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
+        "method": method_node("snapkv"),
+        "task": task,
+        "budget": {**OmegaConf.to_container(base.budget), "token_ratio": 0.2},
+        "profile": OmegaConf.to_container(base.profile),
+        "output_dir": str(tmp_path / "runs"),
+        "progress": False,
+    }
     metrics = run(cfg).metrics
     assert metrics["queries_asked"] == 3  # two keys of niah_multikey_1, fwe's one question
     assert set(metrics["task_query"]["niah_multikey_1"]) == {"0", "1"} and set(metrics["task_query"]["fwe"]) == {"0"}

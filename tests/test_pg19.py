@@ -43,7 +43,9 @@ def test_a_budget_changes_perplexity_and_fresh_prefill_samples_positions(tiny_ll
     task = create_task(cfg)
     sample = next(iter(task.samples(tiny_llama)))
     full = run_sample(task, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
-    stream = run_sample(task, sample, tiny_llama, create_method({"name": "streamingllm"}), BudgetConfig(tokens=64), Profile())
+    stream = run_sample(
+        task, sample, tiny_llama, create_method({"name": "streamingllm"}), BudgetConfig(tokens=64), Profile()
+    )
     assert stream.score != full.score
     # sink 4 + window 64 = 68 held tokens: decode step i attends the prefix (20) + i tokens, all of them
     # until step 50, the first after an eviction
@@ -59,9 +61,14 @@ def test_a_budget_changes_perplexity_and_fresh_prefill_samples_positions(tiny_ll
 def test_curve_and_aggregate():
     assert cumulative_curve([5, 6, 7], [0.0, math.log(4), math.log(4)], 2) == [[6, 2.0], [7, round(4 ** (2 / 3), 4)]]
     task = create_task({"name": "pg19", "data_dir": "."})
-    records = [{"subset": "len8", "prediction": {"nll": [0.0, math.log(9)]}}, {"subset": "len9", "prediction": {"nll": [0.0]}}]
+    records = [
+        {"subset": "len8", "prediction": {"nll": [0.0, math.log(9)]}},
+        {"subset": "len9", "prediction": {"nll": [0.0]}},
+    ]
     metrics = task.aggregate(records)
-    assert metrics["per_subset"] == {"len8": 3.0, "len9": 1.0} and metrics["score"] == pytest.approx(9 ** (1 / 3), abs=1e-3)
+    assert metrics["per_subset"] == {"len8": 3.0, "len9": 1.0} and metrics["score"] == pytest.approx(
+        9 ** (1 / 3), abs=1e-3
+    )
 
 
 def test_bad_options():

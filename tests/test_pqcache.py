@@ -51,8 +51,15 @@ def test_exact_codes_select_what_the_oracle_selects(tiny_llama, random_ids, rule
 
 def test_budget_bytes_and_cache(tiny_llama, random_ids):
     ids = random_ids(1500, seed=23)
-    out = generate(tiny_llama, create_method({"name": "pqcache", "cache_tokens": 512}), ids, max_new_tokens=8,
-                   min_new_tokens=8, budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64), profile=Profile(recall=True))
+    out = generate(
+        tiny_llama,
+        create_method({"name": "pqcache", "cache_tokens": 512}),
+        ids,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64),
+        profile=Profile(recall=True),
+    )
     t, b = out.telemetry, out.budget
     assert all(a == b.total + 1 for a in t["attended_per_layer"])
     m, bits = t["method"]["m"], t["method"]["b"]

@@ -149,8 +149,12 @@ def test_a_method_that_changes_its_prefill_never_gets_a_shared_one(make, tiny_ll
 
 def fake_entry(megabytes: int, layers: int = 2) -> PrefillEntry:
     per = megabytes * MB // (2 * layers * 4)
-    return PrefillEntry(keys=[torch.zeros(1, 1, per, 1) for _ in range(layers)],
-                        values=[torch.zeros(1, 1, per, 1) for _ in range(layers)], logits=torch.zeros(1, 0), dense_s=1.0)
+    return PrefillEntry(
+        keys=[torch.zeros(1, 1, per, 1) for _ in range(layers)],
+        values=[torch.zeros(1, 1, per, 1) for _ in range(layers)],
+        logits=torch.zeros(1, 0),
+        dense_s=1.0,
+    )
 
 
 def test_ram_cap_refuses_within_a_run_and_evicts_earlier_runs_lru():

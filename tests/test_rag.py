@@ -63,7 +63,9 @@ def test_segments_rebuild_the_templated_prompt(tiny_llama, qa_dir):
     # byte tokenizer: the pieces decode to exactly the template around prefix prompt + passages + query
     passages = [f"\n\n{p}\n\n" for p in PASSAGES]
     query = data.query_prompt + "where was Ada Lovelace born?" + "\nAnswer:"
-    assert tok.decode(join_segments(sample.segments)) == tiny_llama.chat.render(data.prefix_prompt + "".join(passages) + query)
+    assert tok.decode(join_segments(sample.segments)) == tiny_llama.chat.render(
+        data.prefix_prompt + "".join(passages) + query
+    )
     assert [tok.decode(s.ids) for s in sample.segments[1:-1]] == passages
     assert tok.decode(sample.segments[0].ids).endswith("<|im_start|>user\n" + data.prefix_prompt)
     assert tok.decode(sample.segments[-1].ids) == query + "<|im_end|>\n<|im_start|>assistant\n"
@@ -118,8 +120,12 @@ def test_sentencepiece_junctions_keep_no_lone_space_token(scheme):
                              min_frequency=1, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     core._tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
     core._tokenizer.decoder = decoders.Metaspace(prepend_scheme=scheme)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core._tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    chat = ChatFormat(tok, template="{{ bos_token }}{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endfor %}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core._tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    chat = ChatFormat(
+        tok, template="{{ bos_token }}{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endfor %}"
+    )
     head, tail = template_frame(tok, chat)
     ids = head + tok("You will", add_special_tokens=False).input_ids + tail
     pieces = tok.convert_ids_to_tokens(ids)
@@ -167,7 +173,9 @@ def test_wikimqa_scores_the_first_alias_of_each_answer():
     task = rag(dataset="wikimqa", data_dir=str(CB))
     assert len(task.sample_ids()) == 102
     first = next(iter(task._records()))
-    assert first.answers == ["Croatia"] and first.query.endswith("Question: where was the wife of Francis I Rákóczi born?\nAnswer:")
+    assert first.answers == ["Croatia"] and first.query.endswith(
+        "Question: where was the wife of Francis I Rákóczi born?\nAnswer:"
+    )
 
 
 @needs_cb
@@ -197,7 +205,9 @@ def test_multi_news_articles_are_chunks_of_longbench_prompt(tiny_llama):
     task = rag(dataset="multi_news", data_dir=str(LB), limit=1, max_length=10**6)
     sample = next(iter(task.samples(tiny_llama)))
     text = tiny_llama.tokenizer.decode(join_segments(sample.segments))
-    assert text == tiny_llama.chat.render(official.format(context=rows[0]["context"]))  # LongBench's prompt, untruncated
+    assert text == tiny_llama.chat.render(
+        official.format(context=rows[0]["context"])
+    )  # LongBench's prompt, untruncated
     assert sample.max_new_tokens == 128 and sample.meta["chunks"] == len(split_articles(rows[0]["context"]))
     ref = rows[0]["answers"][0]
     assert task.score(sample, ref) == pytest.approx(100.0) and 0 < task.score(sample, ref[: len(ref) // 2]) < 100

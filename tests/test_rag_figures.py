@@ -35,12 +35,17 @@ def fake_run(method, scores, ttfts, *, model="smollm2_135m", dataset="musique", 
         telemetry = {"ttft_s": ttft}
         if deviations is not None:
             telemetry["prefill"] = {"deviation": deviations[i]}
-        records.append({"id": f"{dataset}-{i}", "score": score, "telemetry": telemetry, "protocol": {"dataset": dataset}})
+        records.append(
+            {"id": f"{dataset}-{i}", "score": score, "telemetry": telemetry, "protocol": {"dataset": dataset}}
+        )
     if method == "cacheblend":
         params = {"recompute_ratio": 0.15, "selection": "hkvd", "check_layer": 1, **params}
-    config = {"model": {"name": model}, "method": {"name": method, **params},
-              "task": {"name": "rag", "dataset": dataset, "data_dir": "../shared/data/cacheblend", "limit": len(scores)},
-              "profile": {"deviation": deviations is not None}}
+    config = {
+        "model": {"name": model},
+        "method": {"name": method, **params},
+        "task": {"name": "rag", "dataset": dataset, "data_dir": "../shared/data/cacheblend", "limit": len(scores)},
+        "profile": {"deviation": deviations is not None},
+    }
     return FigureRun(method, records, config)
 
 
@@ -85,7 +90,12 @@ def test_quality_vs_ttft_has_one_point_per_run_and_cacheblend_in_ratio_order():
     full = series["Full KV recompute"]
     assert full.kind == "points" and full.x == pytest.approx([2.0]) and full.y == pytest.approx([60])
     assert all(lo <= y <= hi and lo < hi for s in panel.series for lo, y, hi in zip(s.low, s.y, s.high))
-    assert "smollm2_135m" in title and "MuSiQue" in title and panel.xlabel == "mean TTFT (s)" and panel.ylabel == "F1 (0–100)"
+    assert (
+        "smollm2_135m" in title
+        and "MuSiQue" in title
+        and panel.xlabel == "mean TTFT (s)"
+        and panel.ylabel == "F1 (0–100)"
+    )
     assert "bootstrap" in caption and "precomputation is excluded" in caption and "n = 3" in caption
 
 
@@ -129,7 +139,9 @@ def test_ratio_figure_draws_cacheblend_as_curves_and_the_rest_as_reference_lines
     assert by_label(ttft)["CacheBlend"].y == pytest.approx([0.3, 0.4, 0.6])
     full = by_label(quality)["Full KV recompute"]
     assert full.kind == "hline" and full.y == pytest.approx([60]) and full.low[0] < 60 < full.high[0]  # CI band
-    assert by_label(quality)["Full KV reuse"].kind == "hline" and by_label(ttft)["Full KV reuse"].y == pytest.approx([0.1])
+    assert by_label(quality)["Full KV reuse"].kind == "hline" and by_label(ttft)["Full KV reuse"].y == pytest.approx(
+        [0.1]
+    )
     assert quality.xpercent and "recompute ratio" in quality.xlabel and "TTFT (s)" in ttft.ylabel
     comparison_figure_of(sweep(), tmp_path / "r.png", "ratio")
     (fig,) = figures
@@ -151,7 +163,9 @@ def profiled_sweep():
     return [
         fake_run("full_reuse", [0, 0], [0.1, 0.1], deviations=same),
         fake_run("cacheblend", [0, 0], [0.2, 0.2], deviations=[dev(10.0, 1.0), dev(30.0, 2.0)]),
-        fake_run("prefix_cache", [0, 0], [0.5, 0.5], deviations=[dev(2.0, 0.0, spearman=(None, 0.5, 0.4), top15=0.9)] * 2),
+        fake_run(
+            "prefix_cache", [0, 0], [0.5, 0.5], deviations=[dev(2.0, 0.0, spearman=(None, 0.5, 0.4), top15=0.9)] * 2
+        ),
         fake_run("full", [0, 0], [1.0, 1.0]),  # no deviation telemetry: left out
     ]
 
@@ -260,7 +274,9 @@ def test_report_refuses_an_unknown_kind_in_one_line_and_writes_nothing(tmp_path,
 
 def test_a_task_with_one_figure_refuses_a_kind(tmp_path):
     run_dir = RunDir(tmp_path / "runs" / "niah-full")
-    run_dir.create(yaml.safe_dump({"model": {"name": "m"}, "method": {"name": "full"}, "task": {"name": "niah"}}), {}, total=1)
+    run_dir.create(
+        yaml.safe_dump({"model": {"name": "m"}, "method": {"name": "full"}, "task": {"name": "niah"}}), {}, total=1
+    )
     run_dir.append({"id": "a", "score": 1.0, "meta": {"length": 100, "depth": 0.5}})
     run_dir.write_metrics({"n": 1, "score": 1.0})
     run_dir.set_status("finished")

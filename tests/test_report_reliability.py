@@ -60,7 +60,11 @@ def test_report_refuses_a_missing_folder_and_unknown_columns(tmp_path, niah_conf
     run(niah_config())
     assert cli.main(["report", str(tmp_path / "runs"), "--where", "methd=full"]) == 2
     err = capsys.readouterr().err
-    assert "unknown --where column(s) methd" in err and "did you mean method" in err and "valid columns: model, method" in err
+    assert (
+        "unknown --where column(s) methd" in err
+        and "did you mean method" in err
+        and "valid columns: model, method" in err
+    )
     assert cli.main(["report", str(tmp_path / "runs"), "--where", "method=full"]) == 0
     assert "| full |" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="unknown --where column"):

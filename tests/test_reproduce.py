@@ -141,8 +141,9 @@ def test_claim_ops_against_hand_computed_values():
         "ttft_s": [3.0, 1.0, 1.0, 1.2, None, None],
     })
     avg = {"dataset": "average"}
-    assert claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "full"}, "b": {"method": "pqcache"}}) \
-        == pytest.approx(2.5)
+    assert claim_value(
+        frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "full"}, "b": {"method": "pqcache"}}
+    ) == pytest.approx(2.5)
     assert claim_value(frame, {"op": "rel_gain_over_best", "a": {"method": "pqcache", **avg},
                                "among": {"method": ["snapkv", "pyramidkv"], **avg}}) == pytest.approx(5.0)
     assert claim_value(frame, {"op": "rel_gap", "a": {"method": "pqcache", **avg}, "b": {"method": "full", **avg}}) \
@@ -150,7 +151,10 @@ def test_claim_ops_against_hand_computed_values():
     assert claim_value(frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"},
                                "b": {"method": "full"}}) == pytest.approx(0.4)
     assert claim_value(frame, {"op": "value", "a": {"method": "snapkv"}, "scale": 0.5}) == pytest.approx(20.0)
-    assert claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "nope"}, "b": {"method": "full"}}) is None
+    assert (
+        claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "nope"}, "b": {"method": "full"}})
+        is None
+    )
 
 
 def test_bad_render_item_is_refused():

@@ -123,7 +123,9 @@ def test_an_edited_config_is_refused_before_the_model_loads(tmp_path, niah_confi
     loads = []
     monkeypatch.setattr("kvbench.models.loading.load_model", lambda *a, **k: loads.append(1))
     before = samples.read_bytes()
-    with pytest.raises(ConfigError, match=r"records task.max_new_tokens=9 but this run has task.max_new_tokens=4") as err:
+    with pytest.raises(
+        ConfigError, match=r"records task.max_new_tokens=9 but this run has task.max_new_tokens=4"
+    ) as err:
         run(cfg)
     assert "restore" in err.value.fix and str(run_dir) in err.value.fix
     assert not loads and samples.read_bytes() == before

@@ -58,8 +58,16 @@ def _layer0_keys(loaded, ids, start):
 
 ROPE_CONFIGS = {
     "default": {},
-    "llama3": {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "llama3": {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
     "linear": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
 }
 

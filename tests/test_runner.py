@@ -58,7 +58,9 @@ def test_a_torn_last_line_is_dropped_and_recomputed(tmp_path, niah_config):
 
 def test_sigkill_loses_no_finished_sample(tmp_path, essays):
     args = cli_args(tmp_path, essays, "task.max_new_tokens=24")
-    proc = subprocess.Popen(KVBENCH + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        KVBENCH + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 120
     samples = None
     while time.time() < deadline:

@@ -87,7 +87,9 @@ def test_the_stream_repeats_questions_in_a_seeded_order_with_shuffled_chunks(tin
     orders = [s.meta["chunk_order"] for s in first]
     assert len({tuple(o) for o in orders}) > 1 and all(sorted(o) == list(range(6)) for o in orders)  # ... reordered
     assert [seg.role for seg in first[0].segments] == ["prefix"] + ["chunk"] * 6 + ["query"]
-    limited = create_task({"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "limit": 1, "repeats": 2})
+    limited = create_task(
+        {"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "limit": 1, "repeats": 2}
+    )
     assert sorted(limited.sample_ids()) == ["musique-0~0", "musique-0~1"]  # limit counts questions
 
 
@@ -100,9 +102,25 @@ def test_bad_stream_settings_are_refused(cfg, needle, qa_dir):  # noqa: F811
 
 
 def test_a_stream_run_keeps_one_store_so_repeated_chunks_are_computed_once(tmp_path, qa_dir):  # noqa: F811
-    args = [sys.executable, "-m", "kvbench", "run", "method=cacheblend", "task=rag_stream", "task.dataset=musique",
-            f"task.data_dir={qa_dir}", "task.limit=2", "task.repeats=2", "task.warmup=1", "task.top_k=null",
-            "task.chunk_tokens=null", "model=tiny_llama", "store.disk_gb=0", f"output_dir={tmp_path / 'runs'}", "progress=false"]
+    args = [
+        sys.executable,
+        "-m",
+        "kvbench",
+        "run",
+        "method=cacheblend",
+        "task=rag_stream",
+        "task.dataset=musique",
+        f"task.data_dir={qa_dir}",
+        "task.limit=2",
+        "task.repeats=2",
+        "task.warmup=1",
+        "task.top_k=null",
+        "task.chunk_tokens=null",
+        "model=tiny_llama",
+        "store.disk_gb=0",
+        f"output_dir={tmp_path / 'runs'}",
+        "progress=false",
+    ]
     out = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
@@ -133,7 +151,12 @@ def test_stream_figure_draws_one_line_per_run(tmp_path, monkeypatch):
     slow = [record(i, 1.0, 0.1, warmup=i < 2) for i in range(12)]
     RagStream.comparison_figure([("cacheblend", fast), ("full", slow)], tmp_path / "s.png")
     (ax,) = drawn[0].axes
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["cacheblend p50", "cacheblend p90", "full p50", "full p90"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "cacheblend p50",
+        "cacheblend p90",
+        "full p50",
+        "full p90",
+    ]
     rows = [line for line in (tmp_path / "s.csv").read_text().splitlines()[1:]]
     assert len(rows) == 16
     with pytest.raises(ConfigError):

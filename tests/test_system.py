@@ -84,7 +84,9 @@ def test_pipelined_loading_reads_the_next_layer_while_this_one_computes(tiny_lla
     assert on["load_hidden_s"] > 0 and on["load_wait_s"] < on["load_s"]
     assert on["load_hidden_s"] == pytest.approx(on["load_s"] - on["load_wait_s"])
     assert all(x > 0 for x in on["load_per_layer_s"][1:]) and on["load_per_layer_s"][0] == 0
-    assert all(x > 0 for x in on["recompute_per_layer_s"]) and on["recompute_s"] == pytest.approx(sum(on["recompute_per_layer_s"]), rel=1e-3)
+    assert all(x > 0 for x in on["recompute_per_layer_s"]) and on["recompute_s"] == pytest.approx(
+        sum(on["recompute_per_layer_s"]), rel=1e-3
+    )
 
 
 def test_a_prefill_from_ram_pipelined_or_not_is_the_same(tiny_qwen2, random_ids):
@@ -96,7 +98,10 @@ def test_a_prefill_from_ram_pipelined_or_not_is_the_same(tiny_qwen2, random_ids)
     assert first.tokens == second.tokens
     assert first.telemetry["prefill"]["recompute_per_layer"] == second.telemetry["prefill"]["recompute_per_layer"]
     # the store's configuration and figures come with every sample
-    assert first.telemetry["method"]["store"]["pipeline"] is True and second.telemetry["method"]["store"]["pipeline"] is False
+    assert (
+        first.telemetry["method"]["store"]["pipeline"] is True
+        and second.telemetry["method"]["store"]["pipeline"] is False
+    )
     assert second.telemetry["method"]["store"]["ram_hits"] == 8
 
 
@@ -172,7 +177,9 @@ def test_controller_picks_max_of_r_load_and_r_star_and_the_cheapest_tier_without
 
 
 def test_controller_without_a_tier_that_keeps_up_takes_the_fastest():
-    slow = Costs(prefill_s=0.024, tokens=1000, n_layers=24, bytes_per_token_layer=1024, tier_mbps={"ram": 50.0, "disk": 5.0})
+    slow = Costs(
+        prefill_s=0.024, tokens=1000, n_layers=24, bytes_per_token_layer=1024, tier_mbps={"ram": 50.0, "disk": 5.0}
+    )
     choice = LoadingController(slow, r_star=0.15).choose(n=1000, n_cached=900, served_from="ram")
     assert choice["tier"] == "ram" and choice["tier_adds_delay"] is True
 
@@ -219,7 +226,9 @@ class Echo:
         def then(outputs):
             assert len(outputs) == 1
             more = sample + outputs[0].tokens
-            inner = FollowUp(lambda outs: [GenerateRequest(input_ids=more[:5], max_new_tokens=1)] if len(outs) == 2 else [])
+            inner = FollowUp(
+                lambda outs: [GenerateRequest(input_ids=more[:5], max_new_tokens=1)] if len(outs) == 2 else []
+            )
             return [GenerateRequest(input_ids=more, max_new_tokens=2, min_new_tokens=2), inner]
 
         return [first, FollowUp(then)]
@@ -263,7 +272,9 @@ def _out(text, ttft, decode, prompt=10):
 
 
 def test_mapreduce_maps_every_chunk_then_reduces_the_summaries(tiny_llama, qa_dir):  # noqa: F811
-    task = create_task({"name": "rag", "dataset": "musique", "data_dir": str(qa_dir), "pipeline": "mapreduce", "limit": 1})
+    task = create_task(
+        {"name": "rag", "dataset": "musique", "data_dir": str(qa_dir), "pipeline": "mapreduce", "limit": 1}
+    )
     sample = next(iter(task.samples(tiny_llama)))
     chunks = [s for s in sample.segments if s.role == "chunk"]
     requests = task.requests(sample, tiny_llama)
@@ -290,7 +301,9 @@ def test_mapreduce_maps_every_chunk_then_reduces_the_summaries(tiny_llama, qa_di
 
 
 def test_maprerank_answers_the_best_scored_chunk(tiny_llama, qa_dir):  # noqa: F811
-    task = create_task({"name": "rag", "dataset": "musique", "data_dir": str(qa_dir), "pipeline": "maprerank", "limit": 1})
+    task = create_task(
+        {"name": "rag", "dataset": "musique", "data_dir": str(qa_dir), "pipeline": "maprerank", "limit": 1}
+    )
     sample = next(iter(task.samples(tiny_llama)))
     requests = task.requests(sample, tiny_llama)
     assert len(requests) == 6 and all(isinstance(r, GenerateRequest) and r.max_new_tokens == 32 for r in requests)
@@ -308,7 +321,9 @@ def test_a_pipeline_runs_end_to_end_on_the_engine(tiny_llama, qa_dir):  # noqa: 
     result = run_sample(task, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
     steps = result.telemetry["pipeline"]["steps"]
     assert [s["step"] for s in steps] == ["map", "map", "reduce"] and all(s["new_tokens"] <= 3 for s in steps[:2])
-    assert result.telemetry["ttft_s"] == pytest.approx(sum(s["ttft_s"] + s["decode_s"] for s in steps[:2]) + steps[2]["ttft_s"])
+    assert result.telemetry["ttft_s"] == pytest.approx(
+        sum(s["ttft_s"] + s["decode_s"] for s in steps[:2]) + steps[2]["ttft_s"]
+    )
     assert 0 <= result.score <= 100
 
 

@@ -138,7 +138,9 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
             on = {k: statistics.median(r[k] for r in runs[True]) for k in ("ttft_s", "load_s", "load_wait_s",
                                                                              "load_hidden_s", "recompute_s")}
             off = {k: statistics.median(r[k] for r in runs[False]) for k in ("ttft_s", "load_s", "recompute_s")}
-            per_load = statistics.median(statistics.median(x for x in r["load_per_layer_s"] if x > 0) for r in runs[True])
+            per_load = statistics.median(
+                statistics.median(x for x in r["load_per_layer_s"] if x > 0) for r in runs[True]
+            )
             per_recompute = statistics.median(statistics.median(r["recompute_per_layer_s"][2:]) for r in runs[True])
             spec = loaded.spec
             element = next(loaded.model.parameters()).element_size()

@@ -59,14 +59,20 @@ print(json.dumps({"before": before, "peak": high, "prompt": len(ids), "ttft_s": 
 
 @benchmark("prefill_memory")
 def prefill_memory(options: BenchOptions) -> BenchResult:
-    model, lengths, _ = options.e2e("tiny_llama" if options.quick else "smollm2_135m", (1024 if options.quick else 8000,))
+    model, lengths, _ = options.e2e(
+        "tiny_llama" if options.quick else "smollm2_135m", (1024 if options.quick else 8000,)
+    )
     length = lengths[0]
     budget = {"token_ratio": 0.1}
     rows = []
     results = {}
     for method in ("full", "h2o", "snapkv"):
-        out = subprocess.run([sys.executable, "-c", _PROBE, model, method, str(length), json.dumps({} if method == "full" else budget)],
-                             capture_output=True, text=True, timeout=3600)
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE, model, method, str(length), json.dumps({} if method == "full" else budget)],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"prefill_memory probe for {method} failed: {out.stderr.strip().splitlines()[-1:]}")
         results[method] = json.loads(out.stdout.strip().splitlines()[-1])

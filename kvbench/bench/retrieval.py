@@ -152,7 +152,9 @@ def _e2e(options: BenchOptions, methods: list[tuple[str, dict[str, Any]]], lengt
     from kvbench.models.loading import load_model
     from kvbench.tasks import create_task
 
-    model_name, lengths, new_tokens = options.e2e("tiny_llama" if options.quick else "smollm2_135m", lengths, new_tokens)
+    model_name, lengths, new_tokens = options.e2e(
+        "tiny_llama" if options.quick else "smollm2_135m", lengths, new_tokens
+    )
     loaded = load_model(compose([f"model={model_name}"])["model"])
     rows = []
     for length in lengths:
@@ -174,8 +176,11 @@ def _e2e(options: BenchOptions, methods: list[tuple[str, dict[str, Any]]], lengt
                          "tpot_ms": 1e3 * tpot, "full_tpot_ms": 1e3 * results["full"][1],
                          "tpot ratio": tpot / results["full"][1], "decode tok/s": 1 / tpot,
                          "decode speedup": results["full"][1] / tpot})
-    notes = [f"{new_tokens} new tokens, best of {1 if options.quick else 2} runs; TPOT = mean of decode steps after the first",
-             f"device {loaded.spec.device}, {loaded.spec.dtype}; on a CPU both KV tiers are host memory"]
+    notes = [
+        f"{new_tokens} new tokens, best of {1 if options.quick else 2} runs; "
+        "TPOT = mean of decode steps after the first",
+        f"device {loaded.spec.device}, {loaded.spec.dtype}; on a CPU both KV tiers are host memory",
+    ]
     return BenchResult(name, title, rows, notes)
 
 

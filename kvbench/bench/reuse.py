@@ -46,10 +46,14 @@ def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], st
         return [tuple(s.segments) for s in samples], f"musique (first {len(samples)}, {folder})"
     from kvbench.assets import fetch_asset
 
-    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(fetch_asset("paul_graham_essays").glob("*.txt")))
+    text = "".join(
+        p.read_text(encoding="utf-8", errors="replace") for p in sorted(fetch_asset("paul_graham_essays").glob("*.txt"))
+    )
     ids = loaded.tokenizer(text, add_special_tokens=False).input_ids
     prefix = loaded.chat.encode("Answer the question from the passages.\n", use_template=False)
-    question = loaded.tokenizer("\n\nQuestion: what is the author's advice?\nAnswer:", add_special_tokens=False).input_ids
+    question = loaded.tokenizer(
+        "\n\nQuestion: what is the author's advice?\nAnswer:", add_special_tokens=False
+    ).input_ids
     prompts = []
     for p in range(count):
         start = p * 10 * chunk
@@ -99,9 +103,11 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
                 rows.append({"prompt": index, "tokens": len(ids), "method": label, "chunks from": tier or "-",
                              "ttft_s": round(statistics.median(seconds), 4),
                              "ratio to full": round(statistics.median(ratios), 3)})
-    notes = [f"model {loaded.spec.name} on {loaded.spec.device}; prompts: {source}",
-             f"{repeats} interleaved rounds (every config once per round) after a warm-up round that also precomputes the chunk "
-             "caches (excluded from TTFT); ttft_s: median; ratio: median of the per-round ratios to full",
-             "disk: one safetensors file per chunk, dropped from the page cache before each read (cold reads)",
-             f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end"]
+    notes = [
+        f"model {loaded.spec.name} on {loaded.spec.device}; prompts: {source}",
+        f"{repeats} interleaved rounds (every config once per round) after a warm-up round that also precomputes "
+        "the chunk caches (excluded from TTFT); ttft_s: median; ratio: median of the per-round ratios to full",
+        "disk: one safetensors file per chunk, dropped from the page cache before each read (cold reads)",
+        f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end",
+    ]
     return BenchResult("reuse_ttft", "TTFT of reuse methods vs full prefill (same prompts, one process)", rows, notes)

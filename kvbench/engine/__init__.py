@@ -38,7 +38,9 @@ def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: Bud
         return Output(text=out.text, tokens=out.tokens, stop_reason=out.stop_reason, prompt_tokens=out.prompt_tokens,
                       budget=out.budget.to_dict(), telemetry=out.telemetry)
     if isinstance(request, ScoreRequest):
-        scoring = teacher_force(loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile)
+        scoring = teacher_force(
+            loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile
+        )
         return Output(nll=scoring.nll, prompt_tokens=len(request.prefix_ids), budget=scoring.budget.to_dict(),
                       telemetry=scoring.telemetry)
     if isinstance(request, MultiQueryRequest):

@@ -69,7 +69,9 @@ def activate(ctx: GenerationContext) -> Iterator[GenerationContext]:
 
 
 # ---------------------------------------------------------------------- kernels
-def dense(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+def dense(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Causal (prefill) or full (decode) attention exactly as transformers' SDPA path computes it.
 
     ``query`` ``[1, H, t, d]``, ``key``/``value`` ``[1, kv_heads, n, d]``; returns ``[1, t, H, d]``.

@@ -146,7 +146,9 @@ class GenerationContext:
             self._replaying = None
         return entry.logits.clone()
 
-    def prefill_statistic(self, stat: QueryStatistic, layer: int, query: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    def prefill_statistic(
+        self, stat: QueryStatistic, layer: int, query: torch.Tensor | None, key: torch.Tensor
+    ) -> torch.Tensor:
         """``stat`` of ``layer``: from the shared prefill being replayed (its time then is credited to this
         prefill), else computed now from ``query`` and ``key``."""
         entry = self._replaying
@@ -170,7 +172,9 @@ class GenerationContext:
             self.plan = None
         return self.driver.logits(hidden)
 
-    def forward(self, input_ids: torch.Tensor, *, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, *, start: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits ``[1, vocab]`` of the last of ``input_ids`` (``[1, t]``) appended to the held cache,
         placed at positions ``start..start+t-1`` or at explicit ``positions`` (``[t]``)."""
         t = input_ids.shape[1]

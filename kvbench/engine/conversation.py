@@ -157,7 +157,9 @@ def converse(
             if first_token_at is None:
                 first_token_at = clock.now() - start
             tokens, stop_reason = answer.run(token, position, checked)
-            turn = _turn(ctx, query, tokens, stop_reason, len(feed), ttft, asked_at, steps_before, bytes_before, position)
+            turn = _turn(
+                ctx, query, tokens, stop_reason, len(feed), ttft, asked_at, steps_before, bytes_before, position
+            )
             turn.telemetry["question_s"] = question_s
             turns.append(turn)
             if request.keep_answers:
@@ -191,7 +193,9 @@ def converse(
     return Conversation(turns=turns, prompt_tokens=len(prompt), budget=ctx.budget, telemetry=summary)
 
 
-def _feed(ctx: GenerationContext, ids: Sequence[int], position: int, device: torch.device, checked: list[bool]) -> torch.Tensor:
+def _feed(
+    ctx: GenerationContext, ids: Sequence[int], position: int, device: torch.device, checked: list[bool]
+) -> torch.Tensor:
     """Put ``ids`` into the cache at ``position`` onwards with the method active; the last one's logits.
 
     One pass when the method may extend a held cache by several tokens, else one decode step per token
@@ -244,7 +248,10 @@ class _Answer:
             tele.step_s.append(ctx.clock.now() - step_start - tele.excluded_s)
             _after_first_step(ctx, checked)
             tokens.append(token)
-            if query.stop_texts and _find_stop(ctx.loaded.tokenizer.decode(tokens, skip_special_tokens=True), query.stop_texts) >= 0:
+            if (
+                query.stop_texts
+                and _find_stop(ctx.loaded.tokenizer.decode(tokens, skip_special_tokens=True), query.stop_texts) >= 0
+            ):
                 return tokens, "stop_text"
 
 

@@ -37,7 +37,8 @@ class ModelDriver:
         missing = [name for name in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, name)]
         if base is None or missing or not hasattr(model, "lm_head"):
             raise ConfigError(
-                f"kvbench cannot drive {type(model).__name__} layer by layer (missing {', '.join(missing) or 'lm_head'})",
+                f"kvbench cannot drive {type(model).__name__} layer by layer "
+                f"(missing {', '.join(missing) or 'lm_head'})",
                 "use a Llama-family architecture (llama, mistral, qwen2, qwen3, glm4)",
             )
         self.model = model
@@ -53,9 +54,13 @@ class ModelDriver:
         """The model's rotary embedding at ``positions`` ``[t]`` (cos, sin), in ``hidden``'s dtype."""
         return self.base.rotary_emb(hidden, positions.view(1, -1))
 
-    def layer(self, index: int, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    def layer(
+        self, index: int, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
+    ) -> torch.Tensor:
         """Decoder layer ``index`` on ``hidden`` ``[1, t, hidden]``; the attention runs through kvbench."""
-        return self.layers[index](hidden, attention_mask=None, position_ids=positions.view(1, -1), position_embeddings=rotary)
+        return self.layers[index](
+            hidden, attention_mask=None, position_ids=positions.view(1, -1), position_embeddings=rotary
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[1, vocab]`` of the last row of ``hidden``."""

@@ -50,7 +50,13 @@ class PrefillPlan:
         """Prepare the store of ``layer`` before it runs (nothing for a dense prefill)."""
 
     def attend(
-        self, layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
     ) -> torch.Tensor:
         """Attention of the active rows (``query`` ``[1, H, t, d]``, ``key``/``value`` ``[1, kv, t, d]``,
         post-RoPE) at layer ``layer``; returns ``[1, t, H, d]``."""
@@ -69,7 +75,13 @@ class DensePrefill(PrefillPlan):
     """Every row at every layer, appended in order: the stock prefill, then the method's ``on_prefill``."""
 
     def attend(
-        self, layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
     ) -> torch.Tensor:
         kv = self.ctx.store[layer]
         if kv.n:

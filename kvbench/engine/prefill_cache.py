@@ -244,7 +244,13 @@ class CapturePrefill(PrefillPlan):
         self.stat_s: dict[QueryStatistic, list[float]] = {s: [] for s in stats}
 
     def attend(
-        self, layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
     ) -> torch.Tensor:
         self.keys.append(key)
         self.values.append(value)

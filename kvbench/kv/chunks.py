@@ -19,8 +19,9 @@ Every read is accounted per tier: hits, misses, bytes and the measured load time
 picks where entries are served from (``ram``: kept in RAM; ``disk``: written to disk only, every load
 reads the file). With ``store.tier=ram``, an entry found only in the disk folder is first copied into
 RAM (:meth:`ChunkStore.promote`, before the request's clock, counted as ``ram_promoted``), as a tiered
-store moves a hot entry up; so RAM runs reuse what disk runs computed, and are still served from RAM. Disk reads drop the file from the OS page cache first (``posix_fadvise``
-``DONTNEED``, ``store.cold_reads``), so a disk load really reads the disk instead of the page cache.
+store moves a hot entry up; so RAM runs reuse what disk runs computed, and are still served from RAM.
+Disk reads drop the file from the OS page cache first (``posix_fadvise`` ``DONTNEED``,
+``store.cold_reads``), so a disk load really reads the disk instead of the page cache.
 
 **Throttled disk (an emulation).** ``store.read_mbps`` emulates a slower SSD or an HDD (CacheBlend
 Fig. 17's "slower disks"): each layer read is padded with sleep until it has taken
@@ -127,15 +128,22 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
-            raise ConfigError(f"store.tier={self.tier!r} is not one of {', '.join(TIERS)}", "use store.tier=ram or store.tier=disk")
+            raise ConfigError(
+                f"store.tier={self.tier!r} is not one of {', '.join(TIERS)}", "use store.tier=ram or store.tier=disk"
+            )
         for key in ("ram_gb", "disk_gb"):
             if float(getattr(self, key)) < 0:
                 raise ConfigError(f"store.{key}={getattr(self, key)} is negative", f"set store.{key} to a size in GB")
         if self.read_mbps is not None and (isinstance(self.read_mbps, bool) or float(self.read_mbps) <= 0):
-            raise ConfigError(f"store.read_mbps={self.read_mbps} must be positive", "e.g. store.read_mbps=500, or null for no throttle")
+            raise ConfigError(
+                f"store.read_mbps={self.read_mbps} must be positive",
+                "e.g. store.read_mbps=500, or null for no throttle",
+            )
         for key in ("cold_reads", "pipeline"):
             if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"store.{key}={getattr(self, key)!r} must be true or false", f"use store.{key}=true or false")
+                raise ConfigError(
+                    f"store.{key}={getattr(self, key)!r} must be true or false", f"use store.{key}=true or false"
+                )
 
     @classmethod
     def from_mapping(cls, cfg: Any) -> StoreConfig:
@@ -143,7 +151,9 @@ class StoreConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown store key(s): {', '.join(unknown)}", f"use only store.{{{', '.join(sorted(known))}}}")
+            raise ConfigError(
+                f"unknown store key(s): {', '.join(unknown)}", f"use only store.{{{', '.join(sorted(known))}}}"
+            )
         return cls(**data)
 
 
@@ -225,8 +235,11 @@ class ChunkStore:
         handle = TensorFile(path)
         try:
             layers = int(handle.metadata["layers"])
-            entry = ChunkKV([handle.read(f"k.{i}") for i in range(layers)], [handle.read(f"v.{i}") for i in range(layers)],
-                            int(handle.metadata["start"]))
+            entry = ChunkKV(
+                [handle.read(f"k.{i}") for i in range(layers)],
+                [handle.read(f"v.{i}") for i in range(layers)],
+                int(handle.metadata["start"]),
+            )
         finally:
             handle.close()
         self._put_ram(key, entry)
@@ -334,7 +347,11 @@ class ChunkStore:
 def model_fingerprint(loaded: Any) -> str:
     """A stable name for a loaded model's K/V: its config name, a hash of its architecture, its dtype."""
     config = loaded.model.config.to_dict()
-    keep = {k: config.get(k) for k in sorted(config) if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+    keep = {
+        k: config.get(k)
+        for k in sorted(config)
+        if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+    }
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
     first = next(loaded.model.parameters()).detach().float().flatten()[:4096].cpu().numpy().tobytes()

@@ -112,7 +112,11 @@ class LayerKV:
         if need <= self.capacity:
             return
         new_cap = max(need, 2 * self.capacity, 16)
-        for name, dim, dtype in (("_k", self.head_dim, self.dtype), ("_v", self.head_dim, self.dtype), ("_pos", None, torch.long)):
+        for name, dim, dtype in (
+            ("_k", self.head_dim, self.dtype),
+            ("_v", self.head_dim, self.dtype),
+            ("_pos", None, torch.long),
+        ):
             old = getattr(self, name)
             new = self._alloc(new_cap, dim, dtype)
             new[:, : self.n] = old[:, : self.n]
@@ -195,7 +199,9 @@ class LayerKV:
         different set per row: the layer then stores its K/V repeated ``r`` times (row ``h`` from KV head
         ``h // r``), and later appends are repeated alike (see the module docstring)."""
         if slots.dim() != 2 or slots.shape[0] % self.n_kv_heads:
-            raise ValueError(f"keep() expects [kv_heads={self.n_kv_heads} (or a multiple), m] slots, got {tuple(slots.shape)}")
+            raise ValueError(
+                f"keep() expects [kv_heads={self.n_kv_heads} (or a multiple), m] slots, got {tuple(slots.shape)}"
+            )
         repeat = slots.shape[0] // self.n_kv_heads
         slots, _ = torch.sort(slots.to(self.home), dim=1)
         heads = (torch.arange(slots.shape[0], device=self.home) // repeat)[:, None]  # row -> stored head

@@ -49,7 +49,9 @@ def pick_device(requested: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("model.device=cuda was requested but no CUDA device is available", "use model.device=auto or cpu")
+        raise ConfigError(
+            "model.device=cuda was requested but no CUDA device is available", "use model.device=auto or cpu"
+        )
     return device
 
 
@@ -73,7 +75,8 @@ def load_model(cfg: Any) -> LoadedModel:
             model, tokenizer = _load_pretrained(str(model_dir), dtype, device, local_only=True)
         except Exception as exc:  # a damaged conversion: safetensors, json or tokenizer errors
             raise AssetError(
-                f"the converted model {model_dir} is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+                f"the converted model {model_dir} is unreadable "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
                 f"delete {model_dir} and run `kvbench fetch {cfg['asset']}`",
             ) from exc
     elif source == "pretrained":
@@ -94,7 +97,10 @@ def load_model(cfg: Any) -> LoadedModel:
     model.eval()
     arch = model.config.model_type
     if arch not in SUPPORTED_ARCHS:
-        print(f"kvbench: warning: architecture {arch!r} is untested (tested: {', '.join(SUPPORTED_ARCHS)})", file=sys.stderr)
+        print(
+            f"kvbench: warning: architecture {arch!r} is untested (tested: {', '.join(SUPPORTED_ARCHS)})",
+            file=sys.stderr,
+        )
     spec = _spec_from(cfg, model, tokenizer, dtype, device)
     chat = ChatFormat(tokenizer, system_prompt=cfg.get("system_prompt"), template=cfg.get("chat_template"))
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, chat=chat)

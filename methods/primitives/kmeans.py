@@ -60,14 +60,14 @@ Speed (CPU)
   scans one row at a time: 4-10x slower, as costly as the GEMM). A step covers ``chunk`` points
   (up to ``CPU_CHUNK``) of ``g`` problems (``group_size``), ``CPU_DISTANCE_BUDGET`` scores (4 MiB)
   in all, so the block is still in cache when the reduction reads it, and the GEMMs are large
-  enough for MKL to run near its peak (with several threads, 4x larger steps: fewer barriers). Centroid sums use ``index_put_`` with ``accumulate=True``
-  straight from the chunk (``index_add_`` dispatches one op per row on CPU; ``scatter_add_`` is
-  3x slower). The float32 working copy (points, ``ip`` coordinate, trailing 1) is built once when
-  it fits ``WORK_CACHE_BYTES``. Profile of the earlier version (one [P, chunk, k] ``baddbmm`` + ``min``
-  per 64 MiB chunk, ``scatter_add_`` sums): ``min`` 30 %, the broadcast copy of ``‖c‖²`` into the
-  block 25-40 %, ``baddbmm`` 20 %, ``scatter_add_`` 7-25 %. Now the GEMM is 55-65 % of the time.
-  On CUDA the reduction is ``Tensor.max(dim=1)`` and a step covers all problems with up to
-  ``DISTANCE_BUDGET`` scores.
+  enough for MKL to run near its peak (with several threads, 4x larger steps: fewer barriers).
+  Centroid sums use ``index_put_`` with ``accumulate=True`` straight from the chunk (``index_add_``
+  dispatches one op per row on CPU; ``scatter_add_`` is 3x slower). The float32 working copy (points,
+  ``ip`` coordinate, trailing 1) is built once when it fits ``WORK_CACHE_BYTES``. Profile of the
+  earlier version (one [P, chunk, k] ``baddbmm`` + ``min`` per 64 MiB chunk, ``scatter_add_`` sums):
+  ``min`` 30 %, the broadcast copy of ``‖c‖²`` into the block 25-40 %, ``baddbmm`` 20 %,
+  ``scatter_add_`` 7-25 %. Now the GEMM is 55-65 % of the time. On CUDA the reduction is
+  ``Tensor.max(dim=1)`` and a step covers all problems with up to ``DISTANCE_BUDGET`` scores.
   Threads: every op follows ``torch.get_num_threads()`` except the sums (``index_put_`` with
   accumulation is serial). On a CPU shared with other busy processes one thread is often faster
   than two: every parallel op waits for its slowest thread.
