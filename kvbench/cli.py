@@ -18,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvbench.compose import CONFIG_MODULE, register_method_configs
 from kvbench.errors import KvbenchError
@@ -187,7 +187,7 @@ def _run_job(cfg: Any) -> None:
     from kvbench.compose import NOT_RUN_KEYS
     from kvbench.runner import format_summary, run
 
-    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    resolved = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     for key in NOT_RUN_KEYS:
         resolved.pop(key, None)
     _pin_device(resolved)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvbench.errors import ConfigError
 
@@ -56,7 +56,8 @@ def compose_many(points: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
         for overrides in points:
             try:
                 cfg = hydra_compose(config_name="config", overrides=list(overrides))
-                config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+                # a composed config is a mapping with string keys
+                config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
             except (HydraException, OmegaConfBaseException) as exc:
                 raise override_error(exc, overrides) from None
             for key in NOT_RUN_KEYS:
@@ -104,7 +105,8 @@ def is_sweep(overrides: Sequence[str]) -> list[str]:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as exc:
         raise override_error(exc, overrides) from None
-    return [o.input_line for o in parsed if o.is_sweep_override()]
+    # (input_line is set on every override parsed from a line)
+    return [o.input_line for o in parsed if o.is_sweep_override() and o.input_line is not None]
 
 
 def override_error(exc: Exception, overrides: Sequence[str]) -> ConfigError:
@@ -137,9 +139,11 @@ def default_choice(group: str) -> str | None:
     """The option ``conf/config.yaml``'s defaults list picks for ``group`` (``method`` → ``full``)."""
     from importlib.resources import files
 
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-    for entry in OmegaConf.load(files(CONFIG_MODULE) / "config.yaml").get("defaults", []):
+    config = OmegaConf.load(str(files(CONFIG_MODULE) / "config.yaml"))
+    assert isinstance(config, DictConfig)
+    for entry in config.get("defaults", []):
         if isinstance(entry, dict) or OmegaConf.is_dict(entry):
             for key, value in entry.items():
                 if key == group:

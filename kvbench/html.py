@@ -44,7 +44,8 @@ def table_html(frame: Any) -> str:
 
 def markdown_html(text: str) -> str:
     """The small markdown subset the reports use: paragraphs, pipe tables, `code`."""
-    out, block = [], []
+    out: list[str] = []
+    block: list[str] = []
 
     def flush() -> None:
         if not block:

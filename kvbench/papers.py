@@ -60,6 +60,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -124,10 +125,10 @@ class Artifact:
 
     def metric_of(self, row: Mapping[str, Any]) -> str | None:
         """What ``row``'s number is (per ``quantity`` when the artifact mixes several)."""
-        return self.metric.get(row.get("quantity")) if isinstance(self.metric, Mapping) else self.metric
+        return self.metric.get(row.get("quantity", "")) if isinstance(self.metric, Mapping) else self.metric
 
     def unit_of(self, row: Mapping[str, Any]) -> str | None:
-        return self.unit.get(row.get("quantity")) if isinstance(self.unit, Mapping) else self.unit
+        return self.unit.get(row.get("quantity", "")) if isinstance(self.unit, Mapping) else self.unit
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def _paper(data: Any, path: Path) -> Paper:
                  artifacts=MappingProxyType(built), venue=data.get("venue"), notes=data.get("notes"))
 
 
-def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: dict[str, set[str]], fail) -> Artifact:
+def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, AbstractSet[str]], fail) -> Artifact:
     def bad(message: str) -> PaperDataError:
         return fail(f"{aid}: {message}")
 
@@ -316,10 +317,10 @@ def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: dict[str, set
             _check_described(spec.get(key), key, dims, values, bad)
         seen: dict[tuple, int] = {}
         for i, row in enumerate(values):
-            key = _row(row, i, dims, spec["kind"], vocab, bad)
-            if key in seen:
-                raise bad(f"row {i}: same {', '.join(dims)} as row {seen[key]}")
-            seen[key] = i
+            row_key = _row(row, i, dims, spec["kind"], vocab, bad)
+            if row_key in seen:
+                raise bad(f"row {i}: same {', '.join(dims)} as row {seen[row_key]}")
+            seen[row_key] = i
     # read-only views: load_paper caches its result, so callers must not be able to edit it
     return Artifact(paper=paper, id=aid, kind=spec["kind"], where=spec["where"], caption=spec["caption"],
                     source=spec.get("source") or source, numbers=spec["numbers"], note=spec.get("note"),
@@ -345,7 +346,7 @@ def _check_described(desc: Any, key: str, dims: list[str], values: list[Any], ba
         raise bad(f"{key} must describe every quantity (missing: {', '.join(undescribed) or 'empty text'})")
 
 
-def _row(row: Any, i: int, dims: list[str], kind: str, vocab: dict[str, set[str]], bad) -> tuple:
+def _row(row: Any, i: int, dims: list[str], kind: str, vocab: Mapping[str, AbstractSet[str]], bad) -> tuple:
     def wrong(message: str) -> PaperDataError:
         return bad(f"row {i}: {message}")
 

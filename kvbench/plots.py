@@ -26,6 +26,15 @@ def _niah_grid(records: list[dict[str, Any]]):
     return lengths, depths, grid
 
 
+def _reserve_bottom(fig: Any, share: float) -> None:
+    """Keep the bottom ``share`` of a constrained-layout figure free (for its caption)."""
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    engine = fig.get_layout_engine()
+    assert isinstance(engine, ConstrainedLayoutEngine)
+    engine.set(rect=(0, share, 1, 1 - share))
+
+
 def _draw_niah(ax: Any, records: list[dict[str, Any]], title: str, *, labels: bool = True) -> Any:
     """One depth (rows, 0 = top) × length (columns) heatmap on ``ax``; returns the image."""
     import numpy as np
@@ -98,7 +107,7 @@ def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, c
     width, height = max(0.8 + 0.8 * n_lengths, 2.2) + (0 if shared else 0.5), 1.0 + 0.4 * n_depths
     fig, axes = plt.subplots(rows, columns, figsize=(width * columns + 1.2, height * rows + 0.4), dpi=120,
                              squeeze=False, layout="constrained")
-    image = None
+    image: Any = None
     for index, ax in enumerate(axes.flat):
         if index >= len(panels):
             ax.axis("off")
@@ -192,7 +201,7 @@ def series_panels(panels: list[Panel], path: Path, *, title: str, caption: str =
     caption_in = 0.12 + 0.125 * (caption.count("\n") + 1) if caption else 0.0
     height = panel_size[1] * rows + 0.5 + caption_in
     fig, axes = plt.subplots(rows, columns, figsize=(width, height), dpi=150, squeeze=False, layout="constrained")
-    fig.get_layout_engine().set(rect=(0, caption_in / height, 1, 1 - caption_in / height))
+    _reserve_bottom(fig, caption_in / height)
     for index, ax in enumerate(axes.flat):
         if index >= len(panels):
             ax.axis("off")
@@ -276,7 +285,7 @@ def stream_figure(curves: list[tuple[str, list[dict[str, Any]]]], path: Path, *,
     caption_in = 0.15 + 0.11 * (caption.count("\n") + 1) if caption else 0.0
     height = 4.4 + caption_in
     fig, ax = plt.subplots(figsize=(6.4, height), dpi=150, layout="constrained")
-    fig.get_layout_engine().set(rect=(0, caption_in / height, 1, 1 - caption_in / height))
+    _reserve_bottom(fig, caption_in / height)
     for label, rows in curves:
         x = [row["throughput"] for row in rows]
         color = (colors or {}).get(label)

@@ -9,11 +9,18 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvbench.errors import ConfigError
 
-T = TypeVar("T")
+
+class Configured(Protocol):
+    """What a registry holds: classes built from their config node (methods, tasks)."""
+
+    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None: ...
+
+
+T = TypeVar("T", bound=Configured)
 
 
 class Registry(Generic[T]):
@@ -56,4 +63,4 @@ class Registry(Generic[T]):
         """Instantiate the entry named by ``cfg['name']``."""
         params = dict(cfg)
         cls = self.get(params.get("name"))
-        return cls(params)  # type: ignore[call-arg]
+        return cls(params)

@@ -244,7 +244,7 @@ def join_keys(exp: Any, art: Any, ours: Any) -> list[tuple[str, str]]:
     return pairs
 
 
-def paper_text(row: Mapping[str, Any], digits: int = 2) -> str:
+def paper_text(row: Mapping[str, Any] | None, digits: int = 2) -> str:
     """A published number as printed: ``47.4``, ``≤ 0.02``, ``~4``, ``2.2–3.3``."""
     if row is None:
         return "–"
@@ -369,7 +369,7 @@ def _table_section(title: str, merged: Any, rows: list[str], cols: list[str], pa
     for _, r in merged.iterrows():
         theirs = paper.iloc[int(r["_row"])] if not is_missing(r.get("_row")) else None
         ours = r.get("ours")
-        paper_value = theirs.get("value") if theirs is not None else None
+        paper_value: Any = theirs.get("value") if theirs is not None else None
         csv_rows.append(
             {
                 **({"split": split_label} if split else {}),

@@ -47,12 +47,12 @@ def check_paths(paths: Iterable[str | Path]) -> list[Path]:
     """The results folders, each of which must exist (a typo should not read as "no runs")."""
     from kvbench.errors import ConfigError
 
-    paths = [Path(p) for p in paths]
-    for path in paths:
+    folders = [Path(p) for p in paths]
+    for path in folders:
         if not path.exists():
             raise ConfigError(f"no results folder {path}", "pass the folder that holds your runs (kvbench run writes "
                                                            "to results/runs unless output_dir= says otherwise)")
-    return paths
+    return folders
 
 
 def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False):
@@ -203,7 +203,7 @@ def pivot_table(
     return to_markdown(grid)
 
 
-class FigureRun(tuple):
+class FigureRun(tuple[str, list[dict[str, Any]]]):
     """One run handed to a task's ``comparison_figure``: it unpacks as ``(title, records)`` — all a
     heatmap or a curve needs — and carries the run's resolved ``config`` for figures that place runs by
     their settings (the rag figures: method, recompute ratio, selection)."""
@@ -247,7 +247,7 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
     frame = frame.sort_values([c for c in ("model", "question", "_dense", "budget", "method") if c in frame.columns])
     shown = [c for c in ("model", "method", "budget", "question", "lengths") if c in frame.columns
              and frame[c].astype(str).nunique() > 1] or ["method"]
-    runs = []
+    runs: list[tuple[str, list[dict[str, Any]]]] = []
     for _, row in frame.iterrows():
         # first line: the method (or what else differs); second line: the rest, and the run's score
         head, rest = shown[:1], shown[1:]
@@ -259,7 +259,10 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
         runs.append(FigureRun(title, run_records(row), RunDir(Path(row["run_dir"])).config()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return task.comparison_figure(runs, out, kind=kind) if kind is not None else task.comparison_figure(runs, out)
+    if kind is None:
+        return task.comparison_figure(runs, out)
+    # only the tasks with figure_kinds take a kind (checked above); Task's signature has none
+    return task.comparison_figure(runs, out, kind=kind)  # type: ignore[call-arg]
 
 
 def _differing_columns(frame) -> list[str]:

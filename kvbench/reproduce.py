@@ -128,8 +128,8 @@ def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Poi
     if uses_launcher(extra):
         from kvbench.cli import cmd_run
 
-        for sweep in sweeps(exp, scale, extra):
-            code = cmd_run(["-m", *(["--wait"] if wait else []), *sweep])
+        for overrides in sweeps(exp, scale, extra):
+            code = cmd_run(["-m", *(["--wait"] if wait else []), *overrides])
             if code:
                 raise SystemExit(code)
         return
@@ -166,7 +166,8 @@ def run_bench(
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"{exp.name}: unknown bench options {unknown}", f"bench options: {', '.join(sorted(known))}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    assert exp.bench is not None  # (called for bench experiments only)
     print(f"kvbench bench {exp.bench} {json.dumps(options)}", flush=True)
     result = discover()[exp.bench](BenchOptions(**values))
     device = str(values.get("device", "auto"))

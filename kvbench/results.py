@@ -555,7 +555,8 @@ def merge_shards(runs: list[Path]) -> Merged:
                 seen.add(str(record["id"]))
                 records.append(record)
     complete = count is not None and len(runs) == count
-    total = sum(totals) if complete and all(t is not None for t in totals) else None
+    known = [t for t in totals if t is not None]
+    total = sum(known) if complete and len(known) == len(totals) else None
     statuses = {s.status for s in states}
     status = ("finished" if complete and statuses == {"finished"} else "running" if "running" in statuses
               else "failed" if "failed" in statuses else "unfinished")

@@ -19,10 +19,11 @@ Both are computed with numpy alone and are deterministic (fixed seeds).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 BINARY = (0.0, 100.0)
 
@@ -42,7 +43,7 @@ class Paired:
 
 
 def bootstrap_diff(
-    a: Sequence[float], b: Sequence[float], resamples: int = 2000, seed: int = 0
+    a: ArrayLike, b: ArrayLike, resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float] | None:
     """95 % percentile bootstrap interval of mean(a - b), resampling pairs; None below two pairs."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
@@ -63,7 +64,7 @@ def mcnemar_exact(a_only: int, b_only: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def permutation_p(a: Sequence[float], b: Sequence[float], resamples: int = 20000, seed: int = 0) -> float:
+def permutation_p(a: ArrayLike, b: ArrayLike, resamples: int = 20000, seed: int = 0) -> float:
     """Two-sided paired permutation (sign-flip) p-value of mean(a - b) = 0."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     if d.size == 0 or not np.any(d):
@@ -80,7 +81,7 @@ def permutation_p(a: Sequence[float], b: Sequence[float], resamples: int = 20000
     return (extreme + 1) / (resamples + 1)
 
 
-def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
+def paired(a: ArrayLike, b: ArrayLike) -> Paired:
     """Compare paired scores ``a`` and ``b`` (same samples, same order); see the module doc."""
     a_arr, b_arr = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a_arr.shape != b_arr.shape:
@@ -89,8 +90,9 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
     if n == 0:
         return Paired(0, math.nan, math.nan, math.nan, None, None, None, "none")
     ci = bootstrap_diff(a_arr, b_arr)
-    common = dict(n=n, mean_a=float(a_arr.mean()), mean_b=float(b_arr.mean()), diff=float((a_arr - b_arr).mean()),
-                  ci_low=ci[0] if ci else None, ci_high=ci[1] if ci else None)
+    common: dict[str, Any] = dict(n=n, mean_a=float(a_arr.mean()), mean_b=float(b_arr.mean()),
+                                  diff=float((a_arr - b_arr).mean()), ci_low=ci[0] if ci else None,
+                                  ci_high=ci[1] if ci else None)
     if np.isin(a_arr, BINARY).all() and np.isin(b_arr, BINARY).all():
         a_only = int(np.sum((a_arr == 100) & (b_arr == 0)))
         b_only = int(np.sum((a_arr == 0) & (b_arr == 100)))

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 def arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:
@@ -69,7 +70,7 @@ class Replay:
         return self.start - self.arrival
 
 
-def replay(arrival: Sequence[float], service: Sequence[float], first_token: Sequence[float]) -> Replay:
+def replay(arrival: ArrayLike, service: ArrayLike, first_token: ArrayLike) -> Replay:
     """One server, FIFO, one request at a time: request i starts at ``max(arrival_i, finish_{i-1})``,
     its first token comes ``first_token_i`` after it starts, and it finishes ``service_i`` after it starts."""
     arrival = np.asarray(arrival, dtype=float)

@@ -46,6 +46,7 @@ On CUDA the clock synchronises the device before reading ``perf_counter``; on CP
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,7 @@ class Clock:
         return time.perf_counter()
 
 
-def _mean(values: list[float]) -> float | None:
+def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 

@@ -80,7 +80,7 @@ def _typed(key: str, value: Any, types: tuple[type, ...], nullable: bool, low: f
     if bool not in types and isinstance(value, bool) or not isinstance(value, types):
         kind = "true or false" if bool in types else "a whole number" if types == (int,) else "a number"
         raise ConfigError(f"{key}={value!r} is not {kind}", f"e.g. {example}")
-    if low is not None and value < low:
+    if low is not None and isinstance(value, (int, float)) and value < low:  # (low: numeric keys only)
         raise ConfigError(f"{key}={value!r} is below {low:g}", f"e.g. {example}")
 
 

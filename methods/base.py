@@ -133,16 +133,36 @@ class KVMethod:
     budget_defaults: ClassVar[MethodBudgetDefaults] = MethodBudgetDefaults()
     #: the method needs the decode step's attention probabilities (H2O's accumulated scores)
     needs_attention_probs: ClassVar[bool] = False
-    #: layers that always attend everything (e.g. Quest/ClusterKV leave layers 0-1 dense)
-    dense_layers: tuple[int, ...] = ()
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         """``cfg``: the method's parameters (its config node without ``name``); an unknown key, a wrong
         type or a value out of range raises :class:`~kvbench.errors.ConfigError`."""
         self.params = parse(self.Params, cfg, owner=f"method {self.name}", prefix="method.")
-        self.ctx: GenerationContext | None = None
+        self._ctx: GenerationContext | None = None
+
+    @property
+    def ctx(self) -> GenerationContext:
+        """The generation this method serves, set by :meth:`start`; every hook runs after that, so reading
+        it earlier is a bug (``started`` tells whether it is set)."""
+        if self._ctx is None:
+            raise RuntimeError(f"method {self.name} was used before start(ctx)")
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, ctx: GenerationContext) -> None:
+        self._ctx = ctx
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` has given the method a generation (``ctx``)."""
+        return self._ctx is not None
 
     # ------------------------------------------------------------------ configuration
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Layers that always attend everything (e.g. Quest/ClusterKV leave layers 0-1 dense)."""
+        return ()
+
     @property
     def offload(self) -> bool:
         """Whether middle tokens live in the host tier (retrieval methods have an ``offload`` parameter)."""
@@ -224,13 +244,18 @@ class KVMethod:
         """``stat`` of ``layer``: computed now from ``query``/``key`` during the method's own prefill, or
         taken from the shared prefill that computed it (which must be among
         :meth:`prefill_statistics`)."""
-        shared = getattr(self.ctx, "prefill_statistic", None)  # (a test's stand-in context has none)
-        return shared(stat, layer, query, key) if shared is not None else stat.compute(query, key)
+        shared = getattr(self._ctx, "prefill_statistic", None)  # (a test's stand-in context has none)
+        if shared is not None:
+            return shared(stat, layer, query, key)
+        assert query is not None, "only a shared prefill hands on_prefill no queries"
+        return stat.compute(query, key)
 
     def after_request(self, ctx: GenerationContext, segments: tuple[Segment, ...] | None) -> None:
         """After the request is answered, outside any measured time (prefix caching may store the prompt)."""
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         """After the dense prefill attention of ``layer``: build an index or evict.
 
         ``query`` is ``[1, q_heads, s, d]``, ``key``/``value`` ``[1, kv_heads, s, d]`` (post-RoPE);

@@ -125,7 +125,9 @@ class ClusterKV(RetrievalMethod):
         self.iterations.append(int(result.iterations))
         return result.labels, result.centroids
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         if layer in self.dense_layers:
             return
         sink = self.ctx.budget.sink

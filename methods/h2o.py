@@ -92,7 +92,9 @@ class H2O(EvictionMethod):
         return QueryStatistic(accumulated_attention, (spec.head_dim**-0.5,),
                               (("chunk", self.chunk or None), ("max_elements", self.chunk_elements)))
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         budget, spec = self.ctx.budget, self.ctx.spec
         s = kv.n
         received = self.query_statistic(self._received(), layer, query, key)

@@ -95,7 +95,9 @@ class InfLLM(RetrievalMethod):
         """The attention each prompt token received from the queries of its local window ``[q_heads, s]``."""
         return QueryStatistic(received_from_kv_heads, (max(1, self.ctx.budget.local), self.ctx.spec.head_dim**-0.5))
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         if layer in self.dense_layers:
             return
         spec = self.ctx.spec
@@ -172,6 +174,6 @@ class InfLLM(RetrievalMethod):
         self._received = {layer: r.clone() for layer, r in received.items()}
 
     def telemetry(self) -> dict[str, Any]:
-        if self.ctx is None:
+        if not self.started:
             return {}
         return {"reps": self.reps, "block_size": self.block, "comm_ratio_used": self.reps / self.block}

@@ -133,6 +133,12 @@ class PQCache(RetrievalMethod):
         self.timers = {"kmeans_s": 0.0, "wait_kmeans_s": 0.0, "pq_search_s": 0.0, "encode_s": 0.0}
         self.updates: list[int] = []
 
+    @property
+    def pool(self) -> KMeansWorkers:
+        """This instance's k-means workers (open from :meth:`start` to :meth:`after_request`)."""
+        assert self.workers is not None, "pqcache's k-means workers run from start() to after_request()"
+        return self.workers
+
     def schedule(self) -> int | str:
         """The iteration setting this run uses: ``kmeans_iters``, else the protocol's."""
         setting = self.params.kmeans_iters
@@ -140,7 +146,7 @@ class PQCache(RetrievalMethod):
 
     def kmeans_backend(self) -> dict[str, Any]:
         """Where the k-means runs (what a cost model is fitted on, and recorded with it)."""
-        return {"device": str(self.workers.device), "workers": self.workers.workers,
+        return {"device": str(self.pool.device), "workers": self.pool.workers,
                 "threads": torch.get_num_threads(), "metric": self.params.metric}
 
     def _time_layer_kmeans(self, tokens: int, iters: int) -> float:
@@ -149,11 +155,11 @@ class PQCache(RetrievalMethod):
         spec = self.ctx.spec
         generator = torch.Generator().manual_seed(tokens)
         dtype = next(self.ctx.model.parameters()).dtype
-        keys = torch.randn(spec.n_kv_heads, tokens, spec.head_dim, generator=generator).to(self.workers.device, dtype)
+        keys = torch.randn(spec.n_kv_heads, tokens, spec.head_dim, generator=generator).to(self.pool.device, dtype)
         if keys.is_cuda:  # the copy ran on the current stream; the workers' stream must not overtake it
             torch.cuda.synchronize(keys.device)
         start = time.perf_counter()
-        self.workers.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
+        self.pool.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
                             init=self.params.init, options={}).result()
         return time.perf_counter() - start
 
@@ -201,12 +207,14 @@ class PQCache(RetrievalMethod):
         keys.record_stream(self._copy_stream)
         return host, event
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         if layer in self.dense_layers:
             return
         keys, ready = self._kmeans_keys(key, kv)
         iters = self.kmeans_iterations(keys.shape[1])
-        job = self.workers.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
+        job = self.pool.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
                                   init=self.params.init, options=self.kmeans_options, ready=ready,
                                   inline=not self.params.overlap)
         state = _Layer(job)
@@ -239,6 +247,7 @@ class PQCache(RetrievalMethod):
         """The layer's codes on the compute device: the copy prefetched during the previous layer
         (CUDA side stream) plus this step's new codes, else a direct copy."""
         book = state.book
+        assert book is not None  # (after _codebook)
         device = book.centroids.device
         if state.prefetched is not None:
             torch.cuda.current_stream(device).wait_event(state.event)
@@ -252,14 +261,15 @@ class PQCache(RetrievalMethod):
     def _prefetch_next(self, layer: int) -> None:
         """While this layer computes, copy the next layer's codes on a side stream (PQCache Alg. 2)."""
         following = self.layers.get(layer + 1)
-        if following is None or following.book is None or following.book.centroids.device.type != "cuda":
+        book = None if following is None else following.book
+        if following is None or book is None or book.centroids.device.type != "cuda":
             return
-        device = following.book.centroids.device
+        device = book.centroids.device
         if not hasattr(self, "_stream"):
             self._stream = torch.cuda.Stream(device)
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
-            following.prefetched = following.book.codes.to(device, non_blocking=True)
+            following.prefetched = book.codes.to(device, non_blocking=True)
             following.event = torch.cuda.Event()
             following.event.record(self._stream)
 
@@ -272,6 +282,7 @@ class PQCache(RetrievalMethod):
             return compose(lay, candidates.expand(spec.n_kv_heads, -1))
         state = self._codebook(layer)
         book = state.book
+        assert book is not None  # (_codebook waits for it)
         if lay.middle_end > state.coded_end:  # tokens that left the local window get nearest-centroid codes
             start = time.perf_counter()
             keys = kv.keys[:, state.coded_end : lay.middle_end].float().to(book.centroids.device)
@@ -307,7 +318,7 @@ class PQCache(RetrievalMethod):
                 current.book.codes = current.book.codes[:, : coded_end - sink]
 
     def telemetry(self) -> dict[str, Any]:
-        if self.ctx is None:
+        if not self.started:
             return {}
         iters = sorted({s.iterations for s in self.layers.values()})
         return {

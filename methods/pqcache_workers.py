@@ -61,9 +61,11 @@ def _merge(results: list[KMeansResult]) -> KMeansResult:
     if len(results) == 1:
         return results[0]
 
-    def cat(name: str) -> torch.Tensor | None:
-        parts = [getattr(r, name) for r in results]
-        return None if parts[0] is None else torch.cat(parts, dim=0)
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(r, name) for r in results], dim=0)
+
+    def cat_optional(name: str) -> torch.Tensor | None:
+        return None if getattr(results[0], name) is None else cat(name)
 
     return KMeansResult(
         centroids=cat("centroids"),
@@ -71,9 +73,9 @@ def _merge(results: list[KMeansResult]) -> KMeansResult:
         iterations=max(r.iterations for r in results),
         inertia=cat("inertia"),
         counts=cat("counts"),
-        phi=cat("phi"),
-        extra=cat("extra"),
-        updates=cat("updates"),
+        phi=cat_optional("phi"),
+        extra=cat_optional("extra"),
+        updates=cat_optional("updates"),
     )
 
 

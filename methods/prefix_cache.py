@@ -97,9 +97,9 @@ class PrefixCache(ReuseMethod):
         keys, values = prefill_kv(ctx.loaded, list(key.ids))
         self._store().put(key, ChunkKV(keys, values, 0))
 
-    def after_request(self, ctx: Any, segments: tuple[Segment, ...]) -> None:
+    def after_request(self, ctx: Any, segments: tuple[Segment, ...] | None) -> None:
         """Store the prompt's prefix up to its last chunk (what a serving engine keeps), if asked."""
-        if not self.params.store_prompts:
+        if not self.params.store_prompts or segments is None:
             return
         spans = segment_spans(segments)
         end = max((e for seg, (_, e) in zip(segments, spans) if seg.role != "query"), default=0)

@@ -72,6 +72,7 @@ class Quest(RetrievalMethod):
             low = new_low if low is None else torch.cat([low, new_low], dim=1)
             high = new_high if high is None else torch.cat([high, new_high], dim=1)
             self._bounds[layer] = (start, low, high)
+        assert low is not None and high is not None  # pages > 0: built above or kept from before
         return low[:, :pages], high[:, :pages]
 
     def snapshot(self) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:

@@ -44,7 +44,7 @@ class RetrievalMethod(KVMethod):
         return self.params.offload
 
     @property
-    def dense_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+    def dense_layers(self) -> tuple[int, ...]:
         return self.params.dense_layers
 
     def start(self, ctx: GenerationContext) -> None:

@@ -129,7 +129,8 @@ class ReuseMethod(KVMethod):
         cached = getattr(ctx.loaded, "_kvbench_fingerprint", None)
         if cached is None:
             cached = model_fingerprint(ctx.loaded)
-            ctx.loaded._kvbench_fingerprint = cached
+            # a memo kept on the loaded model (it lives exactly as long as the weights it describes)
+            ctx.loaded._kvbench_fingerprint = cached  # type: ignore[attr-defined]
         return cached
 
     def precompute(self, ctx: GenerationContext, key: ChunkKey) -> None:
@@ -356,7 +357,10 @@ class ReusePrefill(PrefillPlan):
         self.installed_layers = 0
         self._keep: torch.Tensor | None = None
         self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows
-        self.reference = getattr(method, "_reference", None)  # profile.deviation: the full prefill's K, V, Q
+        # profile.deviation: the full prefill's K, V, Q
+        self.reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = getattr(
+            method, "_reference", None
+        )
         self._queries: dict[int, torch.Tensor] = {}  # profile.deviation: the query rows' queries per layer
         n_layers = ctx.spec.n_layers
         self.recompute_per_layer = [0.0] * n_layers
@@ -374,7 +378,11 @@ class ReusePrefill(PrefillPlan):
         self._keep = None
         self.recomputed.append(int(self.active.numel()))
         needed = self.method.needs_cache_at(self, layer)
-        rows = self.loader.take(layer) if needed else self.loader.discard(layer)
+        rows = None
+        if needed:
+            rows = self.loader.take(layer)
+        else:
+            self.loader.discard(layer)
         later = [i for i in self.cache_layers if i > layer]
         if later:
             self.loader.prefetch(later[0])  # loads while this layer installs and computes
@@ -500,6 +508,7 @@ class ReusePrefill(PrefillPlan):
           one, averaged over heads, and its mean over layers (Fig. 6's y axis);
         * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute.
         """
+        assert self.reference is not None  # (called only with profile.deviation)
         keys_f, values_f, queries_f = self.reference
         cached = torch.nonzero(self.cached_mask).flatten()
         curves, means, top15, per_layer = [], [], [], []

@@ -103,7 +103,9 @@ class SnapKV(EvictionMethod):
             votes = group_reduce(votes, spec.group, self.gqa)
         return pool1d(votes, self.kernel, self.pooling)
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         budget = self.ctx.budget
         s = kv.n
         select = self.layer_select(layer)

@@ -69,7 +69,7 @@ class SparQ(RetrievalMethod):
         return compose(lay, candidates[topk_sorted(scores, budget.select)])
 
     def telemetry(self) -> dict[str, Any]:
-        if self.ctx is None:
+        if not self.started:
             return {}
         r = self.rank()
         return {"r": r, "comm_ratio_used": r / self.ctx.spec.head_dim}

@@ -29,7 +29,9 @@ class StreamingLLM(EvictionMethod):
     def _limit(self) -> int:
         return self.ctx.budget.sink + self.ctx.budget.budget
 
-    def on_prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
         budget = self.ctx.budget
         if kv.n <= self._limit():
             return

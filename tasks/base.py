@@ -22,10 +22,10 @@ scores apart; the record keeps them in ``queries`` and :meth:`Task.aggregate` re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 #: the multi-query options and their defaults (one question, the method sees it, answers dropped): a
 #: task that can ask several questions per context adds them to its ``defaults``
+T = TypeVar("T")
+
 MULTI_QUERY_OPTIONS: dict[str, Any] = {"queries_per_context": 1, "compression": "question_aware", "keep_answers": False}
 
 
@@ -96,7 +98,7 @@ class SampleResult:
     id: str
     prediction: Any
     reference: Any
-    score: float
+    score: float | None  # None: nothing to score against (see Task.score)
     subset: str | None
     meta: dict[str, Any]
     telemetry: dict[str, Any]
@@ -226,7 +228,7 @@ class Task:
         :mod:`kvbench.validate` can check them before the model is loaded; none by default."""
         return []
 
-    def limited(self, samples: Iterable[Sample]) -> Iterable[Sample]:
+    def limited(self, samples: Iterable[T]) -> Iterator[T]:
         limit = self.cfg.get("limit")
         for index, sample in enumerate(samples):
             if limit is not None and index >= int(limit):
@@ -238,10 +240,11 @@ class Task:
         return {"task": self.name}
 
     # ------------------------------------------------------------------ scoring
-    def score(self, sample: Sample, prediction: str) -> float:
+    def score(self, sample: Sample, prediction: str) -> float | None:
+        """0–100, or None for a sample with nothing to score against (left out of :meth:`aggregate`)."""
         raise NotImplementedError
 
-    def score_answer(self, sample: Sample, reference: Any, prediction: str) -> float:
+    def score_answer(self, sample: Sample, reference: Any, prediction: str) -> float | None:
         """The score of an answer to one of the sample's questions (default: :meth:`score` against that
         question's reference)."""
         from dataclasses import replace
@@ -273,9 +276,9 @@ class Task:
 
             def query(q: SampleQuery) -> Query:
                 return Query(
-                    q.ids,
+                    tuple(q.ids),
                     sample.max_new_tokens,
-                    followup_ids=q.followup_ids,
+                    followup_ids=None if q.followup_ids is None else tuple(q.followup_ids),
                     min_new_tokens=sample.min_new_tokens,
                     stop_ids=stop_ids,
                     stop_texts=tuple(sample.stop_texts),
@@ -292,7 +295,7 @@ class Task:
             ]
         segments = sample.segments
         if sample.queries is not None and sample.context is not None:
-            segments = [*sample.context, Segment(sample.queries[0].ids, "query")]
+            segments = [*sample.context, Segment(tuple(sample.queries[0].ids), "query")]
         return [
             GenerateRequest(
                 input_ids=self.prompt_ids(sample, model),
@@ -318,7 +321,7 @@ class Task:
                         "question": query.text,
                         "reference": query.reference,
                         "prediction": turn.text,
-                        "score": float(self.score_answer(sample, query.reference, turn.text)),
+                        "score": _number(self.score_answer(sample, query.reference, turn.text)),
                         "stop_reason": turn.stop_reason,
                         "telemetry": turn.telemetry,
                     }
@@ -339,7 +342,7 @@ class Task:
             id=sample.id,
             prediction=out.text,
             reference=sample.reference,
-            score=float(self.score(sample, out.text)),
+            score=_number(self.score(sample, out.text)),
             subset=sample.subset,
             meta={**sample.meta, "stop_reason": out.stop_reason},
             telemetry=out.telemetry,
@@ -361,6 +364,7 @@ class Task:
             if record.get("subset") is not None:
                 per_subset.setdefault(str(record["subset"]), []).append(float(record["score"]))
         subset_means = {key: round(float(np.mean(v)), 2) for key, v in per_subset.items()}
+        score: float | None
         if self.average == "subsets" and subset_means:
             score = round(float(np.mean(list(subset_means.values()))), 2)
         else:
@@ -377,6 +381,11 @@ class Task:
         """One figure comparing several runs of this task (``(title, records)`` each), for ``kvbench
         report --figure``; tasks with a natural picture override it."""
         raise ConfigError(f"task {cls.name} has no comparison figure", "use kvbench report --pivot for a table")
+
+
+def _number(score: float | None) -> float | None:
+    """A score as a plain float (tasks may compute numpy scalars), None kept."""
+    return None if score is None else float(score)
 
 
 def multi_query_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:

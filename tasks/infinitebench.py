@@ -45,7 +45,7 @@ import random
 import re
 import statistics
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,8 @@ class Generator:
     def math_find(self, units: int, depth: float) -> dict[str, Any]:
         numbers = [self.rng.randint(0, 999) for _ in range(max(units, 1) | 1)]  # odd: a unique median
         target = FIND_TARGETS[int(depth * len(FIND_TARGETS)) % len(FIND_TARGETS)]
-        value = {"largest": max, "smallest": min, "median": statistics.median}[target](numbers)
+        pick: dict[str, Callable[[list[int]], float]] = {"largest": max, "smallest": min, "median": statistics.median}
+        value = pick[target](numbers)
         return {
             "context": "[" + ", ".join(map(str, numbers)) + "]",
             "input": f"You should answer with only one number, no other words. The {target} number of the list is: ",
@@ -388,6 +389,7 @@ class InfiniteBench(Task):
     def score(self, sample: Sample, prediction: str) -> float:
         from kvbench.tasks.metrics_infinitebench import score_sample
 
+        assert sample.subset is not None  # (every sample names its InfiniteBench task)
         return 100.0 * score_sample(sample.subset, prediction, sample.reference,
                                     scorer_version=str(self.cfg["scorer_version"]))
 

@@ -12,6 +12,8 @@ taken from the sample's question with ``The \\w+ number`` (InfLLM: ``The .+ of``
 
 from __future__ import annotations
 
+from typing import Any
+
 TASKS = (
     "passkey", "number_string", "kv_retrieval", "longbook_sum_eng", "longbook_choice_eng", "longbook_qa_eng",
     "longbook_qa_chn", "longdialogue_qa_eng", "math_find", "math_calc", "code_run", "code_debug",
@@ -151,7 +153,7 @@ INFLLM_TEMPLATES = {
 #: template) or ``None`` (the Llama-3 config: none at all); ``max_len`` = prompt plus generation (``None``:
 #: the model's context); ``special_tokens``: whether the templated text is tokenised with the tokenizer's
 #: special tokens (not for ``mistral-inst``, whose template writes ``<s>`` itself)
-INFLLM_CONV = {
+INFLLM_CONV: dict[str, dict[str, Any]] = {
     "llama-3-inst": {"truncation": None, "max_len": None, "special_tokens": True},
     "mistral-inst": {"truncation": "suffix", "max_len": 32000, "special_tokens": False},
     "chat": {"truncation": "suffix", "max_len": None, "special_tokens": True},  # InfLLM's qwen / minicpm rule
@@ -171,7 +173,7 @@ def infllm_conv(model_name: str) -> str:
 
 
 #: named protocols: prompt set, chat template, generation lengths, truncation length (tokens)
-PROTOCOLS = {
+PROTOCOLS: dict[str, dict[str, Any]] = {
     "open": {"templates": "open", "chat": False, "max_new_tokens": "official", "max_length": 128 * 1024},
     "chat": {"templates": "chat", "chat": True, "max_new_tokens": "official", "max_length": 128 * 1024},
     "infllm": {"templates": "infllm", "chat": True, "max_new_tokens": "infllm", "max_length": None},

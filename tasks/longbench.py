@@ -237,6 +237,7 @@ class LongBench(Task):
         from kvbench.tasks.metrics import score_sample
 
         ref = sample.reference
+        assert sample.subset is not None  # (every sample names its LongBench dataset)
         return 100.0 * score_sample(sample.subset, prediction, ref["answers"], ref.get("all_classes"))
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:

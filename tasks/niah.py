@@ -212,7 +212,8 @@ class NeedleInAHaystack(Task):
             head, tail = frames[order[0]]
             queries = [SampleQuery(self.needles[k].answer, frames[k][1], followups[k] if followups else None,
                                    self.needles[k].question) for k in order]
-            meta = {"length": length, "depth": depth, "prompt_tokens": len(head) + len(context) + len(tail)}
+            meta: dict[str, Any] = {"length": length, "depth": depth,
+                                    "prompt_tokens": len(head) + len(context) + len(tail)}
             if count > 1:
                 meta.update(needle_depths=[round(d, 4) for d in depths], order=order)
             yield Sample(
@@ -222,7 +223,7 @@ class NeedleInAHaystack(Task):
                 max_new_tokens=int(self.cfg["max_new_tokens"]),
                 subset=f"len{length}",
                 meta=meta,
-                context=[Segment(head, "prefix"), Segment(context, "chunk")]
+                context=[Segment(tuple(head), "prefix"), Segment(tuple(context), "chunk")]
                 if self.cfg["question_position"] == "end"
                 else None,
                 queries=queries if self.cfg["question_position"] == "end" else None,

@@ -84,12 +84,13 @@ class PG19(Task):
             folder = fetch_asset("shakespeare")
             encoding = "latin-1"
         else:
-            folder = data_dir(self.cfg)
-            if folder is None:
+            configured = data_dir(self.cfg)
+            if configured is None:
                 raise ConfigError(
                     "task pg19 needs books",
                     f"pass task.data_dir=<folder of .txt books> or task.source=shakespeare ({WHERE})",
                 )
+            folder = configured
             encoding = str(self.cfg["encoding"])
         books = sorted(folder.glob("*.txt"))
         book = self.cfg.get("book")

@@ -74,7 +74,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvbench.errors import ConfigError
 from kvbench.requests import Segment
@@ -170,7 +170,7 @@ def split_articles(context: str) -> list[str]:
 class Rag(Task):
     name = "rag"
     chunked = True
-    figure_kinds = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
+    figure_kinds: ClassVar[tuple[str, ...]] = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
     defaults = {
         "dataset": "musique",
         "chunk_tokens": None,
@@ -327,7 +327,8 @@ class Rag(Task):
                     "raise task.max_length or use a model with a longer context",
                 )
             chunks, dropped, cut = fit_chunks(chunks, room)
-            segments = [Segment(prefix, "prefix"), *(Segment(c, "chunk") for c in chunks), Segment(query, "query")]
+            segments = [Segment(tuple(prefix), "prefix"), *(Segment(tuple(c), "chunk") for c in chunks),
+                        Segment(tuple(query), "query")]
             meta.update(chunks=len(chunks), chunk_lengths=[len(c) for c in chunks], prefix_tokens=len(prefix),
                         query_tokens=len(query), prompt_tokens=sum(len(s) for s in segments),
                         dropped_chunks=dropped, truncated=cut)

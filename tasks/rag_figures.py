@@ -34,7 +34,7 @@ without reading pixels; :func:`draw` hands them to :func:`kvbench.plots.series_p
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ class RunInfo:
     settings: dict[str, Any]  # flattened method/store/task/budget/profile keys
     records: list[dict[str, Any]]
     variant: str = ""  # the settings that separate it from other runs of its method in its panel
+    differ: set[str] = field(default_factory=set, compare=False, repr=False)  # settings its method's runs vary
 
     @property
     def scores(self) -> list[float]:
@@ -143,9 +144,9 @@ def run_infos(runs: Sequence[Any]) -> list[RunInfo]:
                 list(records),
             )
         )
-    for group in groups(infos).values():
-        for method in {i.method for i in group}:
-            same = [i for i in group if i.method == method]
+    for members in groups(infos).values():
+        for method in {i.method for i in members}:
+            same = [i for i in members if i.method == method]
             keys = sorted({k for i in same for k in i.settings} - PLACED)
             differ = [k for k in keys if len({repr(i.settings.get(k)) for i in same}) > 1]
             for info in same:
@@ -245,6 +246,14 @@ def _score(info: RunInfo) -> tuple[float, float, float] | None:
     return mean, float(ci[0]), float(ci[1])
 
 
+def _score_of(info: RunInfo) -> tuple[float, float, float]:
+    """:func:`_score` of a run that has scores (one that :func:`_scored` kept)."""
+    score = _score(info)
+    if score is None:
+        raise ValueError(f"run {info.label} has no scores")
+    return score
+
+
 def _scored(infos: list[RunInfo]) -> list[RunInfo]:
     scored = [i for i in infos if i.scores]
     if not scored:
@@ -268,11 +277,11 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         palette = Palette()
         for series in series_of(runs):
             color, marker, _ = palette.style(series[0].method)
-            timed = [(i, s) for i in series if (s := _score(i)) is not None and i.ttft is not None]
+            timed = [(i, t, s) for i in series if (s := _score(i)) is not None and (t := i.ttft) is not None]
             panel.series.append(Series(
-                series[0].label, [i.ttft for i, _ in timed], [s[0] for _, s in timed],
+                series[0].label, [t for _, t, _ in timed], [s[0] for _, _, s in timed],
                 kind="line" if len(timed) > 1 and series[0].ratio is not None else "points",
-                low=[s[1] for _, s in timed], high=[s[2] for _, s in timed], notes=[i.note for i, _ in timed],
+                low=[s[1] for _, _, s in timed], high=[s[2] for _, _, s in timed], notes=[i.note for i, _, _ in timed],
                 color=color, marker=marker))
         panels.append(panel)
     caption = (f"{_metric_caption(grouped)} {TTFT_DEFINITION} CacheBlend points are labelled with their recompute "
@@ -299,11 +308,13 @@ def ratio(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             scored = [(i, s) for i in series if (s := _score(i)) is not None]
             timed = [i for i in series if i.ttft is not None]
             label = series[0].label
-            if series[0].ratio is not None:
-                quality.series.append(Series(label, [i.ratio for i, _ in scored], [s[0] for _, s in scored],
-                                             low=[s[1] for _, s in scored], high=[s[2] for _, s in scored],
+            if series[0].ratio is not None:  # (then every run of the series has one)
+                at = [(r, s) for i, s in scored if (r := i.ratio) is not None]
+                quality.series.append(Series(label, [r for r, _ in at], [s[0] for _, s in at],
+                                             low=[s[1] for _, s in at], high=[s[2] for _, s in at],
                                              color=color, marker=marker))
-                ttft.series.append(Series(label, [i.ratio for i in timed], [i.ttft for i in timed], color=color,
+                when = [(r, t) for i in timed if (r := i.ratio) is not None and (t := i.ttft) is not None]
+                ttft.series.append(Series(label, [r for r, _ in when], [t for _, t in when], color=color,
                                           marker=marker))
                 continue
             for info in series:  # a method without a ratio: one reference line per run
@@ -448,8 +459,9 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                 for _, (mean, _se) in points:
                     panel.series.append(Series(label, [0.0], [mean], kind="hline", color=color, linestyle=line))
                 continue
-            panel.series.append(Series(label, [i.ratio for i, _ in points], [m for _, (m, _) in points],
-                                       low=[m - s for _, (m, s) in points], high=[m + s for _, (m, s) in points],
+            at = [(r, m, s) for i, (m, s) in points if (r := i.ratio) is not None]  # (every run of the series)
+            panel.series.append(Series(label, [r for r, _, _ in at], [m for _, m, _ in at],
+                                       low=[m - s for _, m, s in at], high=[m + s for _, m, s in at],
                                        color=color, marker=marker))
         panels.append(panel)
     caption = (

@@ -151,7 +151,8 @@ def rerank(outputs: list[Output]) -> tuple[int, list[tuple[str, int | None]]]:
     """The index of the winning map output (highest score, ties to the earliest, unparsed last) and
     every output parsed."""
     parsed = [parse_rerank(out.text) for out in outputs]
-    order = sorted(range(len(parsed)), key=lambda i: -(parsed[i][1] if parsed[i][1] is not None else -1))
+    scores = [-1 if score is None else score for _, score in parsed]
+    order = sorted(range(len(parsed)), key=lambda i: -scores[i])
     return order[0], parsed
 
 

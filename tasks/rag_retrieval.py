@@ -53,7 +53,7 @@ def rechunk(pieces: Sequence[Sequence[int]], size: int) -> list[list[int]]:
     return [ids[start:start + size] for start in range(0, len(ids), size)]
 
 
-def top_k(distances: Sequence[float], k: int) -> list[int]:
+def top_k(distances: Sequence[float] | np.ndarray, k: int) -> list[int]:
     """Indices of the ``k`` smallest distances, ties to the earlier index, in ascending index order."""
     order = sorted(range(len(distances)), key=lambda i: (float(distances[i]), i))
     return sorted(order[:k])

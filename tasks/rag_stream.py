@@ -40,7 +40,7 @@ import numpy as np
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
-from kvbench.tasks.base import Sample
+from kvbench.tasks.base import Sample, T
 from kvbench.tasks.rag import Rag, RawSample
 
 
@@ -63,9 +63,9 @@ class RagStream(Rag):
             raise ConfigError("task rag_stream serves single prompts", "drop task.pipeline (or use task=rag)")
 
     # ------------------------------------------------------------------ the stream
-    def limited(self, samples: Iterable[Any]) -> Iterable[Any]:
+    def limited(self, samples: Iterable[T]) -> Iterator[T]:
         """The stream is complete as built: ``limit`` counts questions, before the repeats (see :meth:`_records`)."""
-        return samples
+        return iter(samples)
 
     def _records(self) -> Iterator[RawSample]:
         limit = self.cfg.get("limit")

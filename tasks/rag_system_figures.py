@@ -42,7 +42,7 @@ from kvbench.tasks.rag_figures import (
     _metric,
     _metric_caption,
     _samples,
-    _score,
+    _score_of,
     _scored,
     _text,
     _titled,
@@ -66,7 +66,7 @@ def draw(kind: str, runs: Sequence[Any], path: Path) -> Path:
 def _series_key(info: RunInfo, placed: set[str]) -> str:
     """The run's variant without the settings this figure places (recomputed within the run's group)."""
     return info.method + "|" + ",".join(f"{k}={_text(v)}" for k, v in sorted(info.settings.items())
-                                        if k in getattr(info, "_differ", ()) and k not in placed)
+                                        if k in info.differ and k not in placed)
 
 
 def _mark_differences(infos: list[RunInfo]) -> None:
@@ -76,13 +76,13 @@ def _mark_differences(infos: list[RunInfo]) -> None:
             keys = sorted({k for i in same for k in i.settings})
             differ = {k for k in keys if len({repr(i.settings.get(k)) for i in same}) > 1}
             for info in same:
-                info._differ = differ  # type: ignore[attr-defined]
+                info.differ = differ
 
 
 def _label(info: RunInfo, placed: set[str]) -> str:
     extra = ", ".join(
         f"{k.split('.', 1)[1]}={_text(info.settings.get(k))}"
-        for k in sorted(getattr(info, "_differ", ()))
+        for k in sorted(info.differ)
         if k not in placed
     )
     name = METHODS.get(info.method, (info.method,))[0]
@@ -118,7 +118,7 @@ def retrieval(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                                                     else 99, k)):
             series = sorted(by_series[key], key=lambda i: int(_setting(i, "task.top_k")))
             color, marker, _ = palette.style(series[0].method)
-            scores = [_score(i) for i in series]
+            scores = [_score_of(i) for i in series]
             panel.series.append(Series(_label(series[0], placed), [int(_setting(i, "task.top_k")) for i in series],
                                        [s[0] for s in scores], low=[s[1] for s in scores], high=[s[2] for s in scores],
                                        color=color, marker=marker))
@@ -144,7 +144,8 @@ def equal_quality_points(infos: list[RunInfo]) -> list[dict[str, Any]]:
     out = []
     for (model, dataset, length, chunks), runs in sorted(cells.items(), key=lambda kv: tuple(map(str, kv[0]))):
         full = [i for i in runs if i.method == "full"]
-        blends = sorted((i for i in runs if i.method == "cacheblend" and i.ratio is not None), key=lambda i: i.ratio)
+        blends = sorted((i for i in runs if i.method == "cacheblend" and i.ratio is not None),
+                        key=lambda i: i.ratio or 0.0)
         if not full or not blends:
             continue
         reference = full[0]
@@ -210,8 +211,8 @@ def scaling(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
 # ---------------------------------------------------------------------- Fig. 13
 def _parallel_ttft(info: RunInfo) -> float | None:
     values = [((r.get("telemetry") or {}).get("pipeline") or {}).get("ttft_parallel_s") for r in info.records]
-    values = [v for v in values if v is not None]
-    return float(np.mean(values)) if values else None
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
 
 
 def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
@@ -228,7 +229,7 @@ def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                       f"{_metric(dataset)} (0–100)", xlim=(0, None))
         palette = Palette()
         for info in sorted(runs, key=lambda i: (_setting(i, "task.pipeline") or "stuff", i.method, i.ratio or 0)):
-            score = _score(info)
+            score = _score_of(info)
             pipeline = _setting(info, "task.pipeline") or "stuff"
             if pipeline == "stuff":
                 color, marker, _ = palette.style(info.method)
@@ -236,8 +237,10 @@ def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             else:
                 name, color, marker = PIPELINE_NAMES.get(pipeline, (pipeline, "#8c564b", "X"))
                 label = name + ("" if info.method == "full" else f" ({METHODS.get(info.method, (info.method,))[0]})")
-            panel.series.append(Series(label, [info.ttft], [score[0]], kind="points", low=[score[1]], high=[score[2]],
-                                       color=color, marker=marker))
+            ttft = info.ttft
+            if ttft is not None:  # (every run records TTFT; one without has no place on this axis)
+                panel.series.append(Series(label, [ttft], [score[0]], kind="points", low=[score[1]], high=[score[2]],
+                                           color=color, marker=marker))
             parallel = _parallel_ttft(info) if pipeline != "stuff" else None
             if parallel is not None:
                 panel.series.append(Series(f"{label}, maps in parallel (ideal)", [parallel], [score[0]], kind="points",
@@ -282,10 +285,12 @@ def storage(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         for info in sorted(
             runs, key=lambda i: (list(METHODS).index(i.method) if i.method in METHODS else 99, i.ratio or 0)
         ):
-            score = _score(info)
+            score = _score_of(info)
             color, marker, _ = palette.style(info.method)
-            panel.series.append(Series(_label(info, placed), [info.ttft], [score[0]], kind="points", low=[score[1]],
-                                       high=[score[2]], color=color, marker=marker))
+            ttft = info.ttft
+            if ttft is not None:  # (every run records TTFT; one without has no place on this axis)
+                panel.series.append(Series(_label(info, placed), [ttft], [score[0]], kind="points", low=[score[1]],
+                                           high=[score[2]], color=color, marker=marker))
         panels.append(panel)
     grouped = groups(infos)
     caption = (f"Chunk KV caches served from RAM, from this machine's disk with the page cache dropped before every "

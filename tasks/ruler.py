@@ -208,6 +208,7 @@ class Ruler(Task):
         from kvbench.tasks.sources import data_dir
 
         folder = data_dir(self.cfg)
+        assert folder is not None  # (task.data_dir is set)
         found = [p for name in QA_FILES[task] for p in [folder / name, *sorted(folder.rglob(name))] if p.is_file()]
         return found[0] if found else None
 

@@ -111,6 +111,7 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
     from kvbench.kv.chunks import ChunkStore, StoreConfig
     from kvbench.methods import create_method
     from kvbench.methods.cacheblend import Costs, LoadingController
+    from kvbench.methods.reuse import ReuseMethod
     from kvbench.requests import join_segments
 
     loaded = _load(options)
@@ -126,6 +127,7 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
             def once(pipeline: bool) -> dict[str, Any]:
                 store.config.pipeline = pipeline
                 method = create_method({"name": "cacheblend", "recompute_ratio": 0.15})
+                assert isinstance(method, ReuseMethod)
                 method.attach_store(store)
                 out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
                 return {"ttft_s": out.telemetry["ttft_s"], **out.telemetry["prefill"]}
@@ -183,6 +185,7 @@ def recompute_cost(options: BenchOptions) -> BenchResult:
     from kvbench.engine.generate import generate
     from kvbench.kv.chunks import ChunkStore, StoreConfig
     from kvbench.methods import create_method
+    from kvbench.methods.reuse import ReuseMethod
     from kvbench.requests import join_segments
 
     loaded = _load(options)
@@ -204,6 +207,7 @@ def recompute_cost(options: BenchOptions) -> BenchResult:
     for index in range(rounds + 1):  # the first round precomputes the chunks and warms up
         for r in ratios if index % 2 == 0 else tuple(reversed(ratios)):
             method = create_method({"name": "cacheblend", "recompute_ratio": r})
+            assert isinstance(method, ReuseMethod)
             method.attach_store(store)
             out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
             if index:

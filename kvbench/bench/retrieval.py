@@ -160,6 +160,7 @@ def _e2e(options: BenchOptions, methods: list[tuple[str, dict[str, Any]]], lengt
     for length in lengths:
         task = create_task({"name": "niah", "lengths": [length], "depths": [0.5]})
         ids = next(iter(task.samples(loaded))).input_ids
+        assert ids is not None  # (niah samples are token ids)
         results = {}
         for method, budget in [("full", {})] + methods:
             runs = []

@@ -23,7 +23,7 @@ from typing import Any
 from kvbench.bench import BenchOptions, BenchResult, benchmark
 
 CHUNK = 560
-CONFIGS = (
+CONFIGS: tuple[tuple[str, dict[str, Any], str | None], ...] = (
     ("full", {}, None),
     ("cacheblend@0.15", {"name": "cacheblend", "recompute_ratio": 0.15}, "ram"),
     ("full_reuse", {"name": "full_reuse"}, "ram"),
@@ -42,8 +42,11 @@ def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], st
         from kvbench.tasks import create_task
 
         task = create_task({"name": "rag", "dataset": "musique", "data_dir": folder, "limit": count})
-        samples = list(task.samples(loaded))
-        return [tuple(s.segments) for s in samples], f"musique (first {len(samples)}, {folder})"
+        prompts = []
+        for sample in task.samples(loaded):
+            assert sample.segments is not None  # (rag samples are segmented)
+            prompts.append(tuple(sample.segments))
+        return prompts, f"musique (first {len(prompts)}, {folder})"
     from kvbench.assets import fetch_asset
 
     text = "".join(
@@ -69,6 +72,7 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
     from kvbench.engine.generate import generate
     from kvbench.kv.chunks import ChunkStore, StoreConfig
     from kvbench.methods import create_method, method_node
+    from kvbench.methods.reuse import ReuseMethod
     from kvbench.models.loading import load_model
     from kvbench.requests import join_segments
 
@@ -89,6 +93,7 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
             for label, cfg, tier in CONFIGS:
                 method = create_method({**method_node(cfg.get("name", "full")), **cfg})
                 if tier is not None:
+                    assert isinstance(method, ReuseMethod)
                     method.attach_store(stores[tier])
                 methods.append(((label, tier), method))
             times: dict[tuple[str, str | None], list[float]] = {key: [] for key, _ in methods}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -85,7 +85,8 @@ class GenerationContext:
                 keep = keep.to(hidden.device)
                 hidden = hidden.index_select(1, keep)
                 positions = positions[keep.to(positions.device)]
-                rotary = tuple(part.index_select(1, keep) for part in rotary)  # type: ignore[assignment]
+                cos, sin = rotary
+                rotary = (cos.index_select(1, keep), sin.index_select(1, keep))
         self._positions = None
         return hidden
 
@@ -189,7 +190,8 @@ class GenerationContext:
     ) -> torch.Tensor:
         if query.shape[0] != 1:
             raise ConfigError("kvbench generates with batch size 1", "run one prompt at a time")
-        layer = module.layer_idx
+        # an int on transformers' attention modules (nn.Module's attribute typing knows only submodules)
+        layer = cast(int, module.layer_idx)
         if self.plan is not None:
             return self.plan.attend(layer, module, query, key, value, scaling)
         kv = self.store[layer]
@@ -204,6 +206,7 @@ class GenerationContext:
                     f"method {self.method.name} does not support extending a prefilled cache with several tokens",
                     "feed extra prompt tokens one at a time (decode steps)",
                 )
+            assert positions is not None  # (set by _layers, which runs the model's layers)
             return attention.with_past(query, kv.keys, kv.values, kv.positions, positions, scaling)
         return self._decode(module, layer, query, kv, scaling)
 

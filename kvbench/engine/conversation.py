@@ -83,7 +83,7 @@ def question_forms(request: MultiQueryRequest) -> list[tuple[int, ...]]:
     """The ids fed for each question (empty for the question-aware first question, which is prefilled
     with the context): the direct form right after the context, the follow-up form otherwise."""
     aware = request.compression == "question_aware"
-    forms = []
+    forms: list[tuple[int, ...]] = []
     for index, query in enumerate(request.queries):
         if aware and index == 0:
             forms.append(())
@@ -134,6 +134,7 @@ def converse(
                 )
 
         logits = ctx.prefill(ids, segments, check)
+        assert tele.prefill_s is not None  # (measured by the prefill)
         start = clock.now() - tele.prefill_s  # when the prefill would have started (a shared one ran earlier)
         ctx.check_after_prefill()
         rollback = len(queries) > 1 and not request.keep_answers

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -99,6 +99,7 @@ def generate(
         logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
         picked_at = clock.now()
         token = pick(logits, 0)
+        assert tele.prefill_s is not None  # (measured by the prefill)
         tele.prefill_s += clock.now() - picked_at
         ctx.check_after_prefill()
         tokens.append(token)
@@ -216,6 +217,18 @@ def perplexity(nll: Sequence[float]) -> float:
     return math.exp(sum(nll) / len(nll)) if nll else float("nan")
 
 
+@overload
+def prefill_kv(
+    loaded: LoadedModel, input_ids: Sequence[int], *, query_rows: None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+
+
+@overload
+def prefill_kv(
+    loaded: LoadedModel, input_ids: Sequence[int], *, query_rows: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]: ...
+
+
 def prefill_kv(
     loaded: LoadedModel, input_ids: Sequence[int], *, query_rows: torch.Tensor | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -236,11 +249,14 @@ def prefill_kv(
     if query_rows is not None:
         dense_attend = plan.attend
 
-        def capture(layer: int, module: Any, query: torch.Tensor, *rest: Any) -> torch.Tensor:
+        def capture(
+            layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scaling: float,
+        ) -> torch.Tensor:
             queries.append(query[0][:, query_rows.to(query.device)].clone())
-            return dense_attend(layer, module, query, *rest)
+            return dense_attend(layer, module, query, key, value, scaling)
 
-        plan.attend = capture  # type: ignore[method-assign]
+        plan.attend = capture  # type: ignore[method-assign]  # this one plan also hands over its queries
     with torch.inference_mode(), activate(ctx):
         ctx.run_prefill(plan)
     keys = [layer.keys.clone() for layer in ctx.store.layers]

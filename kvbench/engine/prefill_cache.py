@@ -106,12 +106,13 @@ def enabled(resolved: dict[str, Any]) -> bool:
 
 def shared_cache() -> PrefillCache:
     """The process's cache (created on first use with the environment's caps)."""
-    if _SHARED[0] is None:
-        _SHARED[0] = PrefillCache(
+    cache = _SHARED[0]
+    if cache is None:
+        cache = _SHARED[0] = PrefillCache(
             ram_bytes=int(float(os.environ.get("KVBENCH_PREFILL_CACHE_RAM_GB", DEFAULT_RAM_GB)) * GB),
             disk_bytes=int(float(os.environ.get("KVBENCH_PREFILL_CACHE_DISK_GB", DEFAULT_DISK_GB)) * GB),
         )
-    return _SHARED[0]
+    return cache
 
 
 @contextmanager
@@ -215,7 +216,8 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 def _order(t: torch.Tensor) -> list[int]:
     """Dimensions from the largest stride to the smallest: ``t.permute(order)`` is contiguous for a
     dense tensor (the layout a copy must restore)."""
-    return sorted(range(t.dim()), key=lambda i: (-t.stride(i), -t.shape[i]))
+    strides = t.stride()
+    return sorted(range(t.dim()), key=lambda i: (-strides[i], -t.shape[i]))
 
 
 def _inverse(order: list[int]) -> list[int]:

@@ -447,7 +447,8 @@ class TensorFile:
         entry = self.entries[name]
         begin, end = entry["data_offsets"]
         buffer = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
-        view = memoryview(buffer.numpy())
+        # numpy's stubs declare ndarray's buffer protocol (__buffer__) only for Python >= 3.12
+        view = memoryview(buffer.numpy())  # type: ignore[arg-type]
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], self._base + begin + done)

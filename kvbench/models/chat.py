@@ -39,6 +39,7 @@ class ChatFormat:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, chat_template=self.template
         )
+        assert isinstance(text, str)  # (tokenize=False)
         return text + assistant_prefix
 
     def encode(self, user: str, *, use_template: bool = True, assistant_prefix: str = "") -> list[int]:

@@ -157,8 +157,9 @@ def _load_pretrained(path: str, dtype: torch.dtype, device: torch.device, *, loc
     is_local = Path(path).expanduser().is_dir()
     kwargs = {"local_files_only": True} if (local_only or is_local) else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
-    return model, tokenizer
+    # Any: transformers wraps PreTrainedModel.to in a decorator whose type mypy reads as taking the model
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    return model.to(device), tokenizer
 
 
 def _build_random(cfg: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:

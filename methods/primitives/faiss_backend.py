@@ -80,9 +80,8 @@ def kmeans(
     if init == "given":
         if init_centroids is None or init_centroids.shape != (problems, k, d):
             raise ValueError(f"init='given' needs init_centroids of shape {(problems, k, d)}")
-        start: Tensor | None = init_centroids.float()
-        if phi is not None:
-            start = _torch_kmeans._augment_centroids(start.to(phi.device), phi)
+        given = init_centroids.float()
+        start: Tensor | None = given if phi is None else _torch_kmeans._augment_centroids(given.to(phi.device), phi)
     elif init == "faiss":
         start = None
     else:

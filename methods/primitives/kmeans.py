@@ -374,7 +374,7 @@ def _sweep(
             score, index = _best(torch.bmm(block_table, block.transpose(1, 2), out=out))
             dist = points.distance(score, problems, start, stop) if measure or keep_distance else None
             keep = None if keep_all is None else keep_all[:, start:stop]
-            if compare:
+            if changed is not None:  # (compare)
                 differs = index != labels[problems, start:stop]
                 changed[part] |= (differs if keep is None else differs & keep).any(dim=1)
             labels[problems, start:stop] = index
@@ -383,7 +383,7 @@ def _sweep(
                 dist = None if dist is None else dist.masked_fill(~keep, 0.0)
             if dist is not None:
                 inertia[part] += dist.sum(dim=1)
-            if distance is not None:
+            if distance is not None and dist is not None:  # (keep_distance computes dist)
                 distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
             counts += torch.bincount((index + offset).view(-1), minlength=count * (k + 1))
             if sums is not None:  # (a [g, c, D] view of the chunk: flattening it would copy)
@@ -399,12 +399,12 @@ def _sweep(
 
 def _relocate(sweep: _Sweep, points: _Points, rows: Tensor | None, labels: Tensor) -> None:
     """scikit-learn's empty-cluster relocation, in place on ``sweep.sums``/``counts`` (module notes)."""
-    counts, sums = sweep.counts, sweep.sums
+    counts, sums, distance = sweep.counts, sweep.sums, sweep.distance
+    assert sums is not None and distance is not None, "relocation needs a sweep with accumulate and keep_distance"
     empty = counts == 0
     most = int(empty.sum(dim=1).max())
     if most == 0:
         return
-    distance = sweep.distance
     count, n = distance.shape
     far_distance, far = distance.topk(min(most, n), dim=1)  # farthest first
     most = far.shape[1]
@@ -664,6 +664,7 @@ def kmeans(
             break
         if empty == "relocate":
             _relocate(sweep, points, rows, labels)
+        assert sweep.sums is not None  # an update follows every sweep but the final one, which accumulates
         moved = _means(sweep.sums, sweep.counts, current)
         going = ~done
         finished_now = _pick(rows, updates) + 1 >= iters
