@@ -8,7 +8,11 @@ file's module name is derived through the package-dir mapping, so mypy checks th
 its messages keep the files' real paths. Options come from [tool.mypy] as usual. (mypy.main.main itself
 cannot be hooked: mypy ships compiled with mypyc, so it calls its helpers directly.)
 
-    python tools/typecheck.py [mypy options] [files or directories]   # none: [tool.mypy] files
+    python tools/typecheck.py [mypy options]
+
+Give it no files: mypy resolves ``kvbench.methods.*`` and ``kvbench.tasks.*`` only among its sources, so a
+single file of methods/ or tasks/ cannot be checked alone; [tool.mypy] ``files`` names the packages (a warm
+run, with mypy's cache, takes a second or two).
 """
 
 from __future__ import annotations
