@@ -1,12 +1,33 @@
 """``kvbench check``: score regression guards.
 
-A golden file lists configs (as ``kvbench run`` overrides) with the metrics they must reproduce.
-Each check runs through the normal runner — resumable, so repeating a passing check is instant —
-and compares ``metrics.json`` values within a tolerance. Exit status 1 when any check fails.
+A golden file (``results/golden/checks.yaml``) lists configs, as ``kvbench run`` overrides, with the
+values they must reproduce. There is one smoke-scale check for every registered method and every
+task (``tests/test_check.py`` fails when one is missing), so a change of behaviour anywhere shows up
+as a failed check in CI, which runs ``kvbench check`` after the tests.
+
+What a check compares (:data:`GOLDEN_KEYS`): the score and sample count, the recall, the attended
+tokens, the KV bytes kept and moved, the hit rate, the prompt and generated token counts (from
+``metrics.json``), the tokens a reuse method took from its chunk caches and the share it recomputed
+(the prefill plan's telemetry), and a digest of every sample's prediction (``predictions``: any changed token
+changes it). Numbers are compared within the check's ``tolerance`` (default 0), the digest exactly.
+Timings are never compared.
+
+``kvbench check --update`` re-runs the selected checks and rewrites their expected values with what
+they produce now, printing each change: the deliberate way to accept a change of behaviour (say why
+in the commit). A check whose data folder (``needs``) is absent is reported as skipped, not passed.
+
+Checks run in a fresh temporary folder (deleted when they pass) unless ``--output-dir`` is given:
+an earlier run of the same config must not answer for the code as it is now. They run as the points
+of one sweep, so the methods of the same prompt share its dense prefill
+(:mod:`kvbench.engine.prefill_cache`); the checks compare no timings.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,52 +35,162 @@ from typing import Any
 from kvbench.errors import ConfigError
 
 DEFAULT_GOLDEN = Path("results/golden/checks.yaml")
+#: what ``--update`` records for a check (those its run reports; timings never)
+GOLDEN_KEYS = ("score", "n", "recall", "attended_tokens", "kv_bytes_ratio", "bytes_h2d", "hit_rate", "prompt_tokens",
+               "new_tokens", "reused_tokens", "recompute_ratio", "predictions")
+#: the per-layer prefill plan's counts (reuse methods), averaged over samples like metrics.json's means
+PLAN_KEYS = ("reused_tokens", "recompute_ratio")
+#: a golden file's entry: required and optional keys
+REQUIRED = {"name", "overrides"}
+OPTIONAL = {"expect", "tolerance", "needs", "note"}
 
 
 def load_checks(path: Path) -> list[dict[str, Any]]:
+    """The checks of ``path``; a malformed entry is a :class:`ConfigError` naming it."""
     import yaml
 
     if not path.exists():
         raise ConfigError(f"no golden file at {path}", "run from the repository root or pass --golden <file>")
     checks = yaml.safe_load(path.read_text()) or []
+    names: set[str] = set()
     for check in checks:
-        missing = {"name", "overrides", "expect"} - set(check)
+        name = check.get("name", "?")
+        missing = REQUIRED - set(check)
         if missing:
-            raise ConfigError(
-                f"golden check {check.get('name', '?')} lacks {', '.join(sorted(missing))}", f"fix {path}"
-            )
+            raise ConfigError(f"golden check {name} lacks {', '.join(sorted(missing))}", f"fix {path}")
+        unknown = set(check) - REQUIRED - OPTIONAL
+        if unknown:
+            raise ConfigError(f"golden check {name} has unknown key(s) {', '.join(sorted(unknown))}",
+                              f"use only {', '.join(sorted(REQUIRED | OPTIONAL))} in {path}")
+        if name in names:
+            raise ConfigError(f"golden check {name} appears twice in {path}", "give every check its own name")
+        names.add(name)
     return checks
 
 
+def predictions_digest(records: list[dict[str, Any]]) -> str:
+    """A short digest of every sample's id and prediction (order-independent): any changed token of
+    any answer changes it."""
+    pairs = sorted((str(r["id"]), json.dumps(r.get("prediction"), sort_keys=True)) for r in records)
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+
+
+def observed(metrics: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The golden values of a finished run: :data:`GOLDEN_KEYS` its metrics report (nulls left out)."""
+    values = {key: metrics.get(key) for key in GOLDEN_KEYS if key != "predictions" and key not in PLAN_KEYS}
+    for key in PLAN_KEYS:  # which tokens a reuse method took from its caches and how many it recomputed
+        plan = [(r.get("telemetry") or {}).get("prefill", {}).get(key) for r in records]
+        plan = [float(v) for v in plan if v is not None]
+        values[key] = sum(plan) / len(plan) if plan else None
+    values["predictions"] = predictions_digest(records)
+    return {key: _plain(value) for key, value in values.items() if value is not None}
+
+
+def _plain(value: Any) -> Any:
+    """Numbers as YAML writes them back unchanged (ints stay ints, floats rounded to 10 significant digits)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return float(value)
+    return float(f"{value:.10g}") if isinstance(value, float) else int(value)
+
+
 def compare(metrics: dict[str, Any], expect: dict[str, Any], tolerance: float) -> list[str]:
-    """Failure messages (empty when every expected metric is within ``tolerance``)."""
+    """Failure messages (empty when every expected value matches: numbers within ``tolerance``,
+    anything else exactly)."""
     failures = []
     for key, want in expect.items():
         got = metrics.get(key)
-        if got is None or abs(float(got) - float(want)) > tolerance:
-            failures.append(f"{key}: got {got}, expected {want} ± {tolerance}")
+        if isinstance(want, (int, float)) and not isinstance(want, bool):
+            bad = got is None or not isinstance(got, (int, float)) or abs(float(got) - float(want)) > tolerance
+            if bad:
+                failures.append(f"{key}: got {got}, expected {want} ± {tolerance}")
+        elif got != want:
+            failures.append(f"{key}: got {got!r}, expected {want!r}")
     return failures
 
 
-def run_checks(golden: str | None, *, names: Sequence[str] = (), output_dir: str | None = None) -> int:
+def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What ``--update`` changes in one check's expected values, one line per key."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if key not in new:
+            lines.append(f"{key}: {old[key]!r} -> (removed)")
+        elif key not in old:
+            lines.append(f"{key}: (new) {new[key]!r}")
+        elif old[key] != new[key]:
+            lines.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+    return lines
+
+
+def write_checks(path: Path, checks: list[dict[str, Any]]) -> None:
+    """Rewrite ``path`` with ``checks``, keeping its leading comment block (atomically)."""
+    import yaml
+
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    order = ("name", "note", "needs", "overrides", "tolerance", "expect")
+    body = [{key: check[key] for key in order if key in check} for check in checks]
+    text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def run_checks(golden: str | None, *, names: Sequence[str] = (), output_dir: str | None = None,
+               update: bool = False) -> int:
+    """Run the checks ``names`` (default: all) of ``golden``; print one line per check and a total.
+    Returns 1 when any check failed (with ``update``: never; the file is rewritten instead)."""
     from kvbench.compose import compose
+    from kvbench.engine.prefill_cache import sweep
+    from kvbench.results import RunDir
     from kvbench.runner import run
 
-    checks = load_checks(Path(golden) if golden else DEFAULT_GOLDEN)
-    selected = [c for c in checks if not names or c["name"] in names]
+    path = Path(golden) if golden else DEFAULT_GOLDEN
+    checks = load_checks(path)
     unknown = set(names) - {c["name"] for c in checks}
     if unknown:
         raise ConfigError(f"unknown check(s) {', '.join(sorted(unknown))}",
-                          f"choose from: {', '.join(c['name'] for c in checks)} (in {golden or DEFAULT_GOLDEN})")
-    failed = 0
-    for check in selected:
-        overrides = list(check["overrides"]) + ["progress=false"]
-        if output_dir:
-            overrides.append(f"output_dir={output_dir}")
-        summary = run(compose(overrides))
-        problems = compare(summary.metrics, check["expect"], float(check.get("tolerance", 0.0)))
-        status = "FAIL" if problems else "ok"
-        print(f"{status:4} {check['name']}  ({summary.run_dir})" + "".join(f"\n     {p}" for p in problems))
-        failed += bool(problems)
-    print(f"{len(selected) - failed} passed, {failed} failed")
+                          f"choose from: {', '.join(c['name'] for c in checks)} (in {path})")
+    selected = [c for c in checks if not names or c["name"] in names]
+    missing = [c["name"] for c in selected if "expect" not in c]
+    if missing and not update:
+        raise ConfigError(f"golden check(s) {', '.join(missing)} have no expected values yet",
+                          f"record them with kvbench check --update {' '.join(missing)}")
+    configs = [compose(list(c["overrides"]) + ["progress=false"]) for c in selected]  # every one valid first
+    scratch = None if output_dir else Path(tempfile.mkdtemp(prefix="kvbench-check-"))
+    out = str(output_dir or scratch)
+    failed = skipped = updated = 0
+    with sweep():
+        for check, resolved in zip(selected, configs):
+            need = [p for p in check.get("needs", []) if not Path(p).exists()]
+            if need:
+                print(f"skip {check['name']}  (needs {', '.join(need)})")
+                skipped += 1
+                continue
+            summary = run({**resolved, "output_dir": out})
+            got = observed(summary.metrics, RunDir(summary.run_dir).records())
+            if update:
+                diff = changes(check.get("expect", {}), got)
+                check["expect"] = got
+                updated += bool(diff)
+                print(f"{'new ' if diff else 'same'} {check['name']}" + "".join(f"\n     {d}" for d in diff))
+                continue
+            problems = compare(got, check["expect"], float(check.get("tolerance", 0.0)))
+            print(f"{'FAIL' if problems else 'ok':4} {check['name']}  ({summary.run_dir})"
+                  + "".join(f"\n     {p}" for p in problems))
+            failed += bool(problems)
+    if update:
+        write_checks(path, checks)
+        print(f"{updated} check(s) changed, {len(selected) - skipped - updated} unchanged, {skipped} skipped; "
+              f"wrote {path}")
+    else:
+        print(f"{len(selected) - failed - skipped} passed, {failed} failed, {skipped} skipped")
+    if scratch is not None and not failed:
+        shutil.rmtree(scratch, ignore_errors=True)
+    elif scratch is not None:
+        print(f"the failed runs are in {scratch}")
     return 1 if failed else 0

@@ -353,7 +353,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from kvbench.check import run_checks
 
-    return run_checks(args.golden, names=args.names, output_dir=args.output_dir)
+    return run_checks(args.golden, names=args.names, output_dir=args.output_dir, update=args.update)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -502,7 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")
-    p_check.add_argument("--output-dir", default=None, help="where the check runs go (default: results/runs)")
+    p_check.add_argument("--output-dir", default=None,
+                         help="where the check runs go (default: a temporary folder, removed when every check passes)")
+    p_check.add_argument("--update", action="store_true",
+                         help="re-run the checks and rewrite their expected values, printing what changed")
     p_bench = sub.add_parser("bench", help="performance micro-benchmarks (ratios measured side by side)")
     p_bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")

@@ -84,12 +84,56 @@ def default_pq(comm: float, head_dim: int) -> tuple[int, int]:
     return 1, max(1, int(bits))
 
 
+#: room for new tokens' codes allocated with a layer's code buffer (it doubles when a generation needs more)
+CODE_SPARE_TOKENS = 256
+
+
+class CodeBuffer:
+    """A layer's codes ``[kv_heads, n, m]`` in one preallocated host buffer, pinned on CUDA.
+
+    Decode appends the codes of the tokens that leave the local window every step. Concatenating
+    them (``torch.cat``) would allocate a fresh, unpinned tensor per step, and the next step's copy of
+    the codes to the device (the prefetch on a side stream) would then be synchronous: the buffer is
+    allocated once with room to grow (doubling when a generation outgrows it, rare), written in place,
+    and :attr:`codes` is a view of its first ``n`` rows (a view of pinned memory is pinned).
+    """
+
+    def __init__(self, codes: torch.Tensor, spare: int, pin: bool) -> None:
+        heads, n, m = codes.shape
+        self.pin = pin
+        self.data = torch.empty(heads, n + max(spare, 1), m, dtype=codes.dtype, device=codes.device, pin_memory=pin)
+        self.data[:, :n] = codes
+        self.n = n
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self.data[:, : self.n]
+
+    def append(self, fresh: torch.Tensor) -> torch.Tensor:
+        """Write ``fresh`` ``[kv_heads, k, m]`` after the current codes; returns :attr:`codes`."""
+        end = self.n + fresh.shape[1]
+        if end > self.data.shape[1]:
+            grown = torch.empty(self.data.shape[0], max(end, 2 * self.data.shape[1]), self.data.shape[2],
+                                dtype=self.data.dtype, device=self.data.device, pin_memory=self.pin)
+            grown[:, : self.n] = self.codes
+            self.data = grown
+        self.data[:, self.n : end] = fresh
+        self.n = end
+        return self.codes
+
+    def truncate(self, n: int) -> torch.Tensor:
+        """Keep the first ``n`` tokens' codes (a rolled-back conversation); returns :attr:`codes`."""
+        self.n = min(self.n, n)
+        return self.codes
+
+
 class _Layer:
     """One layer's PQ state: the codebook (once clustering finished) and the coded prefix."""
 
     def __init__(self, job: LayerJob) -> None:
         self.job = job
         self.book: PQCodebook | None = None
+        self.buffer: CodeBuffer | None = None  # holds book.codes (book.codes is a view of it)
         self.coded_end = 0  # codes exist for slots [sink, coded_end)
         self.iterations = 0
         self.prefetched: torch.Tensor | None = None  # this step's device copy of the codes (CUDA)
@@ -232,12 +276,14 @@ class PQCache(RetrievalMethod):
             self.updates.append(book.iterations)
             device = torch.device(self.ctx.spec.device)
             codes = book.codes.to(self.ctx.store[layer].home)
-            if device.type == "cuda":
-                codes = codes.pin_memory()  # host codes, copied to the device asynchronously
+            # host codes on CUDA are pinned (copied to the device asynchronously), with room for the
+            # tokens this generation will encode
+            pin = device.type == "cuda" and codes.device.type == "cpu"
+            state.buffer = CodeBuffer(codes, spare=CODE_SPARE_TOKENS, pin=pin)
             state.book = dataclasses.replace(
                 book,
                 centroids=book.centroids.to(device),
-                codes=codes,
+                codes=state.buffer.codes,
                 phi=None if book.phi is None else book.phi.to(device),
                 extra=None if book.extra is None else book.extra.to(device),
             )
@@ -281,13 +327,13 @@ class PQCache(RetrievalMethod):
         if budget.select >= lay.middle:
             return compose(lay, candidates.expand(spec.n_kv_heads, -1))
         state = self._codebook(layer)
-        book = state.book
-        assert book is not None  # (_codebook waits for it)
+        book, buffer = state.book, state.buffer
+        assert book is not None and buffer is not None  # (_codebook waits for it)
         if lay.middle_end > state.coded_end:  # tokens that left the local window get nearest-centroid codes
             start = time.perf_counter()
             keys = kv.keys[:, state.coded_end : lay.middle_end].float().to(book.centroids.device)
             fresh = pq_encode(keys, book.centroids, metric=book.metric, phi=book.phi, extra=book.extra)
-            book.codes = torch.cat([book.codes, fresh.to(book.codes.device)], dim=1)
+            book.codes = buffer.append(fresh.to(buffer.data.device))  # in place, no reallocation
             state.coded_end = lay.middle_end
             self.timers["encode_s"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -314,8 +360,10 @@ class PQCache(RetrievalMethod):
             current = self.layers[layer]
             current.coded_end = coded_end
             current.prefetched = current.event = None  # a prefetched copy may hold codes of dropped tokens
-            if current.book is not None:  # codes cover slots [sink, coded_end)
-                current.book.codes = current.book.codes[:, : coded_end - sink]
+            if current.book is not None and current.buffer is not None:  # codes cover slots [sink, coded_end)
+                if hasattr(self, "_stream"):  # a prefetch may still read the rows about to be rewritten
+                    self._stream.synchronize()
+                current.book.codes = current.buffer.truncate(coded_end - sink)
 
     def telemetry(self) -> dict[str, Any]:
         if not self.started:

@@ -1,6 +1,10 @@
+from pathlib import Path
+
+import pytest
 import yaml
 
 from kvbench.check import compare, run_checks
+from kvbench.errors import ConfigError
 
 
 def test_compare():
@@ -24,3 +28,86 @@ def test_checks_pass_and_fail(tmp_path, capsys):
     assert run_checks(str(golden), output_dir=str(tmp_path / "runs")) == 1
     out = capsys.readouterr().out
     assert "FAIL impossible" in out and "1 passed, 1 failed" in out
+
+
+def _golden_choices(group: str) -> set[str]:
+    """The ``<group>=`` choices the shipped golden file runs (a check without ``task=`` runs niah)."""
+    from kvbench.check import DEFAULT_GOLDEN, load_checks
+
+    root = Path(__file__).resolve().parents[1]
+    chosen = set()
+    for check in load_checks(root / DEFAULT_GOLDEN):
+        values = [o.split("=", 1)[1] for o in check["overrides"] if o.startswith(f"{group}=")]
+        chosen.update(values or (["niah"] if group == "task" else []))
+    return chosen
+
+
+def test_every_registered_method_and_task_has_a_golden_check():
+    """CI's regression guard covers the whole registry: a new method or task needs its golden check
+    (add the entry to results/golden/checks.yaml and record it with `kvbench check --update <name>`)."""
+    from kvbench.methods import available_methods
+    from kvbench.tasks import available_tasks
+
+    assert set(available_methods()) - _golden_choices("method") == set()
+    assert set(available_tasks()) - _golden_choices("task") == set()
+
+
+def test_shipped_goldens_all_have_expected_values():
+    from kvbench.check import DEFAULT_GOLDEN, GOLDEN_KEYS, load_checks
+
+    for check in load_checks(Path(__file__).resolve().parents[1] / DEFAULT_GOLDEN):
+        assert check.get("expect"), check["name"]
+        assert {"score", "n", "predictions"} <= set(check["expect"]) <= set(GOLDEN_KEYS), check["name"]
+
+
+def test_compare_strings_and_digest():
+    from kvbench.check import predictions_digest
+
+    records = [{"id": "a", "prediction": "x"}, {"id": "b", "prediction": "y"}]
+    digest = predictions_digest(records)
+    assert digest == predictions_digest(records[::-1])  # order-independent
+    assert digest != predictions_digest([{"id": "a", "prediction": "x"}, {"id": "b", "prediction": "y "}])
+    assert compare({"predictions": digest}, {"predictions": digest}, 0.0) == []
+    assert compare({"predictions": "0"}, {"predictions": digest}, 1.0) == [f"predictions: got '0', expected {digest!r}"]
+
+
+def test_update_records_then_detects_a_change(tmp_path, capsys):
+    """--update writes what the run produces and prints it; repeating it changes nothing; a change of
+    behaviour (here the sink count StreamingLLM keeps) makes the check fail and keeps the runs."""
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    (essays / "e.txt").write_text("Some essay text about work and life. " * 200)
+    golden = tmp_path / "checks.yaml"
+    golden.write_text("# header kept\n" + yaml.safe_dump([{"name": "stream", "overrides": [
+        "model=tiny_llama", "method=streamingllm", "task=niah", "task.lengths=[400]", "task.depths=[0.5]",
+        "task.max_new_tokens=6", f"task.data_dir={essays}", "budget.tokens=64", "budget.sink=4"]}]))
+    with pytest.raises(ConfigError, match="no expected values"):
+        run_checks(str(golden))
+    assert run_checks(str(golden), update=True) == 0
+    out = capsys.readouterr().out
+    assert "new  stream" in out and "predictions: (new)" in out
+    text = golden.read_text()
+    assert text.startswith("# header kept\n")
+    expect = yaml.safe_load(text)[0]["expect"]
+    assert expect["n"] == 1 and expect["prompt_tokens"] == 400.0 and len(expect["predictions"]) == 16
+    assert run_checks(str(golden)) == 0
+    assert run_checks(str(golden), update=True) == 0 and "same stream" in capsys.readouterr().out
+    # a different budget is a different behaviour: the check fails and names what moved
+    golden.write_text(text.replace("budget.sink=4", "budget.sink=16"))
+    assert run_checks(str(golden)) == 1
+    out = capsys.readouterr().out
+    assert "FAIL stream" in out and "the failed runs are in" in out
+
+
+def test_needs_skips_and_bad_entries(tmp_path, capsys):
+    golden = tmp_path / "checks.yaml"
+    golden.write_text(yaml.safe_dump([{"name": "x", "needs": [str(tmp_path / "absent")], "expect": {"n": 1},
+                                       "overrides": ["model=tiny_llama", "task=niah"]}]))
+    assert run_checks(str(golden)) == 0
+    assert "skip x" in capsys.readouterr().out
+    golden.write_text(yaml.safe_dump([{"name": "x", "overides": []}]))
+    with pytest.raises(ConfigError, match="lacks overrides"):
+        run_checks(str(golden))
+    golden.write_text(yaml.safe_dump([{"name": "x", "overrides": [], "expected": {}}]))
+    with pytest.raises(ConfigError, match="unknown key"):
+        run_checks(str(golden))

@@ -98,3 +98,33 @@ def test_adaptive_iterations_follow_the_cost_model(tiny_llama, random_ids, tmp_p
     used = out.telemetry["method"]["kmeans_iters"]
     assert 3 <= used <= 300
     assert list((tmp_path / "cost_models").glob("tiny_llama-cpu-*.json"))
+
+
+def test_new_token_codes_are_written_in_place(tiny_llama, random_ids):
+    """Decode appends the codes of tokens leaving the local window into one preallocated buffer (no
+    per-step reallocation, so a pinned buffer stays pinned on CUDA); the codes equal a fresh encoding
+    of the keys, and a buffer that must grow keeps its contents."""
+    from kvbench.methods.pqcache import CodeBuffer
+    from kvbench.methods.primitives.pq import pq_encode
+
+    method = create_method({"name": "pqcache"})
+    generate(tiny_llama, method, random_ids(200, seed=5), max_new_tokens=12, min_new_tokens=12,
+             budget=BudgetConfig(tokens=48, sink=4, local=8))
+    checked = 0
+    for layer, state in method.layers.items():
+        if state.buffer is None:
+            continue
+        buffer, book = state.buffer, state.book
+        assert state.coded_end - 4 == buffer.n > 200 - 8 - 4  # the prompt's middle plus tokens that left the window
+        assert buffer.data.shape[1] > buffer.n  # one allocation for the whole generation
+        assert book.codes.data_ptr() == buffer.data.data_ptr()
+        keys = method.ctx.store[layer].keys[:, 4 : state.coded_end].float()
+        fresh = pq_encode(keys, book.centroids, metric=book.metric, phi=book.phi, extra=book.extra)
+        assert torch.equal(book.codes.long(), fresh.long())
+        checked += 1
+    assert checked
+    buffer = CodeBuffer(torch.arange(6).view(1, 3, 2), spare=1, pin=False)
+    buffer.append(torch.full((1, 4, 2), 9))
+    assert buffer.codes.shape == (1, 7, 2) and buffer.codes[0, :3].flatten().tolist() == list(range(6))
+    assert buffer.codes[0, 3:].unique().tolist() == [9]
+    assert buffer.truncate(2).shape == (1, 2, 2)
