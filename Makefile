@@ -2,7 +2,8 @@
 #   make run    set up .venv and run the quickstart (SmolLM2, needle-in-a-haystack, 3 methods)
 #   make test   set up .venv and run the test suite
 # and for development:
-#   make lint   ruff (style and bug patterns, [tool.ruff]) and mypy (types, [tool.mypy]); not part of `make test`
+#   make lint   ruff (style and bug patterns, [tool.ruff]), `ruff format --check` (layout) and mypy (types,
+#               [tool.mypy]); not part of `make test`
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -27,7 +28,7 @@ test: $(STAMP)
 
 # mypy runs through tools/typecheck.py, which maps methods/ and tasks/ to kvbench.methods and kvbench.tasks
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/python tools/typecheck.py
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/python tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info results/runs .ruff_cache .mypy_cache

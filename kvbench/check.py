@@ -36,8 +36,20 @@ from kvbench.errors import ConfigError
 
 DEFAULT_GOLDEN = Path("results/golden/checks.yaml")
 #: what ``--update`` records for a check (those its run reports; timings never)
-GOLDEN_KEYS = ("score", "n", "recall", "attended_tokens", "kv_bytes_ratio", "bytes_h2d", "hit_rate", "prompt_tokens",
-               "new_tokens", "reused_tokens", "recompute_ratio", "predictions")
+GOLDEN_KEYS = (
+    "score",
+    "n",
+    "recall",
+    "attended_tokens",
+    "kv_bytes_ratio",
+    "bytes_h2d",
+    "hit_rate",
+    "prompt_tokens",
+    "new_tokens",
+    "reused_tokens",
+    "recompute_ratio",
+    "predictions",
+)
 #: the per-layer prefill plan's counts (reuse methods), averaged over samples like metrics.json's means
 PLAN_KEYS = ("reused_tokens", "recompute_ratio")
 #: a golden file's entry: required and optional keys
@@ -60,8 +72,10 @@ def load_checks(path: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"golden check {name} lacks {', '.join(sorted(missing))}", f"fix {path}")
         unknown = set(check) - REQUIRED - OPTIONAL
         if unknown:
-            raise ConfigError(f"golden check {name} has unknown key(s) {', '.join(sorted(unknown))}",
-                              f"use only {', '.join(sorted(REQUIRED | OPTIONAL))} in {path}")
+            raise ConfigError(
+                f"golden check {name} has unknown key(s) {', '.join(sorted(unknown))}",
+                f"use only {', '.join(sorted(REQUIRED | OPTIONAL))} in {path}",
+            )
         if name in names:
             raise ConfigError(f"golden check {name} appears twice in {path}", "give every check its own name")
         names.add(name)
@@ -140,8 +154,9 @@ def write_checks(path: Path, checks: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-def run_checks(golden: str | None, *, names: Sequence[str] = (), output_dir: str | None = None,
-               update: bool = False) -> int:
+def run_checks(
+    golden: str | None, *, names: Sequence[str] = (), output_dir: str | None = None, update: bool = False
+) -> int:
     """Run the checks ``names`` (default: all) of ``golden``; print one line per check and a total.
     Returns 1 when any check failed (with ``update``: never; the file is rewritten instead)."""
     from kvbench.compose import compose
@@ -153,13 +168,17 @@ def run_checks(golden: str | None, *, names: Sequence[str] = (), output_dir: str
     checks = load_checks(path)
     unknown = set(names) - {c["name"] for c in checks}
     if unknown:
-        raise ConfigError(f"unknown check(s) {', '.join(sorted(unknown))}",
-                          f"choose from: {', '.join(c['name'] for c in checks)} (in {path})")
+        raise ConfigError(
+            f"unknown check(s) {', '.join(sorted(unknown))}",
+            f"choose from: {', '.join(c['name'] for c in checks)} (in {path})",
+        )
     selected = [c for c in checks if not names or c["name"] in names]
     missing = [c["name"] for c in selected if "expect" not in c]
     if missing and not update:
-        raise ConfigError(f"golden check(s) {', '.join(missing)} have no expected values yet",
-                          f"record them with kvbench check --update {' '.join(missing)}")
+        raise ConfigError(
+            f"golden check(s) {', '.join(missing)} have no expected values yet",
+            f"record them with kvbench check --update {' '.join(missing)}",
+        )
     configs = [compose(list(c["overrides"]) + ["progress=false"]) for c in selected]  # every one valid first
     scratch = None if output_dir else Path(tempfile.mkdtemp(prefix="kvbench-check-"))
     out = str(output_dir or scratch)
@@ -180,13 +199,17 @@ def run_checks(golden: str | None, *, names: Sequence[str] = (), output_dir: str
                 print(f"{'new ' if diff else 'same'} {check['name']}" + "".join(f"\n     {d}" for d in diff))
                 continue
             problems = compare(got, check["expect"], float(check.get("tolerance", 0.0)))
-            print(f"{'FAIL' if problems else 'ok':4} {check['name']}  ({summary.run_dir})"
-                  + "".join(f"\n     {p}" for p in problems))
+            print(
+                f"{'FAIL' if problems else 'ok':4} {check['name']}  ({summary.run_dir})"
+                + "".join(f"\n     {p}" for p in problems)
+            )
             failed += bool(problems)
     if update:
         write_checks(path, checks)
-        print(f"{updated} check(s) changed, {len(selected) - skipped - updated} unchanged, {skipped} skipped; "
-              f"wrote {path}")
+        print(
+            f"{updated} check(s) changed, {len(selected) - skipped - updated} unchanged, {skipped} skipped; "
+            f"wrote {path}"
+        )
     else:
         print(f"{len(selected) - failed - skipped} passed, {failed} failed, {skipped} skipped")
     if scratch is not None and not failed:

@@ -332,8 +332,9 @@ def method_table(names: Sequence[str]) -> str:
     lines = []
     for name, table in tables.items():
         lines.append(f"{name} ({REGISTRY.get(name).family})" + ("" if table else ": no parameters"))
-        lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
-                  for row in table]
+        lines += [
+            "  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3] for row in table
+        ]
     return "\n".join(lines)
 
 
@@ -402,8 +403,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                 raise ConfigError(f"unknown scale {scale!r}", f"use scale={' | scale='.join(SCALES)}")
         else:
             extra.append(item)
-    report = reproduce(args.name, scale, extra, run=not args.no_run, dry_run=args.dry_run,
-                       out=Path(args.out) if args.out else None, wait=args.wait)
+    report = reproduce(
+        args.name,
+        scale,
+        extra,
+        run=not args.no_run,
+        dry_run=args.dry_run,
+        out=Path(args.out) if args.out else None,
+        wait=args.wait,
+    )
     if not args.dry_run:
         print(report.markdown())
         if report.out_dir is not None:
@@ -431,14 +439,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536"
         ) from None
-    options = BenchOptions(quick=args.quick, device=args.device, repeats=args.repeats, model=args.model,
-                           lengths=lengths, new_tokens=args.new_tokens)
+    options = BenchOptions(
+        quick=args.quick,
+        device=args.device,
+        repeats=args.repeats,
+        model=args.model,
+        lengths=lengths,
+        new_tokens=args.new_tokens,
+    )
     results = [benches[name](options) for name in names]
     from kvbench.runner import device_name
 
     device = device_name("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
-    record = json.dumps({"device": device, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                         "torch": torch.__version__, "results": [r.__dict__ for r in results]}, indent=2, default=str)
+    record = json.dumps(
+        {
+            "device": device,
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "results": [r.__dict__ for r in results],
+        },
+        indent=2,
+        default=str,
+    )
     if args.save:
         from kvbench.results import write_atomic
 
@@ -458,8 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_run(argv[1:])
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmark harness for KV-cache methods.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run a model x method x task config (Hydra overrides; -m for sweeps; "
-                              "kvbench run --help)")
+    sub.add_parser(
+        "run", help="run a model x method x task config (Hydra overrides; -m for sweeps; kvbench run --help)"
+    )
     p_list = sub.add_parser("list", help="list models, methods, tasks, experiments and assets")
     p_list.add_argument("what", nargs="?", choices=["models", "methods", "tasks", "experiments", "assets"])
     p_fetch = sub.add_parser("fetch", help="download and convert offline assets ahead of time")
@@ -468,26 +492,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
     p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
     p_report.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"), help="config/protocol differences of two runs")
-    p_report.add_argument("--pivot", nargs=2, metavar=("ROWS", "COLS"),
-                          help="one metric as a grid: comma-separated columns down and across, e.g. method question")
+    p_report.add_argument(
+        "--pivot",
+        nargs=2,
+        metavar=("ROWS", "COLS"),
+        help="one metric as a grid: comma-separated columns down and across, e.g. method question",
+    )
     p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
-    p_report.add_argument("--figure", metavar="FILE.png",
-                          help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves, "
-                               "rag: CacheBlend's figures)")
-    p_report.add_argument("--figure-kind", metavar="KIND",
-                          help="which figure, for tasks with several (rag: quality_ttft (default), ratio, deviation, "
-                               "selection)")
-    p_report.add_argument("--where", action="append", default=[], metavar="COL=VALUE",
-                          help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
-                               "unknown columns are refused with the valid ones")
+    p_report.add_argument(
+        "--figure",
+        metavar="FILE.png",
+        help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves, "
+        "rag: CacheBlend's figures)",
+    )
+    p_report.add_argument(
+        "--figure-kind",
+        metavar="KIND",
+        help="which figure, for tasks with several (rag: quality_ttft (default), ratio, deviation, selection)",
+    )
+    p_report.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="COL=VALUE",
+        help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
+        "unknown columns are refused with the valid ones",
+    )
     p_repro = sub.add_parser(
         "reproduce",
         help="run a paper artifact's sweep (what is missing) and render it beside the "
         "published numbers; --list shows the artifacts",
     )
     p_repro.add_argument("name", nargs="?", help="<paper>/<artifact>, e.g. pqcache/table3")
-    p_repro.add_argument("overrides", nargs="*", help="scale=smoke|cpu|paper (default cpu), then Hydra overrides "
-                                                      "(hydra/launcher=joblib runs the sweep in parallel)")
+    p_repro.add_argument(
+        "overrides",
+        nargs="*",
+        help="scale=smoke|cpu|paper (default cpu), then Hydra overrides "
+        "(hydra/launcher=joblib runs the sweep in parallel)",
+    )
     p_repro.add_argument("--list", action="store_true", help="list the artifacts with a one-line description")
     p_repro.add_argument(
         "--dry-run", action="store_true", help="validate every point and show its run directory and state"
@@ -495,17 +537,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_repro.add_argument("--no-run", action="store_true", help="render from the runs that exist; run nothing")
     p_repro.add_argument("--out", default=None, help="where the report goes (default results/reproduce/<scale>/<name>)")
     p_repro.add_argument("--wait", action="store_true", help="wait for another process writing a run directory")
-    p_report.add_argument("--html", metavar="DIR", help="a self-contained web report in DIR: one page per paper "
-                                                       "artifact (kvbench reproduce's tables and figures, embedded)")
-    p_report.add_argument("--scale", default="cpu", choices=["smoke", "cpu", "paper"],
-                          help="--html: which scale's runs the pages show (default cpu)")
+    p_report.add_argument(
+        "--html",
+        metavar="DIR",
+        help="a self-contained web report in DIR: one page per paper "
+        "artifact (kvbench reproduce's tables and figures, embedded)",
+    )
+    p_report.add_argument(
+        "--scale",
+        default="cpu",
+        choices=["smoke", "cpu", "paper"],
+        help="--html: which scale's runs the pages show (default cpu)",
+    )
     p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
     p_check.add_argument("names", nargs="*", help="check names (default: all)")
     p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")
-    p_check.add_argument("--output-dir", default=None,
-                         help="where the check runs go (default: a temporary folder, removed when every check passes)")
-    p_check.add_argument("--update", action="store_true",
-                         help="re-run the checks and rewrite their expected values, printing what changed")
+    p_check.add_argument(
+        "--output-dir",
+        default=None,
+        help="where the check runs go (default: a temporary folder, removed when every check passes)",
+    )
+    p_check.add_argument(
+        "--update",
+        action="store_true",
+        help="re-run the checks and rewrite their expected values, printing what changed",
+    )
     p_bench = sub.add_parser("bench", help="performance micro-benchmarks (ratios measured side by side)")
     p_bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")
@@ -519,8 +575,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
     args = parser.parse_args(argv)
-    handlers = {"list": cmd_list, "fetch": cmd_fetch, "report": cmd_report, "bench": cmd_bench, "check": cmd_check,
-                "reproduce": cmd_reproduce}
+    handlers = {
+        "list": cmd_list,
+        "fetch": cmd_fetch,
+        "report": cmd_report,
+        "bench": cmd_bench,
+        "check": cmd_check,
+        "reproduce": cmd_reproduce,
+    }
     try:
         return handlers[args.command](args)
     except KvbenchError as error:

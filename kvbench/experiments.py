@@ -41,8 +41,19 @@ from kvbench.errors import ConfigError
 SCALES = ("smoke", "cpu", "paper")
 DEFAULT_SCALE = "cpu"
 #: keys of the ``reproduce:`` block
-_KEYS = ("compare", "description", "scales", "also", "bench", "render", "join", "stand_ins", "why", "notes",
-         "paper_factor")
+_KEYS = (
+    "compare",
+    "description",
+    "scales",
+    "also",
+    "bench",
+    "render",
+    "join",
+    "stand_ins",
+    "why",
+    "notes",
+    "paper_factor",
+)
 _SCALE_KEYS = ("overrides", "bench", "why", "skip", "also")
 FIX = "edit the experiment file (the schema is in kvbench/experiments.py)"
 
@@ -155,11 +166,15 @@ def _experiment(name: str, path: Path, data: Any) -> Experiment:
         entry = entry or {}
         if not isinstance(entry, dict) or set(entry) - set(_SCALE_KEYS):
             raise bad(f"reproduce.scales.{scale} takes {', '.join(_SCALE_KEYS)}")
-        scales[scale] = ScaleSpec(overrides=tuple(str(o) for o in entry.get("overrides") or ()),
-                                  bench=dict(entry.get("bench") or {}), why=dict(entry.get("why") or {}),
-                                  skip=entry.get("skip"),
-                                  also=None if entry.get("also") is None
-                                  else tuple(tuple(str(o) for o in sweep_) for sweep_ in entry["also"]))
+        scales[scale] = ScaleSpec(
+            overrides=tuple(str(o) for o in entry.get("overrides") or ()),
+            bench=dict(entry.get("bench") or {}),
+            why=dict(entry.get("why") or {}),
+            skip=entry.get("skip"),
+            also=None
+            if entry.get("also") is None
+            else tuple(tuple(str(o) for o in sweep_) for sweep_ in entry["also"]),
+        )
     also = tuple(tuple(str(o) for o in sweep_) for sweep_ in spec.get("also") or ())
     bench = spec.get("bench")
     if bench is not None:
@@ -216,8 +231,12 @@ def load_scale(name: str) -> Scale:
         raise ConfigError(f"unknown scale {name!r}", f"use scale={' | scale='.join(SCALES)}")
     path = conf_dir() / "scale" / f"{name}.yaml"
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    return Scale(name=name, description=" ".join(str(data.get("description", "")).split()),
-                 overrides=tuple(str(o) for o in data.get("overrides") or ()), why=dict(data.get("why") or {}))
+    return Scale(
+        name=name,
+        description=" ".join(str(data.get("description", "")).split()),
+        overrides=tuple(str(o) for o in data.get("overrides") or ()),
+        why=dict(data.get("why") or {}),
+    )
 
 
 # ---------------------------------------------------------------------- the experiment of a `kvbench run` command

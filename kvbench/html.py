@@ -37,8 +37,10 @@ def _inline(text: str) -> str:
 
 def table_html(frame: Any) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
-                   for row in frame.itertuples(index=False))
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+        for row in frame.itertuples(index=False)
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
@@ -51,8 +53,11 @@ def markdown_html(text: str) -> str:
         if not block:
             return
         if block[0].startswith("|"):
-            cells = [[c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-                     for line in block if not re.match(r"^\|[-|: ]+\|$", line.strip())]
+            cells = [
+                [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+                for line in block
+                if not re.match(r"^\|[-|: ]+\|$", line.strip())
+            ]
             head = "".join(f"<th>{_inline(c)}</th>" for c in cells[0])
             body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in row) + "</tr>" for row in cells[1:])
             out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
@@ -86,7 +91,7 @@ def page(report: Any) -> str:
         f"scale={html.escape(report.scale)}</code></p>",
     ]
     for section in report.sections:
-        parts.append(f'<section><h2>{html.escape(section.title)}</h2>' if section.title else "<section>")
+        parts.append(f"<section><h2>{html.escape(section.title)}</h2>" if section.title else "<section>")
         if section.frame is not None:
             parts.append(table_html(section.frame))
             rest = section.markdown.split("\n\n", 1)[1] if "\n\nKeys that differ" in section.markdown else ""
@@ -96,14 +101,16 @@ def page(report: Any) -> str:
             parts.append(markdown_html(section.markdown))
         parts += [image_html(figure, section.title) for figure in section.figures if Path(figure).exists()]
         if section.note:
-            parts.append(f"<p class=\"note\">{_inline(section.note)}</p>")
+            parts.append(f'<p class="note">{_inline(section.note)}</p>')
         parts.append("</section>")
     return _document(report.title, "\n".join(parts))
 
 
 def _document(title: str, body: str) -> str:
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
+    )
 
 
 def write_site(reports: Sequence[Any], out: Path, scale: str) -> Path:
@@ -114,13 +121,18 @@ def write_site(reports: Sequence[Any], out: Path, scale: str) -> Path:
         name = f"{report.exp.name}.html"
         (out / name).write_text(page(report), encoding="utf-8")
         runs = "bench" if report.exp.bench else f"{report.finished}/{len(report.points)}"
-        rows.append(f"<tr><td><a href=\"{name}\">{html.escape(report.exp.ref)}</a></td>"
-                    f"<td>{html.escape(report.exp.description)}</td><td>{runs}</td></tr>")
-    body = (f"<h1>kvbench: the papers' artifacts beside ours (scale {html.escape(scale)})</h1>"
-            "<p>Each page shows our finished runs beside the published numbers, the protocol differences "
-            "and the figures; <code>kvbench reproduce &lt;artifact&gt;</code> runs what is missing.</p>"
-            "<table><thead><tr><th>artifact</th><th>what</th><th>runs finished</th></tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table>")
+        rows.append(
+            f'<tr><td><a href="{name}">{html.escape(report.exp.ref)}</a></td>'
+            f"<td>{html.escape(report.exp.description)}</td><td>{runs}</td></tr>"
+        )
+    body = (
+        f"<h1>kvbench: the papers' artifacts beside ours (scale {html.escape(scale)})</h1>"
+        "<p>Each page shows our finished runs beside the published numbers, the protocol differences "
+        "and the figures; <code>kvbench reproduce &lt;artifact&gt;</code> runs what is missing.</p>"
+        "<table><thead><tr><th>artifact</th><th>what</th><th>runs finished</th></tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>"
+    )
     index = out / "index.html"
     index.write_text(_document(f"kvbench reproduce ({scale})", body), encoding="utf-8")
     return index
@@ -133,6 +145,7 @@ def build(out: Path, scale: str, output_dir: Path, names: Sequence[str] | None =
 
     reports = []
     for name in names or experiment_names():
-        reports.append(reproduce(name, scale, [f"output_dir={output_dir}"], run=False, write=False,
-                                 out=out / "figures" / name))
+        reports.append(
+            reproduce(name, scale, [f"output_dir={output_dir}"], run=False, write=False, out=out / "figures" / name)
+        )
     return write_site(reports, out, scale)

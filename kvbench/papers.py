@@ -76,18 +76,56 @@ RELATIONS = ("=", "~", "<", "<=", ">", ">=")
 #: keys a row may carry besides its dims and their labels
 ROW_FIELDS = ("value", "low", "high", "relation", "quote", "note")
 #: the contract's names (DESIGN.md); methods and models being added concurrently are named here once
-KVBENCH_METHODS = ("full", "oracle", "streamingllm", "h2o", "snapkv", "pyramidkv", "sparq", "infllm", "quest",
-                   "pqcache", "clusterkv", "cacheblend", "full_reuse", "prefix_cache")
-KVBENCH_MODELS = ("smollm2_135m", "qwen25_05b", "tiny_llama", "tiny_qwen2", "llama31_8b_instruct", "llama31_8b_shape",
-                  "mistral7b_instruct_v02", "glm4_9b_chat", "hf")
+KVBENCH_METHODS = (
+    "full",
+    "oracle",
+    "streamingllm",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "sparq",
+    "infllm",
+    "quest",
+    "pqcache",
+    "clusterkv",
+    "cacheblend",
+    "full_reuse",
+    "prefix_cache",
+)
+KVBENCH_MODELS = (
+    "smollm2_135m",
+    "qwen25_05b",
+    "tiny_llama",
+    "tiny_qwen2",
+    "llama31_8b_instruct",
+    "llama31_8b_shape",
+    "mistral7b_instruct_v02",
+    "glm4_9b_chat",
+    "hf",
+)
 KVBENCH_TASKS = ("niah", "longbench", "infinitebench", "gsm8k_cot", "pg19", "rag", "ruler")
 #: row keys whose values must be known names, and which vocabulary they use
 CHECKED_KEYS = {"method": "method", "baseline": "method", "model": "model", "dataset": "dataset"}
 
 _TOP_REQUIRED = ("paper", "title", "arxiv", "source", "artifacts")
 _TOP_OPTIONAL = ("venue", "notes", "extra_names")
-_ARTIFACT_KEYS = ("kind", "where", "caption", "source", "model", "model_label", "task", "protocol", "fixed", "numbers",
-                  "note", "metric", "unit", "dims", "values")
+_ARTIFACT_KEYS = (
+    "kind",
+    "where",
+    "caption",
+    "source",
+    "model",
+    "model_label",
+    "task",
+    "protocol",
+    "fixed",
+    "numbers",
+    "note",
+    "metric",
+    "unit",
+    "dims",
+    "values",
+)
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
 _FIX = "edit the file (the schema is in kvbench/papers.py)"
 
@@ -205,8 +243,21 @@ def values_frame(paper: str, artifact: str) -> pd.DataFrame:
 
     art = get_artifact(paper, artifact)
     labels = sorted({k for row in art.values for k in row if k.endswith("_label")})
-    columns = ["paper", "artifact", *art.dims, *labels, *art.fixed, "value", "low", "high", "relation", "metric",
-               "unit", "quote", "note"]
+    columns = [
+        "paper",
+        "artifact",
+        *art.dims,
+        *labels,
+        *art.fixed,
+        "value",
+        "low",
+        "high",
+        "relation",
+        "metric",
+        "unit",
+        "quote",
+        "note",
+    ]
     records = []
     for row in art.values:
         record = {"paper": art.paper, "artifact": art.id, **art.fixed, **row}
@@ -225,8 +276,11 @@ def _vocabulary() -> dict[str, frozenset[str]]:
     from kvbench.tasks.infinitebench_protocol import TASKS
     from kvbench.tasks.longbench_protocol import DATASETS
 
-    return {"method": frozenset(KVBENCH_METHODS), "model": frozenset(KVBENCH_MODELS),
-            "dataset": frozenset(DATASETS) | frozenset(TASKS) | {"average"}}
+    return {
+        "method": frozenset(KVBENCH_METHODS),
+        "model": frozenset(KVBENCH_MODELS),
+        "dataset": frozenset(DATASETS) | frozenset(TASKS) | {"average"},
+    }
 
 
 def _is_number(x: Any) -> bool:
@@ -257,16 +311,27 @@ def _paper(data: Any, path: Path) -> Paper:
         if not _text(data[key]):
             raise fail(f"{key} must be a non-empty string")
     extra = data.get("extra_names") or {}
-    if not isinstance(extra, dict) or any(k not in ("method", "model", "dataset") for k in extra) \
-            or any(not isinstance(v, list) or not all(_text(n) for n in v) for v in extra.values()):
+    if (
+        not isinstance(extra, dict)
+        or any(k not in ("method", "model", "dataset") for k in extra)
+        or any(not isinstance(v, list) or not all(_text(n) for n in v) for v in extra.values())
+    ):
         raise fail("extra_names must map method/model/dataset to lists of names")
     vocab = {kind: names | set(extra.get(kind, ())) for kind, names in _vocabulary().items()}
     arts = data["artifacts"]
     if not isinstance(arts, dict) or not arts:
         raise fail("artifacts must be a non-empty mapping")
     built = {aid: _artifact(data["paper"], str(aid), spec, data["source"], vocab, fail) for aid, spec in arts.items()}
-    return Paper(name=data["paper"], title=data["title"], arxiv=str(data["arxiv"]), source=data["source"], path=path,
-                 artifacts=MappingProxyType(built), venue=data.get("venue"), notes=data.get("notes"))
+    return Paper(
+        name=data["paper"],
+        title=data["title"],
+        arxiv=str(data["arxiv"]),
+        source=data["source"],
+        path=path,
+        artifacts=MappingProxyType(built),
+        venue=data.get("venue"),
+        notes=data.get("notes"),
+    )
 
 
 def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, AbstractSet[str]], fail) -> Artifact:
@@ -322,12 +387,25 @@ def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, 
                 raise bad(f"row {i}: same {', '.join(dims)} as row {seen[row_key]}")
             seen[row_key] = i
     # read-only views: load_paper caches its result, so callers must not be able to edit it
-    return Artifact(paper=paper, id=aid, kind=spec["kind"], where=spec["where"], caption=spec["caption"],
-                    source=spec.get("source") or source, numbers=spec["numbers"], note=spec.get("note"),
-                    model=tuple(model) if isinstance(model, list) else model, model_label=spec.get("model_label"),
-                    task=spec.get("task"), protocol=MappingProxyType(protocol), fixed=MappingProxyType(fixed),
-                    metric=_frozen(spec.get("metric")), unit=_frozen(spec.get("unit")), dims=tuple(dims),
-                    values=tuple(MappingProxyType(row) for row in values))
+    return Artifact(
+        paper=paper,
+        id=aid,
+        kind=spec["kind"],
+        where=spec["where"],
+        caption=spec["caption"],
+        source=spec.get("source") or source,
+        numbers=spec["numbers"],
+        note=spec.get("note"),
+        model=tuple(model) if isinstance(model, list) else model,
+        model_label=spec.get("model_label"),
+        task=spec.get("task"),
+        protocol=MappingProxyType(protocol),
+        fixed=MappingProxyType(fixed),
+        metric=_frozen(spec.get("metric")),
+        unit=_frozen(spec.get("unit")),
+        dims=tuple(dims),
+        values=tuple(MappingProxyType(row) for row in values),
+    )
 
 
 def _frozen(x: Any) -> Any:

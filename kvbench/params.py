@@ -169,8 +169,12 @@ def _example(tp: Any, default: Any, metadata: Mapping[str, Any]) -> Any:
         item = _example(get_args(tp)[0], None, metadata)
         return [item, item + 1] if isinstance(item, int) and not isinstance(item, bool) else [item]
     low = metadata.get("min")
-    return {int: int(low if low is not None else 1), float: float(low if low is not None else 0.5), bool: True,
-            str: "text"}.get(tp)
+    return {
+        int: int(low if low is not None else 1),
+        float: float(low if low is not None else 0.5),
+        bool: True,
+        str: "text",
+    }.get(tp)
 
 
 def parse(cls: type[Params], mapping: Mapping[str, Any] | None, owner: str, prefix: str = "") -> Params:
@@ -223,7 +227,7 @@ def _check_range(key: str, value: Any, metadata: Mapping[str, Any], owner: str, 
         return
     low, high = metadata.get("min"), metadata.get("max")
     if (low is not None and value < low) or (high is not None and value > high):
-        bounds = (f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]")
+        bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
         raise ConfigError(f"{prefix}{key}={value} is out of range ({owner})", f"use a value {bounds}")
 
 

@@ -105,8 +105,14 @@ def niah_panels(panels: list[tuple[str, list[dict[str, Any]]]], path: Path, *, c
     shared = len({tuple(depths) for _, depths in grids}) == 1
     n_lengths, n_depths = max(len(lengths) for lengths, _ in grids), max(len(depths) for _, depths in grids)
     width, height = max(0.8 + 0.8 * n_lengths, 2.2) + (0 if shared else 0.5), 1.0 + 0.4 * n_depths
-    fig, axes = plt.subplots(rows, columns, figsize=(width * columns + 1.2, height * rows + 0.4), dpi=120,
-                             squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        rows,
+        columns,
+        figsize=(width * columns + 1.2, height * rows + 0.4),
+        dpi=120,
+        squeeze=False,
+        layout="constrained",
+    )
     image: Any = None
     for index, ax in enumerate(axes.flat):
         if index >= len(panels):
@@ -186,14 +192,22 @@ class Panel:
     ylim: tuple[float | None, float | None] | None = None
 
 
-def series_panels(panels: list[Panel], path: Path, *, title: str, caption: str = "", columns: int = 2,
-                  panel_size: tuple[float, float] = (4.6, 3.4)) -> Path:
+def series_panels(
+    panels: list[Panel],
+    path: Path,
+    *,
+    title: str,
+    caption: str = "",
+    columns: int = 2,
+    panel_size: tuple[float, float] = (4.6, 3.4),
+) -> Path:
     """Panels of line/point/reference series in a grid, with a figure title and a caption under it
     (the metric definitions), as a paper prints a figure. Each panel has its own legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
     width = max(panel_size[0] * columns, 6.4)
@@ -237,11 +251,25 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         style = series.linestyle if series.kind == "line" else "none"
         yerr = None
         if series.low is not None and series.high is not None and not series.band:
-            yerr = [[max(0.0, y - lo) for y, lo in zip(series.y, series.low)],
-                    [max(0.0, hi - y) for y, hi in zip(series.y, series.high)]]
-        drawn = ax.errorbar(series.x, series.y, yerr=yerr, color=color, marker=series.marker, linestyle=style,
-                            linewidth=1.4, markersize=5.5 if len(series.x) <= 12 else 3.5, capsize=2.5,
-                            elinewidth=0.9, label=series.label, clip_on=False, zorder=3)
+            yerr = [
+                [max(0.0, y - lo) for y, lo in zip(series.y, series.low)],
+                [max(0.0, hi - y) for y, hi in zip(series.y, series.high)],
+            ]
+        drawn = ax.errorbar(
+            series.x,
+            series.y,
+            yerr=yerr,
+            color=color,
+            marker=series.marker,
+            linestyle=style,
+            linewidth=1.4,
+            markersize=5.5 if len(series.x) <= 12 else 3.5,
+            capsize=2.5,
+            elinewidth=0.9,
+            label=series.label,
+            clip_on=False,
+            zorder=3,
+        )
         color = drawn.lines[0].get_color()
         if series.band and series.low is not None and series.high is not None:
             ax.fill_between(series.x, series.low, series.high, color=color, alpha=0.15, linewidth=0)
@@ -264,15 +292,29 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     ax.tick_params(labelsize=7.5)
     ax.grid(alpha=0.25, linewidth=0.6)
     if panel.note:
-        ax.text(0.98, 0.97, panel.note, transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
-                bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#bbbbbb", "alpha": 0.9})
+        ax.text(
+            0.98,
+            0.97,
+            panel.note,
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7.5,
+            bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#bbbbbb", "alpha": 0.9},
+        )
     if panel.series:
         ax.legend(fontsize=7, loc="best", framealpha=0.9)
 
 
 # ---------------------------------------------------------------------- CacheBlend system figures
-def stream_figure(curves: list[tuple[str, list[dict[str, Any]]]], path: Path, *, title: str, caption: str = "",
-                  colors: dict[str, str] | None = None) -> Path:
+def stream_figure(
+    curves: list[tuple[str, list[dict[str, Any]]]],
+    path: Path,
+    *,
+    title: str,
+    caption: str = "",
+    colors: dict[str, str] | None = None,
+) -> Path:
     """TTFT under load against achieved throughput (CacheBlend Fig. 14): per run, the p50 (solid) and p90
     (dashed) TTFT at each arrival rate, on a log time axis; ``curves`` are ``(label, rows)`` with rows of
     :func:`kvbench.stream.stream_stats` (``throughput``, ``ttft_p50_s``, ``ttft_p90_s``)."""
@@ -289,10 +331,25 @@ def stream_figure(curves: list[tuple[str, list[dict[str, Any]]]], path: Path, *,
     for label, rows in curves:
         x = [row["throughput"] for row in rows]
         color = (colors or {}).get(label)
-        line = ax.plot(x, [row["ttft_p50_s"] for row in rows], marker="o", markersize=4, linewidth=1.5, color=color,
-                       label=f"{label} p50")[0]
-        ax.plot(x, [row["ttft_p90_s"] for row in rows], marker="^", markersize=4, linewidth=1.1, linestyle="--",
-                color=line.get_color(), label=f"{label} p90")
+        line = ax.plot(
+            x,
+            [row["ttft_p50_s"] for row in rows],
+            marker="o",
+            markersize=4,
+            linewidth=1.5,
+            color=color,
+            label=f"{label} p50",
+        )[0]
+        ax.plot(
+            x,
+            [row["ttft_p90_s"] for row in rows],
+            marker="^",
+            markersize=4,
+            linewidth=1.1,
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{label} p90",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("achieved throughput (requests/s)", fontsize=9)
     ax.set_ylabel("TTFT incl. queueing (s, log scale)", fontsize=9)
@@ -335,15 +392,18 @@ def score_by_query(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> 
     if not modes:
         from kvbench.errors import ConfigError
 
-        raise ConfigError("none of the matching runs asked several questions per context",
-                          "run with task.queries_per_context=N (N > 1) or task.compression=question_agnostic")
+        raise ConfigError(
+            "none of the matching runs asked several questions per context",
+            "run with task.queries_per_context=N (N > 1) or task.compression=question_agnostic",
+        )
     order = [m for m in ("question_aware", "question_agnostic") if m in modes] + sorted(
         set(modes) - {"question_aware", "question_agnostic"}
     )
     labels = sorted({label for lines in modes.values() for label, _ in lines})
     colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
-    fig, axes = plt.subplots(1, len(order), figsize=(4.6 * len(order) + 2.2, 3.6), dpi=120, squeeze=False,
-                             sharey=True, layout="constrained")
+    fig, axes = plt.subplots(
+        1, len(order), figsize=(4.6 * len(order) + 2.2, 3.6), dpi=120, squeeze=False, sharey=True, layout="constrained"
+    )
     for ax, mode in zip(axes[0], order):
         for label, curve in modes[mode]:
             xs = [i + 1 for i in curve]
@@ -391,8 +451,16 @@ def ruler_by_length(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) ->
 
 
 # ---------------------------------------------------------------------- curves (kvbench reproduce)
-def curves_figure(points: Any, path: Path, *, title: str = "", xlabel: str = "", ylabel: str = "",
-                  logx: bool = False, logy: bool = False) -> Path:
+def curves_figure(
+    points: Any,
+    path: Path,
+    *,
+    title: str = "",
+    xlabel: str = "",
+    ylabel: str = "",
+    logx: bool = False,
+    logy: bool = False,
+) -> Path:
     """Lines of ``y`` against ``x``, one per ``series``, one panel per ``split`` (a DataFrame with those
     columns, and optionally ``label`` to annotate each point): recall against budget (ClusterKV Fig. 11),
     latency against context length (PQCache Fig. 11), quality against TTFT (CacheBlend Figs. 12, 16)."""
@@ -402,8 +470,9 @@ def curves_figure(points: Any, path: Path, *, title: str = "", xlabel: str = "",
     import matplotlib.pyplot as plt
 
     splits = list(dict.fromkeys(points["split"]))
-    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits) + 0.6, 3.6), dpi=120, squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        1, len(splits), figsize=(5.2 * len(splits) + 0.6, 3.6), dpi=120, squeeze=False, layout="constrained"
+    )
     for ax, split in zip(axes.flat, splits):
         part = points[points["split"] == split]
         for name in dict.fromkeys(part["series"]):

@@ -31,5 +31,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         if self.recall_rule not in RECALL_RULES:
-            raise ConfigError(f"unknown profile.recall_rule={self.recall_rule!r}",
-                              f"use one of {', '.join(RECALL_RULES)} (attended: the ClusterKV Fig. 11 recall)")
+            raise ConfigError(
+                f"unknown profile.recall_rule={self.recall_rule!r}",
+                f"use one of {', '.join(RECALL_RULES)} (attended: the ClusterKV Fig. 11 recall)",
+            )

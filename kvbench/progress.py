@@ -14,8 +14,15 @@ from typing import Any, TextIO
 
 
 class Progress:
-    def __init__(self, run_dir: Any, *, total: int | None, enabled: bool = True, interval: float = 10.0,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Any,
+        *,
+        total: int | None,
+        enabled: bool = True,
+        interval: float = 10.0,
+        stream: TextIO | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.total = total
         self.stream = stream or sys.stderr
@@ -29,8 +36,14 @@ class Progress:
         if enabled and not self.plain:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=run_dir.path.name, unit="sample", file=self.stream, dynamic_ncols=True,
-                            mininterval=1.0)
+            self.bar = tqdm(
+                total=total,
+                desc=run_dir.path.name,
+                unit="sample",
+                file=self.stream,
+                dynamic_ncols=True,
+                mininterval=1.0,
+            )
 
     @property
     def mean(self) -> float:
@@ -44,8 +57,10 @@ class Progress:
             self.score_sum += float(score)
         of = f"/{self.total}" if self.total is not None else ""
         shown = f"{score:.2f}" if score is not None else "none"
-        self.run_dir.log(f"sample {sample_id}: score {shown} in {seconds:.1f} s ({self.done}{of} this run, "
-                         f"mean score {self.mean:.2f})")
+        self.run_dir.log(
+            f"sample {sample_id}: score {shown} in {seconds:.1f} s ({self.done}{of} this run, "
+            f"mean score {self.mean:.2f})"
+        )
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(mean=f"{self.mean:.1f}")  # the running mean score, not the last sample's
@@ -53,8 +68,12 @@ class Progress:
             clock = time.perf_counter()
             if clock - self.last_line >= self.interval or self.done == self.total:
                 self.last_line = clock
-                print(f"{self.run_dir.path.name}: {self.done}{of} samples, mean score {self.mean:.1f}, "
-                      f"{clock - self.started:.0f} s", file=self.stream, flush=True)
+                print(
+                    f"{self.run_dir.path.name}: {self.done}{of} samples, mean score {self.mean:.1f}, "
+                    f"{clock - self.started:.0f} s",
+                    file=self.stream,
+                    flush=True,
+                )
 
     def close(self) -> None:
         if self.bar is not None:

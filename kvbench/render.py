@@ -58,17 +58,36 @@ from kvbench.errors import ConfigError
 
 KINDS = ("table", "claims", "curve", "figure", "paired", "bench")
 ALIASES = {
-    "model": "config.model.name", "method": "config.method.name", "task": "config.task.name",
-    "token_ratio": "config.budget.token_ratio", "comm_ratio": "config.budget.comm_ratio",
-    "budget_tokens": "config.budget.tokens", "compensate": "config.budget.compensate",
-    "question": "config.task.question_position", "question_position": "config.task.question_position",
-    "budget": "budget.label", "lengths": "config.task.lengths",
+    "model": "config.model.name",
+    "method": "config.method.name",
+    "task": "config.task.name",
+    "token_ratio": "config.budget.token_ratio",
+    "comm_ratio": "config.budget.comm_ratio",
+    "budget_tokens": "config.budget.tokens",
+    "compensate": "config.budget.compensate",
+    "question": "config.task.question_position",
+    "question_position": "config.task.question_position",
+    "budget": "budget.label",
+    "lengths": "config.task.lengths",
 }
 _ITEM_KEYS = {
     "table": {"rows", "cols", "value", "split", "where", "title", "digits", "compare"},  # compare: none = ours only
     "claims": {"rows", "split", "where", "title", "compare", "source"},
-    "curve": {"x", "y", "series", "split", "where", "title", "source", "xlabel", "ylabel", "logx", "logy", "label",
-              "explode"},
+    "curve": {
+        "x",
+        "y",
+        "series",
+        "split",
+        "where",
+        "title",
+        "source",
+        "xlabel",
+        "ylabel",
+        "logx",
+        "logy",
+        "label",
+        "explode",
+    },
     "figure": {"title", "split", "where", "panels"},
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
     "bench": {"columns", "title"},
@@ -80,7 +99,7 @@ def check_render(item: Any) -> None:
     """One render item is ``{kind: {options}}`` with known options (used when experiments load)."""
     if not isinstance(item, dict) or len(item) != 1:
         raise ConfigError("a render item is one mapping {kind: {...}}", f"kinds: {', '.join(KINDS)}")
-    (kind, options), = item.items()
+    ((kind, options),) = item.items()
     if kind not in KINDS:
         raise ConfigError(f"unknown render kind {kind!r}", f"kinds: {', '.join(KINDS)}")
     options = options or {}
@@ -196,11 +215,24 @@ def long_frame(runs: Any) -> Any:
     rows = []
     for _, run in runs.iterrows():
         base = run.to_dict()
-        subsets = {c.removeprefix("per_subset."): base[c] for c in runs.columns
-                   if c.startswith("per_subset.") and not is_missing(base.get(c))}
+        subsets = {
+            c.removeprefix("per_subset."): base[c]
+            for c in runs.columns
+            if c.startswith("per_subset.") and not is_missing(base.get(c))
+        }
         for name, score in subsets.items():
-            rows.append({**{k: v for k, v in base.items() if k.startswith("config.") or k in ("run_id", "run_dir",
-                         "budget.label", "n", "state")}, "dataset": name, "score": score, RUN_LEVEL: False})
+            rows.append(
+                {
+                    **{
+                        k: v
+                        for k, v in base.items()
+                        if k.startswith("config.") or k in ("run_id", "run_dir", "budget.label", "n", "state")
+                    },
+                    "dataset": name,
+                    "score": score,
+                    RUN_LEVEL: False,
+                }
+            )
         rows.append({**base, "dataset": "average" if subsets else None, RUN_LEVEL: True})
     return pd.DataFrame(rows)
 
@@ -262,8 +294,14 @@ def holds(ours: float | None, row: Mapping[str, Any] | None) -> str:
     relation = row.get("relation") or "="
     if not is_missing(row.get("low")):
         low, high = row["low"], row["high"]
-        ok = {"=": low <= ours <= high, "~": low <= ours <= high, "<": ours < high, "<=": ours <= high,
-              ">": ours > low, ">=": ours >= low}[relation]
+        ok = {
+            "=": low <= ours <= high,
+            "~": low <= ours <= high,
+            "<": ours < high,
+            "<=": ours <= high,
+            ">": ours > low,
+            ">=": ours >= low,
+        }[relation]
     else:
         value = row["value"]
         if relation in ("=", "~"):
@@ -295,8 +333,9 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     for paper_key, ours_key in pairs:
         name = f"_join_{paper_key}"
         mapping = {norm(k): norm(v) for k, v in (exp.stand_ins.get(ours_key) or {}).items()}
-        ours_tab[name] = ours_tab[ours_key].map(lambda v, m=mapping: m.get(v, v)) if len(ours_tab) \
-            else pd.Series([], dtype=object)
+        ours_tab[name] = (
+            ours_tab[ours_key].map(lambda v, m=mapping: m.get(v, v)) if len(ours_tab) else pd.Series([], dtype=object)
+        )
         join_cols.append((paper_key, ours_key, name))
     ours_col = column(ours, value) if not ours.empty else None
     ours_tab["ours"] = ours[ours_col].values if ours_col else math.nan
@@ -317,8 +356,18 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     for label, group in ours_groups:
         merged = _merge(group, paper_tab, [n for _, _, n in join_cols], shown)
         title = spec.get("title") or (f"{value}: ours / paper (Δ)" if not paper.empty else f"{value} (ours)")
-        sections.append(_table_section(f"{title}{' — ' + label if label else ''}", merged, rows_keys, cols_keys,
-                                       paper, digits, split_label=label, split=split))
+        sections.append(
+            _table_section(
+                f"{title}{' — ' + label if label else ''}",
+                merged,
+                rows_keys,
+                cols_keys,
+                paper,
+                digits,
+                split_label=label,
+                split=split,
+            )
+        )
     return sections
 
 
@@ -331,8 +380,11 @@ def _merge(ours: Any, paper: Any, join: list[str], shown: list[str]) -> Any:
         merged = merged.assign(**{k: merged[k] for k in shown})
         return merged
     left = ours.copy()
-    right = paper[[*join, "_row", *[k for k in shown if k not in left.columns or k not in join]]].copy() \
-        if len(paper) else pd.DataFrame(columns=[*join, "_row"])
+    right = (
+        paper[[*join, "_row", *[k for k in shown if k not in left.columns or k not in join]]].copy()
+        if len(paper)
+        else pd.DataFrame(columns=[*join, "_row"])
+    )
     right = right.rename(columns={k: f"{k}_paper" for k in shown if k in right.columns})
     merged = left.merge(right, on=join, how="outer")
     for key in shown:
@@ -346,8 +398,16 @@ def _merge(ours: Any, paper: Any, join: list[str], shown: list[str]) -> Any:
     return merged
 
 
-def _table_section(title: str, merged: Any, rows: list[str], cols: list[str], paper: Any, digits: int,
-                   split_label: str, split: list[str]) -> Section:
+def _table_section(
+    title: str,
+    merged: Any,
+    rows: list[str],
+    cols: list[str],
+    paper: Any,
+    digits: int,
+    split_label: str,
+    split: list[str],
+) -> Section:
     import pandas as pd
 
     def cell(r: Any) -> str:
@@ -392,8 +452,10 @@ def _table_section(title: str, merged: Any, rows: list[str], cols: list[str], pa
         merged = merged.drop_duplicates(subset=rows + cols)
     if cols:
         grid = merged.pivot(index=rows, columns=cols, values="cell")
-        grid = grid.reindex(index=_ordered(grid.index, [order[k] for k in rows]),
-                            columns=_ordered(grid.columns, [order[k] for k in cols])).fillna("–")
+        grid = grid.reindex(
+            index=_ordered(grid.index, [order[k] for k in rows]),
+            columns=_ordered(grid.columns, [order[k] for k in cols]),
+        ).fillna("–")
         grid.columns = [" · ".join(c) if isinstance(c, tuple) else str(c) for c in grid.columns]
         grid = grid.reset_index()
     else:
@@ -412,8 +474,11 @@ def _ordered(index: Any, orders: list[list[str]]) -> Any:
         return tuple(order.index(v) if v in order else len(order) for v, order in zip(item, orders))
 
     ordered = sorted(index, key=key)
-    return pd.MultiIndex.from_tuples(ordered, names=index.names) if isinstance(index, pd.MultiIndex) \
+    return (
+        pd.MultiIndex.from_tuples(ordered, names=index.names)
+        if isinstance(index, pd.MultiIndex)
         else pd.Index(ordered, name=index.name)
+    )
 
 
 def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
@@ -447,8 +512,11 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
             return None
         a_map = dict(zip(values(left, over), left[name_l]))
         b_map = dict(zip(values(right, over), right[name_r]))
-        diffs = [float(a_map[k]) - float(b_map[k]) for k in a_map if k in b_map
-                 and not is_missing(a_map[k]) and not is_missing(b_map[k])]
+        diffs = [
+            float(a_map[k]) - float(b_map[k])
+            for k in a_map
+            if k in b_map and not is_missing(a_map[k]) and not is_missing(b_map[k])
+        ]
         result = max(diffs) if diffs else None
     else:
         b = mean(spec.get("b"))
@@ -487,27 +555,45 @@ def render_claims(
                     match = match[match[key].map(norm) == norm(wanted)]
             row = match.iloc[0].to_dict() if len(match) else None
             ours = claim_value(group, claim["ours"]) if not group.empty else None
-            out.append({**({"split": label} if split else {}), **{k: norm(v) for k, v in keys.items()},
-                        "ours": fmt(ours, 3), "paper": paper_text(row, 3) if row else "–",
-                        "unit": (row or {}).get("unit") or "", "holds": holds(ours, row),
-                        "quote": (row or {}).get("quote") or ""})
+            out.append(
+                {
+                    **({"split": label} if split else {}),
+                    **{k: norm(v) for k, v in keys.items()},
+                    "ours": fmt(ours, 3),
+                    "paper": paper_text(row, 3) if row else "–",
+                    "unit": (row or {}).get("unit") or "",
+                    "holds": holds(ours, row),
+                    "quote": (row or {}).get("quote") or "",
+                }
+            )
     table = pd.DataFrame(out)
     if table.empty:
         return [Section(spec.get("title") or "claims", markdown="(no claims)")]
     shown = table.drop(columns=["quote"])
-    return [Section(spec.get("title") or "the paper's stated numbers against ours", markdown=to_markdown(shown),
-                    latex=to_latex(shown), csv=table.to_csv(index=False), frame=shown)]
+    return [
+        Section(
+            spec.get("title") or "the paper's stated numbers against ours",
+            markdown=to_markdown(shown),
+            latex=to_latex(shown),
+            csv=table.to_csv(index=False),
+            frame=shown,
+        )
+    ]
 
 
-def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, bench_rows: Any, out_dir: Path,
-                 stem: str) -> list[Section]:
+def render_curve(
+    exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, bench_rows: Any, out_dir: Path, stem: str
+) -> list[Section]:
     """``curve``: see the module doc."""
     import pandas as pd
 
     source = spec.get("source", "runs")
     keys = [spec["x"], *(spec.get("series") or []), *(spec.get("split") or []), *(spec.get("where") or {})]
-    frame = {"runs": lambda: rows_for(long_frame(runs), keys) if not runs.empty else pd.DataFrame(),
-             "samples": lambda: samples, "bench": lambda: bench_rows}[source]()
+    frame = {
+        "runs": lambda: rows_for(long_frame(runs), keys) if not runs.empty else pd.DataFrame(),
+        "samples": lambda: samples,
+        "bench": lambda: bench_rows,
+    }[source]()
     frame = select(frame, spec.get("where")) if frame is not None and not frame.empty else pd.DataFrame()
     if spec.get("explode") and not frame.empty:
         frame = _explode(frame, spec["y"], spec["x"])
@@ -544,12 +630,24 @@ def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, ben
     path = out_dir / f"{stem}.png"
     from kvbench.plots import curves_figure
 
-    curves_figure(data, path, title=title, xlabel=spec.get("xlabel") or x, ylabel=spec.get("ylabel") or ", ".join(ys),
-                  logx=bool(spec.get("logx")), logy=bool(spec.get("logy")))
+    curves_figure(
+        data,
+        path,
+        title=title,
+        xlabel=spec.get("xlabel") or x,
+        ylabel=spec.get("ylabel") or ", ".join(ys),
+        logx=bool(spec.get("logx")),
+        logy=bool(spec.get("logy")),
+    )
     table = data.assign(y=data["y"].map(lambda v: fmt(v, 3)))
     index = ["split", "series"] if data["split"].nunique() > 1 else ["series"]
-    grid = table.pivot_table(index=index + (["label"] if "label" in data.columns else []), columns="x", values="y",
-                             aggfunc="first", sort=False)
+    grid = table.pivot_table(
+        index=index + (["label"] if "label" in data.columns else []),
+        columns="x",
+        values="y",
+        aggfunc="first",
+        sort=False,
+    )
     if grid.isna().to_numpy().mean() > 0.5:  # a scatter (x not shared between series): the points, one per row
         grid = table.assign(x=table["x"].map(lambda v: fmt(v, 3)))[
             [*index, *(["label"] if "label" in table else []), "x", "y"]
@@ -558,8 +656,16 @@ def render_curve(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any, ben
         grid = grid.reset_index()
         grid.columns = [fmt(c, 3) if isinstance(c, float) else str(c) for c in grid.columns]
         grid = grid.fillna("–")
-    return [Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=data.to_csv(index=False), frame=grid,
-                    figures=[path])]
+    return [
+        Section(
+            title,
+            markdown=to_markdown(grid),
+            latex=to_latex(grid),
+            csv=data.to_csv(index=False),
+            frame=grid,
+            figures=[path],
+        )
+    ]
 
 
 def _explode(frame: Any, y: str, x: str) -> Any:
@@ -661,13 +767,33 @@ def render_bench(spec: Mapping[str, Any], bench_rows: Any, notes: Sequence[str])
         return [Section(spec.get("title") or "benchmark", markdown="(not measured yet)")]
     frame = bench_rows[[c for c in spec.get("columns") or bench_rows.columns if c in bench_rows.columns]]
     shown = frame.map(lambda v: fmt(v, 4))
-    return [Section(spec.get("title") or "benchmark", markdown=to_markdown(shown), latex=to_latex(shown),
-                    csv=frame.to_csv(index=False), frame=shown, note="; ".join(notes) or None)]
+    return [
+        Section(
+            spec.get("title") or "benchmark",
+            markdown=to_markdown(shown),
+            latex=to_latex(shown),
+            csv=frame.to_csv(index=False),
+            frame=shown,
+            note="; ".join(notes) or None,
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- protocol differences
-ASPECTS = ("model", "data", "n", "truncation", "template", "question", "generation", "budget", "precision",
-           "hardware", "metric", "notes")
+ASPECTS = (
+    "model",
+    "data",
+    "n",
+    "truncation",
+    "template",
+    "question",
+    "generation",
+    "budget",
+    "precision",
+    "hardware",
+    "metric",
+    "notes",
+)
 
 
 def protocol_section(
@@ -705,8 +831,11 @@ def protocol_section(
     constant, varying = _split_keys(flats)
     ours = _ours_aspects(runs, constant, varying, bench) if (flats or bench) else {a: "(not run yet)" for a in ASPECTS}
     ours["notes"] = exp.notes or "–"
-    rows = [{"aspect": a, "paper": str(paper.get(a, "–")), "ours": str(ours.get(a, "–")), "why": reasons.get(a, "")}
-            for a in ASPECTS if paper.get(a, "–") != "–" or ours.get(a, "–") not in ("–", "") or reasons.get(a)]
+    rows = [
+        {"aspect": a, "paper": str(paper.get(a, "–")), "ours": str(ours.get(a, "–")), "why": reasons.get(a, "")}
+        for a in ASPECTS
+        if paper.get(a, "–") != "–" or ours.get(a, "–") not in ("–", "") or reasons.get(a)
+    ]
     table = pd.DataFrame(rows)
     markdown = to_markdown(table)
     if varying:
@@ -715,8 +844,13 @@ def protocol_section(
             "\n\nKeys that differ between our runs (`kvbench report --diff` of any two of them):\n\n"
             + to_markdown(sweep)
         )
-    return Section(f"protocol differences (scale {scale})", markdown=markdown, latex=to_latex(table),
-                   csv=table.to_csv(index=False), frame=table)
+    return Section(
+        f"protocol differences (scale {scale})",
+        markdown=markdown,
+        latex=to_latex(table),
+        csv=table.to_csv(index=False),
+        frame=table,
+    )
 
 
 def _split_keys(flats: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[str]]]:
@@ -744,18 +878,26 @@ def _split_keys(flats: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, 
 
 def _ours_aspects(runs: Any, constant: dict[str, Any], varying: dict[str, list[str]], bench: Any) -> dict[str, str]:
     def pick(*words: str, prefix: str = "protocol.") -> str:
-        found = [f"{k.removeprefix(prefix)}: {v}" for k, v in constant.items()
-                 if k.startswith(prefix) and any(w in k.lower() for w in words) and len(v) <= 160]
-        found += [f"{k.removeprefix(prefix)}: {' | '.join(v)}" for k, v in varying.items()
-                  if k.startswith(prefix) and any(w in k.lower() for w in words)]
+        found = [
+            f"{k.removeprefix(prefix)}: {v}"
+            for k, v in constant.items()
+            if k.startswith(prefix) and any(w in k.lower() for w in words) and len(v) <= 160
+        ]
+        found += [
+            f"{k.removeprefix(prefix)}: {' | '.join(v)}"
+            for k, v in varying.items()
+            if k.startswith(prefix) and any(w in k.lower() for w in words)
+        ]
         return "; ".join(found) or "–"
 
     if bench is not None:
         options = bench.get("options", {})
-        return {"model": str(options.get("model") or "the benchmark's default"),
-                "data": f"kvbench bench {bench.get('name')}: synthetic prompts",
-                "generation": str(options.get("new_tokens") or "the benchmark's default"),
-                "hardware": f"{bench.get('device')} ({bench.get('cpus')} CPUs, torch {bench.get('torch')})"}
+        return {
+            "model": str(options.get("model") or "the benchmark's default"),
+            "data": f"kvbench bench {bench.get('name')}: synthetic prompts",
+            "generation": str(options.get("new_tokens") or "the benchmark's default"),
+            "hardware": f"{bench.get('device')} ({bench.get('cpus')} CPUs, torch {bench.get('torch')})",
+        }
     models = " | ".join(dict.fromkeys(values(runs, "model")))
     task_keys = [
         k
@@ -768,16 +910,27 @@ def _ours_aspects(runs: Any, constant: dict[str, Any], varying: dict[str, list[s
         f"{k.removeprefix('config.task.')}: {constant.get(k) or ' | '.join(varying[k])}" for k in task_keys
     )
     ns = [int(n) for n in runs.get("n", []) if not is_missing(n)]
-    n = f"{min(ns)}–{max(ns)} samples per run, {len(ns)} runs" if ns and min(ns) != max(ns) else \
-        f"{ns[0]} samples per run, {len(ns)} runs" if ns else "–"
+    n = (
+        f"{min(ns)}–{max(ns)} samples per run, {len(ns)} runs"
+        if ns and min(ns) != max(ns)
+        else f"{ns[0]} samples per run, {len(ns)} runs"
+        if ns
+        else "–"
+    )
     budgets = " | ".join(dict.fromkeys(values(runs, "budget")))
     envs = _environments(runs)
     return {
-        "model": models, "data": f"{', '.join(dict.fromkeys(values(runs, 'task')))} — {data}", "n": n,
-        "truncation": pick("max_length", "truncat", "overflow"), "template": pick("template", "chat", "prompt"),
+        "model": models,
+        "data": f"{', '.join(dict.fromkeys(values(runs, 'task')))} — {data}",
+        "n": n,
+        "truncation": pick("max_length", "truncat", "overflow"),
+        "template": pick("template", "chat", "prompt"),
         "question": ", ".join(dict.fromkeys(values(runs, "question"))),
-        "generation": pick("max_new_tokens", "stop", "generation"), "budget": budgets,
-        "precision": envs[0], "hardware": envs[1], "metric": pick("scorer", "metric", "extraction"),
+        "generation": pick("max_new_tokens", "stop", "generation"),
+        "budget": budgets,
+        "precision": envs[0],
+        "hardware": envs[1],
+        "metric": pick("scorer", "metric", "extraction"),
     }
 
 
@@ -803,16 +956,36 @@ def to_markdown(frame: Any) -> str:
 
 def to_latex(frame: Any) -> str:
     """A LaTeX tabular of display strings (special characters escaped)."""
-    special = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-               "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "Δ": r"$\Delta$", "≤": r"$\le$",
-               "≥": r"$\ge$", "→": r"$\to$", "–": "--", "·": r"$\cdot$", "±": r"$\pm$"}
+    special = {
+        "\\": r"\textbackslash{}",
+        "&": r"\&",
+        "%": r"\%",
+        "$": r"\$",
+        "#": r"\#",
+        "_": r"\_",
+        "{": r"\{",
+        "}": r"\}",
+        "~": r"\textasciitilde{}",
+        "^": r"\textasciicircum{}",
+        "Δ": r"$\Delta$",
+        "≤": r"$\le$",
+        "≥": r"$\ge$",
+        "→": r"$\to$",
+        "–": "--",
+        "·": r"$\cdot$",
+        "±": r"$\pm$",
+    }
 
     def esc(text: Any) -> str:
         return "".join(special.get(ch, ch) for ch in str(text))
 
     columns = list(frame.columns)
-    lines = [r"\begin{tabular}{" + "l" * len(columns) + "}", r"\toprule", " & ".join(esc(c) for c in columns) + r" \\",
-             r"\midrule"]
+    lines = [
+        r"\begin{tabular}{" + "l" * len(columns) + "}",
+        r"\toprule",
+        " & ".join(esc(c) for c in columns) + r" \\",
+        r"\midrule",
+    ]
     lines += [" & ".join(esc(v) for v in row) + r" \\" for row in frame.itertuples(index=False)]
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines)

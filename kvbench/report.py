@@ -50,8 +50,11 @@ def check_paths(paths: Iterable[str | Path]) -> list[Path]:
     folders = [Path(p) for p in paths]
     for path in folders:
         if not path.exists():
-            raise ConfigError(f"no results folder {path}", "pass the folder that holds your runs (kvbench run writes "
-                                                           "to results/runs unless output_dir= says otherwise)")
+            raise ConfigError(
+                f"no results folder {path}",
+                "pass the folder that holds your runs (kvbench run writes "
+                "to results/runs unless output_dir= says otherwise)",
+            )
     return folders
 
 
@@ -74,8 +77,11 @@ def finished_runs(frame):
     finished = frame["state"] == "finished"
     if (~finished).any():
         left = frame[~finished]
-        print(f"kvbench: note: left out {len(left)} run(s) that are not finished "
-              f"({', '.join(sorted(set(left['status'])))}); `kvbench report` lists them", file=sys.stderr)
+        print(
+            f"kvbench: note: left out {len(left)} run(s) that are not finished "
+            f"({', '.join(sorted(set(left['status'])))}); `kvbench report` lists them",
+            file=sys.stderr,
+        )
     return frame[finished]
 
 
@@ -216,8 +222,9 @@ class FigureRun(tuple[str, list[dict[str, Any]]]):
         return run
 
 
-def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None,
-                      kind: str | None = None) -> Path:
+def comparison_figure(
+    paths: Iterable[str | Path], out: Path, where: dict[str, str] | None = None, kind: str | None = None
+) -> Path:
     """The matching runs (all of one task) in the task's comparison figure: NIAH heatmaps side by side,
     PG19 perplexity curves overlaid, the rag task's CacheBlend figures. Each run is titled by the columns
     that differ between them. ``kind`` picks one of the task's figures (``Task.figure_kinds``; the
@@ -241,12 +248,17 @@ def comparison_figure(paths: Iterable[str | Path], out: Path, where: dict[str, s
         fix = f"use --figure-kind {' or '.join(kinds)}" if kinds else "drop --figure-kind: it has a single figure"
         raise ConfigError(f"task {task.name} has no figure kind {kind!r}", fix)
     if kind is None and len(kinds) > 1:
-        print(f"kvbench: note: drew the {kinds[0]} figure; --figure-kind {'|'.join(kinds[1:])} draws the others",
-              file=sys.stderr)
+        print(
+            f"kvbench: note: drew the {kinds[0]} figure; --figure-kind {'|'.join(kinds[1:])} draws the others",
+            file=sys.stderr,
+        )
     frame = frame.assign(_dense=frame.get("budget", "") != "full cache")  # the uncompressed reference first
     frame = frame.sort_values([c for c in ("model", "question", "_dense", "budget", "method") if c in frame.columns])
-    shown = [c for c in ("model", "method", "budget", "question", "lengths") if c in frame.columns
-             and frame[c].astype(str).nunique() > 1] or ["method"]
+    shown = [
+        c
+        for c in ("model", "method", "budget", "question", "lengths")
+        if c in frame.columns and frame[c].astype(str).nunique() > 1
+    ] or ["method"]
     runs: list[tuple[str, list[dict[str, Any]]]] = []
     for _, row in frame.iterrows():
         # first line: the method (or what else differs); second line: the rest, and the run's score

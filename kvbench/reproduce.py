@@ -171,10 +171,16 @@ def run_bench(
     print(f"kvbench bench {exp.bench} {json.dumps(options)}", flush=True)
     result = discover()[exp.bench](BenchOptions(**values))
     device = str(values.get("device", "auto"))
-    record = {"name": exp.bench, "options": options,
-              "device": device_name("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"),
-              "cpus": os.cpu_count(), "torch": torch.__version__, "title": result.title, "rows": result.rows,
-              "notes": result.notes}
+    record = {
+        "name": exp.bench,
+        "options": options,
+        "device": device_name("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "title": result.title,
+        "rows": result.rows,
+        "notes": result.notes,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
     return record
@@ -204,8 +210,17 @@ def our_runs(run_dirs: Sequence[Path], *, samples: bool = False) -> Any:
 
 
 # ---------------------------------------------------------------------- the report
-def reproduce(ref: str, scale: str = "cpu", extra: Sequence[str] = (), *, run: bool = True, dry_run: bool = False,
-              out: Path | None = None, wait: bool = False, write: bool = True) -> Report:
+def reproduce(
+    ref: str,
+    scale: str = "cpu",
+    extra: Sequence[str] = (),
+    *,
+    run: bool = True,
+    dry_run: bool = False,
+    out: Path | None = None,
+    wait: bool = False,
+    write: bool = True,
+) -> Report:
     """Run what is missing of ``ref`` at ``scale`` (``run``), then render it (see the module doc)."""
     exp = load_experiment(ref)
     load_scale(scale)
@@ -259,8 +274,11 @@ def render(
     out_dir.mkdir(parents=True, exist_ok=True)
     art = get_artifact(exp.compare)
     runs = our_runs(run_dirs)
-    needs_samples = any(kind == "paired" or (spec or {}).get("source") == "samples"
-                        for item in exp.render for kind, spec in item.items())
+    needs_samples = any(
+        kind == "paired" or (spec or {}).get("source") == "samples"
+        for item in exp.render
+        for kind, spec in item.items()
+    )
     samples = our_runs(run_dirs, samples=True) if needs_samples and not runs.empty else None
     bench_rows = pd.DataFrame(bench["rows"]) if bench else None
     header = [f"Paper: {art.caption} ({art.where}); compared with `results/papers/{art.paper}.yaml` `{art.id}`."]
@@ -278,7 +296,7 @@ def render(
         )
     sections = [Section("", markdown="\n\n".join(header))]
     for index, item in enumerate(exp.render):
-        (kind, spec), = item.items()
+        ((kind, spec),) = item.items()
         spec = spec or {}
         stem = f"{exp.name}-{index}"
         if kind == "table":
@@ -297,8 +315,11 @@ def render(
     if not runs.empty:
         from kvbench.report import runs_table
 
-        paths = {Path(p) for _, row in runs.iterrows()
-                 for p in (row["shard_dirs"] if isinstance(row.get("shard_dirs"), list) else [row["run_dir"]])}
+        paths = {
+            Path(p)
+            for _, row in runs.iterrows()
+            for p in (row["shard_dirs"] if isinstance(row.get("shard_dirs"), list) else [row["run_dir"]])
+        }
         sections.append(Section("our runs", markdown=runs_table(sorted(paths))))
     return sections
 

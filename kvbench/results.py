@@ -196,8 +196,10 @@ class RunLock:
             except BlockingIOError:
                 if not wait:
                     os.close(fd)
-                    raise RunLocked(f"{self.run_path} is being written by {self.describe()}",
-                                    "wait for that run to finish, or pass --wait to start when it does") from None
+                    raise RunLocked(
+                        f"{self.run_path} is being written by {self.describe()}",
+                        "wait for that run to finish, or pass --wait to start when it does",
+                    ) from None
                 if not announced:
                     print(f"kvbench: waiting for {self.describe()} to finish", file=sys.stderr, flush=True)
                     announced = True
@@ -276,16 +278,24 @@ class RunDir:
         raw = self.samples_path.read_bytes()
         scan = scan_samples(raw)
         for number, reason in scan.damaged:
-            _warn_once(self.samples_path, scan.size, number,
-                       f"{self.samples_path}:{number}: damaged line skipped ({reason}); the file is left as it is")
+            _warn_once(
+                self.samples_path,
+                scan.size,
+                number,
+                f"{self.samples_path}:{number}: damaged line skipped ({reason}); the file is left as it is",
+            )
         records: list[dict[str, Any]] = []
         seen: dict[str, int] = {}
         for number, record in scan.records:
             key = str(record["id"])
             if key in seen:
-                _warn_once(self.samples_path, scan.size, number,
-                           f"{self.samples_path}:{number}: sample {key} already recorded on line {seen[key]}; "
-                           "counting the first record")
+                _warn_once(
+                    self.samples_path,
+                    scan.size,
+                    number,
+                    f"{self.samples_path}:{number}: sample {key} already recorded on line {seen[key]}; "
+                    "counting the first record",
+                )
                 continue
             seen[key] = number
             records.append(record)
@@ -495,15 +505,25 @@ def load(paths: Iterable[str | Path] | str | Path = "results/runs", *, samples: 
     for run_id, parts in shards.items():
         config = unsharded(parts[0][1]) or {}
         merged = merge_shards([run for run, _ in parts])
-        base = {"run_id": run_id, "run_dir": str(parts[0][0]), "state": merged.state.status,
-                "shard_dirs": [str(run) for run, _ in sorted(parts)]}
+        base = {
+            "run_id": run_id,
+            "run_dir": str(parts[0][0]),
+            "state": merged.state.status,
+            "shard_dirs": [str(run) for run, _ in sorted(parts)],
+        }
         _flatten("config", config, base)
         _rows(base, merged.records, merged.state, merged.metrics, samples, rows)
     return pd.DataFrame(rows)
 
 
-def _rows(base: dict[str, Any], records: list[dict[str, Any]], state: RunState, metrics: dict[str, Any], samples: bool,
-          rows: list[dict[str, Any]]) -> None:
+def _rows(
+    base: dict[str, Any],
+    records: list[dict[str, Any]],
+    state: RunState,
+    metrics: dict[str, Any],
+    samples: bool,
+    rows: list[dict[str, Any]],
+) -> None:
     if samples:
         for record in records:
             row = dict(base)
@@ -558,8 +578,15 @@ def merge_shards(runs: list[Path]) -> Merged:
     known = [t for t in totals if t is not None]
     total = sum(known) if complete and len(known) == len(totals) else None
     statuses = {s.status for s in states}
-    status = ("finished" if complete and statuses == {"finished"} else "running" if "running" in statuses
-              else "failed" if "failed" in statuses else "unfinished")
+    status = (
+        "finished"
+        if complete and statuses == {"finished"}
+        else "running"
+        if "running" in statuses
+        else "failed"
+        if "failed" in statuses
+        else "unfinished"
+    )
     metrics = shard_metrics(unsharded(config) or config, records) if status == "finished" and records else {}
     return Merged(records=records, state=RunState(status, len(records), total), metrics=metrics)
 
@@ -571,8 +598,12 @@ def shard_metrics(config: dict[str, Any], records: list[dict[str, Any]]) -> dict
     from kvbench.runner import summarise
     from kvbench.tasks import create_task
 
-    metrics = summarise(create_task(config["task"]), create_method(config["method"]),
-                        BudgetConfig.from_mapping(config.get("budget")), records)
+    metrics = summarise(
+        create_task(config["task"]),
+        create_method(config["method"]),
+        BudgetConfig.from_mapping(config.get("budget")),
+        records,
+    )
     return json.loads(json.dumps(metrics, default=_jsonable))
 
 

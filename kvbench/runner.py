@@ -31,10 +31,31 @@ from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.profile import Profile
 from kvbench.results import RunDir, run_id_for
 
-TELEMETRY_MEANS = ("ttft_s", "tt2t_s", "tpot_s", "tpot_p50_s", "tpot_p90_s", "prefill_s", "decode_s", "recall",
-                   "kv_bytes_ratio", "kv_bytes_after_prefill", "kv_bytes_full", "bytes_h2d", "bytes_h2d_fetch",
-                   "bytes_h2d_index", "bytes_h2d_cache_fill", "bytes_h2d_index_per_step", "bytes_h2d_kv_per_step",
-                   "select_s", "fetch_s", "compute_s", "prompt_tokens", "new_tokens", "prefill_shared")
+TELEMETRY_MEANS = (
+    "ttft_s",
+    "tt2t_s",
+    "tpot_s",
+    "tpot_p50_s",
+    "tpot_p90_s",
+    "prefill_s",
+    "decode_s",
+    "recall",
+    "kv_bytes_ratio",
+    "kv_bytes_after_prefill",
+    "kv_bytes_full",
+    "bytes_h2d",
+    "bytes_h2d_fetch",
+    "bytes_h2d_index",
+    "bytes_h2d_cache_fill",
+    "bytes_h2d_index_per_step",
+    "bytes_h2d_kv_per_step",
+    "select_s",
+    "fetch_s",
+    "compute_s",
+    "prompt_tokens",
+    "new_tokens",
+    "prefill_shared",
+)
 
 
 @dataclass
@@ -102,9 +123,11 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
             done = run_dir.finished_ids()
             ran = 0
             if known is None or not set(known) <= done:
-                run_dir.log(f"start: pid {os.getpid()} on {socket.gethostname()}"
-                            + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
-                            + (f"; command: {command}" if command else ""))
+                run_dir.log(
+                    f"start: pid {os.getpid()} on {socket.gethostname()}"
+                    + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
+                    + (f"; command: {command}" if command else "")
+                )
                 ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done)
             records = run_dir.records()
             if known is not None:
@@ -125,8 +148,12 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
             run_dir.set_status("interrupted")
             run_dir.log(f"interrupted: {saved} samples saved")
             of = f" of {len(known)}" if known is not None else ""
-            raise Interrupted(f"interrupted: {saved}{of} samples saved in {run_dir.path}", saved=saved,
-                              total=len(known) if known is not None else None, run_dir=run_dir.path) from None
+            raise Interrupted(
+                f"interrupted: {saved}{of} samples saved in {run_dir.path}",
+                saved=saved,
+                total=len(known) if known is not None else None,
+                run_dir=run_dir.path,
+            ) from None
         except BaseException as exc:
             run_dir.set_status("failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             run_dir.log(f"failed: {type(exc).__name__}: {exc}")
@@ -210,8 +237,11 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
     hits = sum(r["telemetry"].get("cache_hits", 0) for r in records)
     lookups = sum(r["telemetry"].get("cache_lookups", 0) for r in records)
     metrics["hit_rate"] = hits / lookups if lookups else None
-    attended = [np.mean([a for a in r["telemetry"].get("attended_per_layer", []) if a is not None])
-                for r in records if any(a is not None for a in r["telemetry"].get("attended_per_layer", []))]
+    attended = [
+        np.mean([a for a in r["telemetry"].get("attended_per_layer", []) if a is not None])
+        for r in records
+        if any(a is not None for a in r["telemetry"].get("attended_per_layer", []))
+    ]
     metrics["attended_tokens"] = float(np.mean(attended)) if attended else None
     metrics["method"] = method.describe()
     metrics["budget"] = {
@@ -234,8 +264,6 @@ def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> l
     values = np.asarray(scores, dtype=float)
     means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
     return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
-
-
 
 
 def device_name(device: str) -> str:
@@ -287,8 +315,12 @@ def _git_sha() -> str | None:
         return None
     if out.returncode != 0:
         return None
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=5).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=5,
+    ).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
@@ -296,9 +328,17 @@ def format_summary(summary: RunSummary) -> str:
     """A short human-readable table of one run's results."""
     m = summary.metrics
     lines = [f"run: {summary.run_dir}  ({summary.ran} new samples, {summary.seconds:.1f} s)"]
-    fields = [("score", m.get("score")), ("n", m.get("n")), ("TTFT s", m.get("ttft_s")), ("TT2T s", m.get("tt2t_s")),
-              ("TPOT s", m.get("tpot_s")), ("recall", m.get("recall")), ("hit rate", m.get("hit_rate")),
-              ("KV kept", m.get("kv_bytes_ratio")), ("attended", m.get("attended_tokens"))]
+    fields = [
+        ("score", m.get("score")),
+        ("n", m.get("n")),
+        ("TTFT s", m.get("ttft_s")),
+        ("TT2T s", m.get("tt2t_s")),
+        ("TPOT s", m.get("tpot_s")),
+        ("recall", m.get("recall")),
+        ("hit rate", m.get("hit_rate")),
+        ("KV kept", m.get("kv_bytes_ratio")),
+        ("attended", m.get("attended_tokens")),
+    ]
     lines.append("  ".join(f"{name}={_fmt(value)}" for name, value in fields if value is not None))
     grid = m.get("grid")
     if grid:

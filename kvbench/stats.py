@@ -42,9 +42,7 @@ class Paired:
     b_only: int | None = None
 
 
-def bootstrap_diff(
-    a: ArrayLike, b: ArrayLike, resamples: int = 2000, seed: int = 0
-) -> tuple[float, float] | None:
+def bootstrap_diff(a: ArrayLike, b: ArrayLike, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
     """95 % percentile bootstrap interval of mean(a - b), resampling pairs; None below two pairs."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     if d.size < 2:
@@ -90,9 +88,14 @@ def paired(a: ArrayLike, b: ArrayLike) -> Paired:
     if n == 0:
         return Paired(0, math.nan, math.nan, math.nan, None, None, None, "none")
     ci = bootstrap_diff(a_arr, b_arr)
-    common: dict[str, Any] = dict(n=n, mean_a=float(a_arr.mean()), mean_b=float(b_arr.mean()),
-                                  diff=float((a_arr - b_arr).mean()), ci_low=ci[0] if ci else None,
-                                  ci_high=ci[1] if ci else None)
+    common: dict[str, Any] = dict(
+        n=n,
+        mean_a=float(a_arr.mean()),
+        mean_b=float(b_arr.mean()),
+        diff=float((a_arr - b_arr).mean()),
+        ci_low=ci[0] if ci else None,
+        ci_high=ci[1] if ci else None,
+    )
     if np.isin(a_arr, BINARY).all() and np.isin(b_arr, BINARY).all():
         a_only = int(np.sum((a_arr == 100) & (b_arr == 0)))
         b_only = int(np.sum((a_arr == 0) & (b_arr == 100)))

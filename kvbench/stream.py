@@ -119,16 +119,18 @@ def stream_stats(
         opened = max(float(r.arrival[warmup]), float(r.finish[warmup - 1]) if warmup else -np.inf)
         span = float(r.finish[-1]) - opened
         served = n - warmup
-        rows.append({
-            "rate": float(rate),
-            "throughput": served / span if span > 0 else float("inf"),
-            "ttft_p50_s": float(np.percentile(r.ttft[kept], 50)),
-            "ttft_p90_s": float(np.percentile(r.ttft[kept], 90)),
-            "wait_p50_s": float(np.percentile(r.wait[kept], 50)),
-            "service_mean_s": float(service[kept].mean()),
-            "utilisation": float(service[kept].sum() / span) if span > 0 else 1.0,
-            "requests": served,
-        })
+        rows.append(
+            {
+                "rate": float(rate),
+                "throughput": served / span if span > 0 else float("inf"),
+                "ttft_p50_s": float(np.percentile(r.ttft[kept], 50)),
+                "ttft_p90_s": float(np.percentile(r.ttft[kept], 90)),
+                "wait_p50_s": float(np.percentile(r.wait[kept], 50)),
+                "service_mean_s": float(service[kept].mean()),
+                "utilisation": float(service[kept].sum() / span) if span > 0 else 1.0,
+                "requests": served,
+            }
+        )
     return rows
 
 

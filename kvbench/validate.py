@@ -68,8 +68,10 @@ def check_prefill_cache(resolved: dict[str, Any]) -> None:
     :mod:`kvbench.engine.prefill_cache`)."""
     value = resolved.get("prefill_cache")
     if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"prefill_cache={value!r} is not true, false or null",
-                          "use prefill_cache=false to give every method its own prefill (null: shared in sweeps)")
+        raise ConfigError(
+            f"prefill_cache={value!r} is not true, false or null",
+            "use prefill_cache=false to give every method its own prefill (null: shared in sweeps)",
+        )
 
 
 def _typed(key: str, value: Any, types: tuple[type, ...], nullable: bool, low: float | None, example: str) -> None:
@@ -213,8 +215,10 @@ def check_model(resolved: dict[str, Any]) -> None:
                     f"model.path={path} holds no config.json", "point model.path at a Hugging Face model folder"
                 )
         elif looks_like_path(str(path)):
-            raise ConfigError(f"model.path={path} is not a folder",
-                              "point model.path at a local model folder, or give a hub id such as org/name")
+            raise ConfigError(
+                f"model.path={path} is not a folder",
+                "point model.path at a local model folder, or give a hub id such as org/name",
+            )
 
 
 def looks_like_path(text: str) -> bool:
@@ -308,9 +312,20 @@ def check_reuse_task(resolved: dict[str, Any]) -> None:
     )
 
 
-CONFIG_CHECKS: list[Check] = [check_store, check_groups, check_prefill_cache, check_budget, check_profile,
-                              check_task_types, check_task, check_reuse_task, check_model, check_lengths,
-                              check_output_dir, check_data]
+CONFIG_CHECKS: list[Check] = [
+    check_store,
+    check_groups,
+    check_prefill_cache,
+    check_budget,
+    check_profile,
+    check_task_types,
+    check_task,
+    check_reuse_task,
+    check_model,
+    check_lengths,
+    check_output_dir,
+    check_data,
+]
 
 
 # ---------------------------------------------------------------------- checks that need the method classes

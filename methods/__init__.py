@@ -45,8 +45,10 @@ def register(cls: type[KVMethod]) -> type[KVMethod]:
     must use the parameters :data:`PARAMS` lists for its name, so the CLI's checks, Hydra's defaults
     and the class agree; classes registered elsewhere (tests, notebooks) keep their own ``Params``."""
     if cls.__module__.startswith(f"{__name__}.") and PARAMS.get(cls.name) is not cls.Params:
-        raise ValueError(f"method {cls.name!r}: declare its parameters in kvbench.methods.params.PARAMS "
-                         f"and set {cls.__name__}.Params to them")
+        raise ValueError(
+            f"method {cls.name!r}: declare its parameters in kvbench.methods.params.PARAMS "
+            f"and set {cls.__name__}.Params to them"
+        )
     return REGISTRY.register(cls)
 
 
@@ -106,5 +108,14 @@ def __getattr__(attr: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-__all__ = ["KVMethod", "Selection", "register", "create_method", "available_methods", "REGISTRY", "PARAMS",
-           "method_node", "validate_method_config"]
+__all__ = [
+    "KVMethod",
+    "Selection",
+    "register",
+    "create_method",
+    "available_methods",
+    "REGISTRY",
+    "PARAMS",
+    "method_node",
+    "validate_method_config",
+]

@@ -167,8 +167,11 @@ class CacheBlend(ReuseMethod):
             n, n_cached, self._store().config.tier
         )
         self.ratios = [choice["ratio"]]
-        report["controller"] = {**choice, "costs": {**asdict(self.costs), "token_layer_s": self.costs.token_layer_s},
-                                "measure_s": self._measure_s}
+        report["controller"] = {
+            **choice,
+            "costs": {**asdict(self.costs), "token_layer_s": self.costs.token_layer_s},
+            "measure_s": self._measure_s,
+        }
         return report
 
     @property
@@ -227,8 +230,19 @@ def measure_costs(ctx: GenerationContext, input_ids: torch.Tensor, store_config:
     spec = ctx.spec
     dtype = next(ctx.model.parameters()).dtype
     element = torch.empty(0, dtype=dtype).element_size()
-    tiers = measure_tiers(store_config, kv_heads=spec.n_kv_heads, tokens=chunk_tokens, head_dim=spec.head_dim,
-                          layers=min(4, spec.n_layers), dtype=dtype, device=spec.device)
-    return Costs(prefill_s=best, tokens=len(ids), n_layers=spec.n_layers,
-                 bytes_per_token_layer=2 * spec.n_kv_heads * spec.head_dim * element,
-                 tier_mbps={tier: row["mbps"] for tier, row in tiers.items()})
+    tiers = measure_tiers(
+        store_config,
+        kv_heads=spec.n_kv_heads,
+        tokens=chunk_tokens,
+        head_dim=spec.head_dim,
+        layers=min(4, spec.n_layers),
+        dtype=dtype,
+        device=spec.device,
+    )
+    return Costs(
+        prefill_s=best,
+        tokens=len(ids),
+        n_layers=spec.n_layers,
+        bytes_per_token_layer=2 * spec.n_kv_heads * spec.head_dim * element,
+        tier_mbps={tier: row["mbps"] for tier, row in tiers.items()},
+    )

@@ -88,8 +88,11 @@ def select_by_clusters(
     rows, clusters = scores.shape
     n = slots.numel()
     rank = torch.empty_like(scores, dtype=torch.long)
-    rank.scatter_(1, torch.argsort(scores, dim=1, descending=True, stable=True),
-                  torch.arange(clusters, device=scores.device).expand(rows, -1))
+    rank.scatter_(
+        1,
+        torch.argsort(scores, dim=1, descending=True, stable=True),
+        torch.arange(clusters, device=scores.device).expand(rows, -1),
+    )
     token_rank = torch.gather(rank, 1, labels)  # [rows, n]
     key = token_rank * n + torch.arange(n, device=scores.device)  # cluster order first, then position
     take = torch.topk(key, budget, dim=1, largest=False, sorted=False).indices

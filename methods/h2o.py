@@ -89,8 +89,11 @@ class H2O(EvictionMethod):
     def _received(self) -> QueryStatistic:
         """The attention every prompt token received from the prompt's queries ``[q_heads, s]``."""
         spec = self.ctx.spec
-        return QueryStatistic(accumulated_attention, (spec.head_dim**-0.5,),
-                              (("chunk", self.chunk or None), ("max_elements", self.chunk_elements)))
+        return QueryStatistic(
+            accumulated_attention,
+            (spec.head_dim**-0.5,),
+            (("chunk", self.chunk or None), ("max_elements", self.chunk_elements)),
+        )
 
     def on_prefill(
         self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV

@@ -47,8 +47,9 @@ class SinkParams(Params):
 class MethodParams(SinkParams):
     """What a compressing method's budget split needs (``KVMethod.Params``)."""
 
-    local_fraction: float = param(0.5, "share of the budget that is the recent window (budget.local overrides)",
-                                  min=0, max=1)
+    local_fraction: float = param(
+        0.5, "share of the budget that is the recent window (budget.local overrides)", min=0, max=1
+    )
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ class RetrievalParams(MethodParams):
     dense_layers: tuple[int, ...] = param((), "layers that attend every token", min=0)
     cache_tokens: int = param(0, "device block cache in tokens (0: none; only with offload)", min=0)
     cache_block: int = param(128, "tokens per cache block", min=1)
-    cache_blocks: int | None = param(None, "blocks admitted per step, the most selected (null: the whole cache)",
-                                     min=0)
+    cache_blocks: int | None = param(None, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
     cache_policy: Literal["lfu", "lru"] = param("lfu", "block-cache replacement rule")
 
 
@@ -77,8 +77,7 @@ class H2OParams(MethodParams):
     local_fraction: float = param(0.5, "recent = heavy hitters = half the budget", min=0, max=1)
     gqa: GqaReduction = param("sum", "accumulated scores over a KV head's query heads: sum (authors) | mean | max")
     chunk: int = param(0, "prefill query rows per chunk of the accumulated-attention pass (0: automatic)", min=0)
-    chunk_elements: int = param(1 << 23, "automatic chunks: attention entries at once (2**23: 32 MiB in fp32)",
-                                min=1)
+    chunk_elements: int = param(1 << 23, "automatic chunks: attention entries at once (2**23: 32 MiB in fp32)", min=1)
     swap_remove: bool = param(True, "decode eviction in O(1) per step (false: order-keeping remove, copies)")
 
 
@@ -93,14 +92,18 @@ class SnapKVParams(SinkParams):
         "max", "vote pooling (the authors' LongBench configs: max; code default avg)"
     )
     granularity: HeadSelection = param(
-        "query_head", "query_head: every query head keeps its own tokens, K/V stored per query head (the authors' "
-        "code) | kv_head: one set per KV head from votes reduced by method.gqa")
+        "query_head",
+        "query_head: every query head keeps its own tokens, K/V stored per query head (the authors' "
+        "code) | kv_head: one set per KV head from votes reduced by method.gqa",
+    )
     gqa: GqaReduction = param("sum", "granularity=kv_head: votes over a KV head's query heads: sum | mean | max")
 
     def validate(self) -> None:
         if self.kernel > 1 and self.kernel % 2 == 0:
-            raise ConfigError(f"the pooling kernel must be odd, got method.kernel={self.kernel}",
-                              f"use method.kernel={self.kernel + 1} or {self.kernel - 1}")
+            raise ConfigError(
+                f"the pooling kernel must be odd, got method.kernel={self.kernel}",
+                f"use method.kernel={self.kernel + 1} or {self.kernel - 1}",
+            )
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ class PyramidKVParams(SnapKVParams):
     pooling: Literal["avg", "max"] = param("max", "vote pooling (KVCache-Factory: max)")
     beta: float = param(20.0, "pyramid steepness: the top layer keeps C/beta, the bottom 2C - C/beta")
     rounding: Literal["exact", "authors"] = param(
-        "exact", "exact: layers sum to L x C | authors: floored step (up to (L-2)/2 more per layer)")
+        "exact", "exact: layers sum to L x C | authors: floored step (up to (L-2)/2 more per layer)"
+    )
     short_prompt_uniform: bool = param(True, "prompts shorter than 2C keep the uniform budget (authors' code)")
 
     def validate(self) -> None:
@@ -130,30 +134,27 @@ class OracleParams(RetrievalParams):
 @dataclass(frozen=True)
 class SparQParams(RetrievalParams):
     r: int | None = param(None, "query components fetched; null: round(budget.comm_ratio * head_dim), >= 1", min=1)
-    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
-                                     min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
 
 
 @dataclass(frozen=True)
 class InfLLMParams(RetrievalParams):
     sink: int = param(32, "n_init: initial tokens always attended, outside the budget", min=0)
     block_size: int = param(128, "tokens per memory block", min=1)
-    reps: int | None = param(None, "representatives per block; null: round(budget.comm_ratio * block_size), >= 1",
-                             min=1)
+    reps: int | None = param(
+        None, "representatives per block; null: round(budget.comm_ratio * block_size), >= 1", min=1
+    )
     cache_tokens: int = param(4096, "device block cache in tokens: 32 blocks (PQCache's setting)", min=0)
-    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
-                                     min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
     cache_policy: Literal["lfu", "lru"] = param("lru", "block-cache replacement rule (InfLLM: LRU)")
 
 
 @dataclass(frozen=True)
 class QuestParams(RetrievalParams):
-    sink: int = param(0, "Quest keeps no sinks; 16 is ClusterKV's own setting (method.sink=16 to align with it)",
-                      min=0)
+    sink: int = param(0, "Quest keeps no sinks; 16 is ClusterKV's own setting (method.sink=16 to align with it)", min=0)
     local_fraction: float = param(0.0, "no window inside the budget: pages compete for all of it", min=0, max=1)
     dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (Quest/ClusterKV: 0-1)", min=0)
-    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)",
-                                     min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
     page_size: int = param(16, "tokens per page", min=1)
     min_pages: int = param(3, "pages attended at least: max(min_pages, budget // page_size) (Quest's code: 3)", min=1)
     gqa: HeadGranularity = param("per_query_head", "each query head ranks pages | shared: one ranking per KV head")
@@ -172,34 +173,51 @@ class PQCacheParams(RetrievalParams):
     local_fraction: float = param(0.5, "local = top-k = half the budget", min=0, max=1)
     cache_tokens: int = param(4096, "device block cache in tokens (the authors' 4096)", min=0)
     cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (the authors' 32)", min=0)
-    m: int | None = param(None, "PQ sub-spaces; null (with b): from budget.comm_ratio (2x6 at 1/128, 4x8 at 1/64)",
-                          min=1)
+    m: int | None = param(
+        None, "PQ sub-spaces; null (with b): from budget.comm_ratio (2x6 at 1/128, 4x8 at 1/64)", min=1
+    )
     b: int | None = param(None, "bits per code: 2**b centroids per sub-space; set with m", min=1, max=16)
     protocol: Literal["pqcache", "pqcache_niah"] = param(
-        "pqcache", "the authors' script whose k-means schedule kmeans_iters=null takes: pqcache (their quality "
-        "scripts, run_llama.sh/run_mistral.sh: adaptive) | pqcache_niah (their test_nah.py: 10 iterations)")
+        "pqcache",
+        "the authors' script whose k-means schedule kmeans_iters=null takes: pqcache (their quality "
+        "scripts, run_llama.sh/run_mistral.sh: adaptive) | pqcache_niah (their test_nah.py: 10 iterations)",
+    )
     kmeans_iters: int | Literal["adaptive"] | None = param(
-        None, "k-means iteration cap, or adaptive (the paper's cost model, fitted per machine on the k-means it "
-        "governs); null: the protocol's (pqcache: adaptive, pqcache_niah: 10)", min=0)
+        None,
+        "k-means iteration cap, or adaptive (the paper's cost model, fitted per machine on the k-means it "
+        "governs); null: the protocol's (pqcache: adaptive, pqcache_niah: 10)",
+        min=0,
+    )
     kmeans_rules: Literal["sklearn", "fixed"] = param(
-        "sklearn", "sklearn (the authors' scikit-learn KMeans): stop at tol 1e-4 or unchanged labels, an empty "
-        "cluster takes the farthest point | fixed: exactly kmeans_iters updates, an empty cluster keeps its centroid")
+        "sklearn",
+        "sklearn (the authors' scikit-learn KMeans): stop at tol 1e-4 or unchanged labels, an empty "
+        "cluster takes the farthest point | fixed: exactly kmeans_iters updates, an empty cluster keeps its centroid",
+    )
     kmeans_device: Literal["cpu", "model"] = param(
-        "cpu", "cpu: host copies of the keys, clustered by CPU workers (the paper's Alg. 1) | model: batched "
-        "k-means on the model's device (on a GPU, on its own stream)")
+        "cpu",
+        "cpu: host copies of the keys, clustered by CPU workers (the paper's Alg. 1) | model: batched "
+        "k-means on the model's device (on a GPU, on its own stream)",
+    )
     metric: Literal["l2", "ip", "cosine"] = param("l2", "k-means metric: l2 (authors' default) | ip | cosine")
     init: KMeansInit = param("random", "random points shared by all groups (authors') | kmeans++")
     gqa: GqaRule = param("softmax_sum", "group rule on approximate scores: softmax_sum (authors') | logit_sum | max")
     seed: int = param(4321, "k-means initialisation seed (the authors')")
     overlap: bool = param(True, "cluster on the workers while later layers compute (false: inside the prefill)")
-    workers: int = param(1, "k-means worker threads of this method instance; a layer's KV heads x sub-spaces "
-                         "are split among them (the authors run h_kv*m processes)", min=1)
+    workers: int = param(
+        1,
+        "k-means worker threads of this method instance; a layer's KV heads x sub-spaces "
+        "are split among them (the authors run h_kv*m processes)",
+        min=1,
+    )
 
     def validate(self) -> None:
         if (self.m is None) != (self.b is None):
             given, missing = ("m", "b") if self.m is not None else ("b", "m")
-            raise ConfigError(f"method.{given}={getattr(self, given)} without method.{missing} (alone, it would be "
-                              "replaced by the comm_ratio default)", "set both, e.g. method.m=2 method.b=6, or neither")
+            raise ConfigError(
+                f"method.{given}={getattr(self, given)} without method.{missing} (alone, it would be "
+                "replaced by the comm_ratio default)",
+                "set both, e.g. method.m=2 method.b=6, or neither",
+            )
 
 
 @dataclass(frozen=True)
@@ -207,8 +225,9 @@ class ClusterKVParams(RetrievalParams):
     sink: int = param(16, "always attended, never clustered, outside the budget", min=0)
     local_fraction: float = param(0.0, "no window: unclustered recent tokens are attended on top", min=0, max=1)
     dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (ClusterKV: 0-1)", min=0)
-    clusters: int | None = param(None, "prefill clusters; null: round((L - sink) / 80) (paper); authors' code: 400",
-                                 min=1)
+    clusters: int | None = param(
+        None, "prefill clusters; null: round((L - sink) / 80) (paper); authors' code: 400", min=1
+    )
     kmeans_iters: int = param(20, "k-means iteration cap", min=0)
     until_stable: bool = param(True, "stop once no label changes (paper: until convergence)")
     metric: Literal["cosine", "l2", "ip"] = param("cosine", "k-means metric: cosine (paper) | l2 | ip")
@@ -227,7 +246,8 @@ class ReuseParams(Params):
 
     chunk_bos: bool = param(True, "precompute each chunk after the tokenizer's BOS (CacheBlend's code), else alone")
     mask: Literal["exact", "code"] = param(
-        "exact", "causal mask of recomputed rows: exact (by position) | code (the released bottom-right-aligned mask)")
+        "exact", "causal mask of recomputed rows: exact (by position) | code (the released bottom-right-aligned mask)"
+    )
 
 
 @dataclass(frozen=True)
@@ -238,21 +258,31 @@ class FullReuseParams(ReuseParams):
 @dataclass(frozen=True)
 class PrefixCacheParams(ReuseParams):
     warm: Literal["first_chunk", "prefix", "none"] = param(
-        "first_chunk", "what earlier requests left cached: prefix + first chunk | the prefix | nothing")
+        "first_chunk", "what earlier requests left cached: prefix + first chunk | the prefix | nothing"
+    )
     store_prompts: bool = param(False, "store each prompt up to its last chunk after the request (request streams)")
 
 
 @dataclass(frozen=True)
 class CacheBlendParams(ReuseParams):
-    recompute_ratio: float = param(0.15, "r: share of the non-query tokens recomputed after the check layer "
-                                   "(paper 0.15; code 0.16 musique, 0.18 wikimqa)", min=0, max=1)
+    recompute_ratio: float = param(
+        0.15,
+        "r: share of the non-query tokens recomputed after the check layer "
+        "(paper 0.15; code 0.16 musique, 0.18 wikimqa)",
+        min=0,
+        max=1,
+    )
     check_layer: int = param(1, "first check layer (layer 0's KV cannot deviate)", min=0)
     filter_ratios: tuple[float, ...] = param(
-        (), "gradual filtering: one ratio per check layer from check_layer on, non-increasing; () = (recompute_ratio,)",
-        min=0, max=1)
+        (),
+        "gradual filtering: one ratio per check layer from check_layer on, non-increasing; () = (recompute_ratio,)",
+        min=0,
+        max=1,
+    )
     selection: Literal["hkvd", "random"] = param("hkvd", "hkvd: largest V deviation | random (Fig. 6 ablation)")
     suffix: Literal["query", "last_token"] = param(
-        "query", "rows always recomputed: the whole query | the last token (the released QA scripts)")
+        "query", "rows always recomputed: the whole query | the last token (the released QA scripts)"
+    )
     seed: int = param(0, "random selection seed")
     controller: bool = param(
         False,
@@ -267,8 +297,10 @@ class CacheBlendParams(ReuseParams):
                 f"method.filter_ratios={ratios} must not increase", "e.g. method.filter_ratios=[0.3,0.2,0.15]"
             )
         if self.controller and ratios:
-            raise ConfigError("method.controller picks one recompute ratio, so it cannot follow method.filter_ratios",
-                              "drop method.filter_ratios, or set method.controller=false")
+            raise ConfigError(
+                "method.controller picks one recompute ratio, so it cannot follow method.filter_ratios",
+                "drop method.filter_ratios, or set method.controller=false",
+            )
 
 
 #: ``method=<name>`` → its parameters. ``full`` has none: it attends everything, so a sink or a

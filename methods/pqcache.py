@@ -113,8 +113,14 @@ class CodeBuffer:
         """Write ``fresh`` ``[kv_heads, k, m]`` after the current codes; returns :attr:`codes`."""
         end = self.n + fresh.shape[1]
         if end > self.data.shape[1]:
-            grown = torch.empty(self.data.shape[0], max(end, 2 * self.data.shape[1]), self.data.shape[2],
-                                dtype=self.data.dtype, device=self.data.device, pin_memory=self.pin)
+            grown = torch.empty(
+                self.data.shape[0],
+                max(end, 2 * self.data.shape[1]),
+                self.data.shape[2],
+                dtype=self.data.dtype,
+                device=self.data.device,
+                pin_memory=self.pin,
+            )
             grown[:, : self.n] = self.codes
             self.data = grown
         self.data[:, self.n : end] = fresh
@@ -190,8 +196,12 @@ class PQCache(RetrievalMethod):
 
     def kmeans_backend(self) -> dict[str, Any]:
         """Where the k-means runs (what a cost model is fitted on, and recorded with it)."""
-        return {"device": str(self.pool.device), "workers": self.pool.workers,
-                "threads": torch.get_num_threads(), "metric": self.params.metric}
+        return {
+            "device": str(self.pool.device),
+            "workers": self.pool.workers,
+            "threads": torch.get_num_threads(),
+            "metric": self.params.metric,
+        }
 
     def _time_layer_kmeans(self, tokens: int, iters: int) -> float:
         """Seconds of one layer's PQ construction at ``tokens`` tokens and exactly ``iters`` updates, on
@@ -203,8 +213,16 @@ class PQCache(RetrievalMethod):
         if keys.is_cuda:  # the copy ran on the current stream; the workers' stream must not overtake it
             torch.cuda.synchronize(keys.device)
         start = time.perf_counter()
-        self.pool.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
-                            init=self.params.init, options={}).result()
+        self.pool.submit(
+            keys,
+            self.m,
+            self.b,
+            iters=iters,
+            metric=self.params.metric,
+            seed=self.params.seed,
+            init=self.params.init,
+            options={},
+        ).result()
         return time.perf_counter() - start
 
     def cache_offset(self, ctx: Any) -> int:
@@ -258,9 +276,18 @@ class PQCache(RetrievalMethod):
             return
         keys, ready = self._kmeans_keys(key, kv)
         iters = self.kmeans_iterations(keys.shape[1])
-        job = self.pool.submit(keys, self.m, self.b, iters=iters, metric=self.params.metric, seed=self.params.seed,
-                                  init=self.params.init, options=self.kmeans_options, ready=ready,
-                                  inline=not self.params.overlap)
+        job = self.pool.submit(
+            keys,
+            self.m,
+            self.b,
+            iters=iters,
+            metric=self.params.metric,
+            seed=self.params.seed,
+            init=self.params.init,
+            options=self.kmeans_options,
+            ready=ready,
+            inline=not self.params.overlap,
+        )
         state = _Layer(job)
         state.coded_end = kv.n
         state.iterations = iters

@@ -118,4 +118,3 @@ def iterations_for(fitted: dict[str, Any], tokens: int) -> int:
     base3 = float(np.polyval(fitted["base3_coefficients"], tokens))
     per_iter = max(float(np.polyval(fitted["per_iter_coefficients"], tokens)), 1e-9)
     return int(min(max((layer - base3) / per_iter + 3, CLIP[0]), CLIP[1]))
-

@@ -180,8 +180,12 @@ class ReuseMethod(KVMethod):
         spent = time.perf_counter() - started
         store.precompute_s += spent
         store.precomputed += computed
-        report = {"precompute_s": spent, "precomputed_chunks": computed, "promoted_chunks": promoted,
-                  "chunk_mode": "bos" if self._bos(ctx) is not None else "alone"}
+        report = {
+            "precompute_s": spent,
+            "precomputed_chunks": computed,
+            "promoted_chunks": promoted,
+            "chunk_mode": "bos" if self._bos(ctx) is not None else "alone",
+        }
         self._reference = None
         if ctx.profile.deviation:
             from kvbench.engine.generate import prefill_kv
@@ -327,8 +331,14 @@ class ReusePrefill(PrefillPlan):
         self.segments = segments
         self.spans = method.cached_segments(ctx, segments)
         store = method._store()
-        self.timing = {"load_s": 0.0, "load_wait_s": 0.0, "rerotate_s": 0.0, "write_s": 0.0, "select_s": 0.0,
-                       "recompute_s": 0.0}
+        self.timing = {
+            "load_s": 0.0,
+            "load_wait_s": 0.0,
+            "rerotate_s": 0.0,
+            "write_s": 0.0,
+            "select_s": 0.0,
+            "recompute_s": 0.0,
+        }
         started = time.perf_counter()
         for span in self.spans:
             span.reader = store.open(span.key)
@@ -341,8 +351,9 @@ class ReusePrefill(PrefillPlan):
         for span in self.spans:
             cached[span.begin : span.end] = True
         self.cached_mask = cached
-        self.cached_slots = torch.cat([torch.arange(span.begin, span.end) for span in self.spans]
-                                      or [torch.zeros(0, dtype=torch.long)])
+        self.cached_slots = torch.cat(
+            [torch.arange(span.begin, span.end) for span in self.spans] or [torch.zeros(0, dtype=torch.long)]
+        )
         self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
         self.uncached = torch.nonzero(~cached).flatten()
         spans = segment_spans(segments)
@@ -368,8 +379,9 @@ class ReusePrefill(PrefillPlan):
         self.cache_layers = (
             [layer for layer in method.cache_layers(self) if 0 <= layer < n_layers] if self.spans else []
         )
-        self.loader = LayerLoader(self.spans, torch.device(ctx.spec.device), n_layers,
-                                  pipelined=bool(store.config.pipeline))
+        self.loader = LayerLoader(
+            self.spans, torch.device(ctx.spec.device), n_layers, pipelined=bool(store.config.pipeline)
+        )
         if self.cache_layers:
             self.loader.prefetch(self.cache_layers[0])
 
@@ -513,7 +525,7 @@ class ReusePrefill(PrefillPlan):
         cached = torch.nonzero(self.cached_mask).flatten()
         curves, means, top15, per_layer = [], [], [], []
         blended, attention_dev = [], []
-        scale = self.ctx.spec.head_dim ** -0.5
+        scale = self.ctx.spec.head_dim**-0.5
         positions = torch.arange(self.n)
         query_positions = positions[self.query_mask]
         for layer in range(len(keys_f)):
@@ -539,8 +551,14 @@ class ReusePrefill(PrefillPlan):
             top15.append(float(ordered[-k:].sum()) / total if total > 0 else 0.0)
             kv = self.ctx.store[layer]
             blend_k, blend_v = kv.keys[:, : self.n].float(), kv.values[:, : self.n].float()
-            blended.append(float(((blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
-                                  + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))).mean()))
+            blended.append(
+                float(
+                    (
+                        (blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
+                        + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))
+                    ).mean()
+                )
+            )
             q_b, q_f = self._queries.get(layer), queries_f[layer]
             if q_b is not None and q_b.shape[1]:
                 a_b = _attention(q_b.float(), blend_k, query_positions, positions, scale)

@@ -19,8 +19,17 @@ from kvbench.methods.base import Selection
 from kvbench.methods.primitives.pq import GQA_RULES, group_scores
 from kvbench.methods.primitives.pq import topk_ascending as topk_sorted
 
-__all__ = ["GQA_RULES", "Layout", "layout", "compose", "aggregate", "topk_sorted", "group_logits", "exact_topk",
-           "attended_recall"]
+__all__ = [
+    "GQA_RULES",
+    "Layout",
+    "layout",
+    "compose",
+    "aggregate",
+    "topk_sorted",
+    "group_logits",
+    "exact_topk",
+    "attended_recall",
+]
 
 
 @dataclass(frozen=True)
@@ -103,8 +112,9 @@ def exact_topk(
     return cand[topk_sorted(scores, k)]
 
 
-def attended_recall(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                    prompt: int, b: int) -> torch.Tensor:
+def attended_recall(
+    query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, prompt: int, b: int
+) -> torch.Tensor:
     """Recall of the exact top-``b`` prompt tokens per query head: ``[H]`` fractions in ``[0, 1]``.
 
     The ClusterKV paper's Fig. 11 quantity (``|I_T ∩ I_T^true| / B``; its code's ``stat_topk``):

@@ -73,4 +73,3 @@ class SparQ(RetrievalMethod):
             return {}
         r = self.rank()
         return {"r": r, "comm_ratio_used": r / self.ctx.spec.head_dim}
-

@@ -9,9 +9,22 @@ from kvbench.registry import Registry
 from kvbench.tasks.base import Sample, SampleResult, Task
 
 REGISTRY: Registry[Task] = Registry(
-    "task", __name__,
-    exclude={"base", "metrics", "metrics_infinitebench", "scoring", "sources", "longbench_protocol",
-             "infinitebench_protocol", "rag_figures", "rag_metrics", "rag_retrieval", "ruler_data", "ruler_protocol"},
+    "task",
+    __name__,
+    exclude={
+        "base",
+        "metrics",
+        "metrics_infinitebench",
+        "scoring",
+        "sources",
+        "longbench_protocol",
+        "infinitebench_protocol",
+        "rag_figures",
+        "rag_metrics",
+        "rag_retrieval",
+        "ruler_data",
+        "ruler_protocol",
+    },
 )
 register = REGISTRY.register
 

@@ -165,8 +165,10 @@ class Task:
                 f"task.queries_per_context={n!r} must be a positive integer", "e.g. task.queries_per_context=4"
             )
         if compression not in COMPRESSIONS:
-            raise ConfigError(f"task.compression={compression!r} is not one of {', '.join(COMPRESSIONS)}",
-                              "use task.compression=question_aware or task.compression=question_agnostic")
+            raise ConfigError(
+                f"task.compression={compression!r} is not one of {', '.join(COMPRESSIONS)}",
+                "use task.compression=question_aware or task.compression=question_agnostic",
+            )
         if not isinstance(keep, bool):
             raise ConfigError(
                 f"task.keep_answers={keep!r} must be true or false", "use task.keep_answers=true or false"
@@ -178,7 +180,8 @@ class Task:
         question-agnostic layout or kept answers), rather than as one prompt."""
         cfg = self.cfg
         return "queries_per_context" in cfg and (
-            int(cfg["queries_per_context"]) > 1 or cfg["compression"] != "question_aware" or bool(cfg["keep_answers"]))
+            int(cfg["queries_per_context"]) > 1 or cfg["compression"] != "question_aware" or bool(cfg["keep_answers"])
+        )
 
     def multi_query_protocol(self) -> dict[str, Any]:
         """The multi-query choices, for :meth:`protocol` (nothing when the task runs one prompt per sample)."""
@@ -270,8 +273,10 @@ class Task:
         stop_ids = tuple(model.tokenizer.encode(s, add_special_tokens=False)[-1] for s in sample.stop_tokens)
         if self.multi_query:
             if sample.queries is None or sample.context is None:
-                raise ConfigError(f"task {self.name} sample {sample.id} has no separate questions to ask",
-                                  "drop task.queries_per_context / task.compression / task.keep_answers")
+                raise ConfigError(
+                    f"task {self.name} sample {sample.id} has no separate questions to ask",
+                    "drop task.queries_per_context / task.compression / task.keep_answers",
+                )
             asked = sample.queries[: int(self.cfg["queries_per_context"])]
 
             def query(q: SampleQuery) -> Query:
@@ -332,8 +337,12 @@ class Task:
                 reference=[q["reference"] for q in queries],
                 score=float(np.mean([q["score"] for q in queries])),
                 subset=sample.subset,
-                meta={**sample.meta, "compression": self.cfg["compression"], "keep_answers": self.cfg["keep_answers"],
-                      "queries": len(queries)},
+                meta={
+                    **sample.meta,
+                    "compression": self.cfg["compression"],
+                    "keep_answers": self.cfg["keep_answers"],
+                    "queries": len(queries),
+                },
                 telemetry=out.telemetry,
                 budget=out.budget,
                 queries=queries,
@@ -369,8 +378,13 @@ class Task:
             score = round(float(np.mean(list(subset_means.values()))), 2)
         else:
             score = round(float(np.mean([r["score"] for r in scored])), 2) if scored else None
-        return {"score": score, "n": len(records), "scored": len(scored), "per_subset": subset_means,
-                **multi_query_metrics(records)}
+        return {
+            "score": score,
+            "n": len(records),
+            "scored": len(scored),
+            "per_subset": subset_means,
+            **multi_query_metrics(records),
+        }
 
     def artifacts(self, records: list[dict[str, Any]], run_dir: Path, title: str) -> list[Path]:
         """Files (plots) the task writes next to the results; none by default."""
@@ -420,13 +434,19 @@ def followup_frame(chat: Any) -> tuple[str, str]:
     without its stop token, since ``before`` closes the turn."""
     answer, question = "\u0000KVBENCH_ANSWER\u0000", "\u0000KVBENCH_QUESTION\u0000"
     messages = [{"role": "system", "content": chat.system_prompt}] if chat.system_prompt else []
-    messages += [{"role": "user", "content": "context"}, {"role": "assistant", "content": answer},
-                 {"role": "user", "content": question}]
-    text = chat.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                              chat_template=chat.template)
+    messages += [
+        {"role": "user", "content": "context"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": question},
+    ]
+    text = chat.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, chat_template=chat.template
+    )
     if answer not in text or question not in text:
-        raise ConfigError("this model's chat template does not render a two-turn conversation",
-                          "set model.chat_template to a template with multi-turn support")
+        raise ConfigError(
+            "this model's chat template does not render a two-turn conversation",
+            "set model.chat_template to a template with multi-turn support",
+        )
     before, after = text.split(answer, 1)[1].split(question, 1)
     return before, after
 
@@ -447,6 +467,7 @@ def parse_shard(value: Any) -> tuple[int, int] | None:
     except ValueError:
         i, n = -1, 0
     if not sep or n < 1 or not 0 <= i < n:
-        raise ConfigError(f"task.shard={text} is not i/n with 0 <= i < n",
-                          "e.g. task.shard=0/2 and task.shard=1/2 for two workers")
+        raise ConfigError(
+            f"task.shard={text} is not i/n with 0 <= i < n", "e.g. task.shard=0/2 and task.shard=1/2 for two workers"
+        )
     return (i, n) if n > 1 else None

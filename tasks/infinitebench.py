@@ -69,8 +69,10 @@ from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 NEEDLES = {
     "passkey": ("The pass key is {key}. Remember it. {key} is the pass key.\n", "What is the pass key?"),
-    "number_string": ("The sequence of digits is {key}. Remember it. {key} is the sequence of digits.\n",
-                      "What is the sequence of digits?"),
+    "number_string": (
+        "The sequence of digits is {key}. Remember it. {key} is the sequence of digits.\n",
+        "What is the sequence of digits?",
+    ),
 }
 FIND_TARGETS = ("largest", "smallest", "median")
 WHERE = "xinrongzhang2022/InfiniteBench on the hub (one <task>.jsonl per task)"
@@ -81,7 +83,7 @@ def truncate_middle(ids: list[int], max_length: int) -> list[int]:
     """InfiniteBench's ``truncate_input(..., manner="middle")`` on token ids."""
     if len(ids) <= max_length:
         return ids
-    return ids[: max_length // 2] + ids[-max_length // 2:]
+    return ids[: max_length // 2] + ids[-max_length // 2 :]
 
 
 def truncate_suffix(tokenizer: Any, ids: list[int], limit: int, special_tokens: bool) -> list[int]:
@@ -89,7 +91,7 @@ def truncate_suffix(tokenizer: Any, ids: list[int], limit: int, special_tokens: 
     the last ``limit - 128``, decode them (special tokens kept as text) and tokenise the text again."""
     if len(ids) <= limit:
         return ids
-    text = tokenizer.decode(ids[:INFLLM_INIT_TOKENS] + ids[-(limit - INFLLM_INIT_TOKENS):])
+    text = tokenizer.decode(ids[:INFLLM_INIT_TOKENS] + ids[-(limit - INFLLM_INIT_TOKENS) :])
     return tokenizer(text, add_special_tokens=special_tokens).input_ids
 
 
@@ -130,13 +132,18 @@ class Generator:
         return {"context": context, "input": question, "answer": [key], "len": 26 * (units - before)}
 
     def kv_retrieval(self, units: int, depth: float) -> dict[str, Any]:
-        pairs = [(str(uuid.UUID(int=self.rng.getrandbits(128), version=4)),
-                  str(uuid.UUID(int=self.rng.getrandbits(128), version=4))) for _ in range(max(units, 1))]
+        pairs = [
+            (
+                str(uuid.UUID(int=self.rng.getrandbits(128), version=4)),
+                str(uuid.UUID(int=self.rng.getrandbits(128), version=4)),
+            )
+            for _ in range(max(units, 1))
+        ]
         target = round(depth * (len(pairs) - 1))
-        body = ", ".join(f"\"{k}\": \"{v}\"" for k, v in pairs)
+        body = ", ".join(f'"{k}": "{v}"' for k, v in pairs)
         return {
             "context": "JSON data:\n{" + body + "}",
-            "input": f"Key: \"{pairs[target][0]}\"\nThe value associated with the specified key is: ",
+            "input": f'Key: "{pairs[target][0]}"\nThe value associated with the specified key is: ',
             "answer": [pairs[target][1]],
         }
 
@@ -211,7 +218,7 @@ class InfiniteBench(Task):
             for slot in ("{input}", "{question}"):
                 at = text.find(slot)
                 if at > text.find("{context}"):
-                    text = slot + "\n\n" + text[:at].rstrip("\n") + text[at + len(slot):]
+                    text = slot + "\n\n" + text[:at].rstrip("\n") + text[at + len(slot) :]
                     break
         return text
 
@@ -261,12 +268,16 @@ class InfiniteBench(Task):
             "chat_template": self.protocol_cfg["chat"],
             "truncation": (
                 "InfLLM's suffix rule after the template (first 128 tokens + the tail) to "
-                + (f"{self.cfg['max_length']} tokens" if self.cfg["max_length"] else
-                   "InfLLM's max_len (Mistral 32000, Llama-3 none, other models their context)")
+                + (
+                    f"{self.cfg['max_length']} tokens"
+                    if self.cfg["max_length"]
+                    else "InfLLM's max_len (Mistral 32000, Llama-3 none, other models their context)"
+                )
                 + " minus the generation"
-                if self.infllm else
-                f"middle to {self.max_length()} tokens"
-                + ("" if self.cfg["max_length"] else " or the model's context minus the generation, if smaller")),
+                if self.infllm
+                else f"middle to {self.max_length()} tokens"
+                + ("" if self.cfg["max_length"] else " or the model's context minus the generation, if smaller")
+            ),
             "max_new_tokens": {n: self.max_new_tokens(n) for n in self.names},
             "scorer_version": self.cfg["scorer_version"],
             "question_position": self.cfg["question_position"],
@@ -294,8 +305,11 @@ class InfiniteBench(Task):
         return hub_rows("xinrongzhang2022/InfiniteBench", None, task, WHERE)
 
     def format_prompt(self, task: str, row: dict[str, Any]) -> str:
-        fields: dict[str, Any] = {"context": row.get("context", ""), "input": row.get("input", ""),
-                                  "question": row.get("input", "")}
+        fields: dict[str, Any] = {
+            "context": row.get("context", ""),
+            "input": row.get("input", ""),
+            "question": row.get("input", ""),
+        }
         options = row.get("options") or []
         for letter, option in zip(OPTIONS, options):
             fields[f"OPTION_{letter}"] = option
@@ -303,8 +317,10 @@ class InfiniteBench(Task):
             # InfLLM's pred.py: greedy "The .+ of" minus " of" (the same words on the released questions)
             found = re.findall(r"The .+ of" if self.infllm else r"The \w+ number", row["input"])
             if not found:
-                raise ConfigError(f"math_find sample without 'The ... number' in its question: {row['input'][:80]!r}",
-                                  "check the data file")
+                raise ConfigError(
+                    f"math_find sample without 'The ... number' in its question: {row['input'][:80]!r}",
+                    "check the data file",
+                )
             target = found[0].lower()[:-3] if self.infllm else found[0].lower()
             fields["prefix"] = f"What is {target} in the following list?"
         if task == "kv_retrieval":
@@ -318,8 +334,12 @@ class InfiniteBench(Task):
     def _units(self, task: str, length: int, model: Any) -> int:
         """How many noise lines / records / numbers make a prompt of ``length``."""
         if self.cfg["length_unit"] == "infinitebench":
-            per_unit = {"passkey": 32768 / 1305, "number_string": 32768 / 1305, "kv_retrieval": 131072 / 1855,
-                        "math_find": 131072 / 45000}[task]
+            per_unit = {
+                "passkey": 32768 / 1305,
+                "number_string": 32768 / 1305,
+                "kv_retrieval": 131072 / 1855,
+                "math_find": 131072 / 45000,
+            }[task]
             return round(length / per_unit)
         probe = Generator(0)
         sizes = []
@@ -337,8 +357,12 @@ class InfiniteBench(Task):
     def _encode(self, model: Any, task: str, row: dict[str, Any]) -> list[int]:
         prompt = self.format_prompt(task, row)
         if self.infllm and model.chat.available:  # InfLLM's build_chat: the user message only
-            text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                       add_generation_prompt=True, chat_template=model.chat.template)
+            text = model.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                tokenize=False,
+                add_generation_prompt=True,
+                chat_template=model.chat.template,
+            )
             special = INFLLM_CONV[infllm_conv(model.spec.name)]["special_tokens"]
             return model.tokenizer(text, add_special_tokens=special).input_ids
         return model.chat.encode(prompt, use_template=self.protocol_cfg["chat"] and model.chat.available)
@@ -346,8 +370,12 @@ class InfiniteBench(Task):
     def sample_ids(self) -> list[str] | None:
         if not self.generating:
             return None
-        ids = [f"{task}-len{int(length)}_depth{float(depth):g}" for task in self.names
-               for length in self.cfg["lengths"] for depth in self.cfg["depths"]]
+        ids = [
+            f"{task}-len{int(length)}_depth{float(depth):g}"
+            for task in self.names
+            for length in self.cfg["lengths"]
+            for depth in self.cfg["depths"]
+        ]
         limit = self.cfg.get("limit")
         if limit is None:
             return ids
@@ -390,8 +418,9 @@ class InfiniteBench(Task):
         from kvbench.tasks.metrics_infinitebench import score_sample
 
         assert sample.subset is not None  # (every sample names its InfiniteBench task)
-        return 100.0 * score_sample(sample.subset, prediction, sample.reference,
-                                    scorer_version=str(self.cfg["scorer_version"]))
+        return 100.0 * score_sample(
+            sample.subset, prediction, sample.reference, scorer_version=str(self.cfg["scorer_version"])
+        )
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = super().aggregate(records)  # average: subsets (the papers' "Average" over datasets)
@@ -403,4 +432,3 @@ class InfiniteBench(Task):
         if grid and len(self.names) == 1:
             metrics["grid"] = grid
         return metrics
-

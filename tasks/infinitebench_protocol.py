@@ -15,22 +15,63 @@ from __future__ import annotations
 from typing import Any
 
 TASKS = (
-    "passkey", "number_string", "kv_retrieval", "longbook_sum_eng", "longbook_choice_eng", "longbook_qa_eng",
-    "longbook_qa_chn", "longdialogue_qa_eng", "math_find", "math_calc", "code_run", "code_debug",
+    "passkey",
+    "number_string",
+    "kv_retrieval",
+    "longbook_sum_eng",
+    "longbook_choice_eng",
+    "longbook_qa_eng",
+    "longbook_qa_chn",
+    "longdialogue_qa_eng",
+    "math_find",
+    "math_calc",
+    "code_run",
+    "code_debug",
 )
 SYNTHETIC = ("passkey", "number_string", "kv_retrieval", "math_find")
 #: the nine tasks PQCache's Table 4 reports
-PQCACHE = ("longbook_sum_eng", "longbook_qa_eng", "longbook_choice_eng", "longdialogue_qa_eng", "longbook_qa_chn",
-           "math_find", "passkey", "number_string", "kv_retrieval")
+PQCACHE = (
+    "longbook_sum_eng",
+    "longbook_qa_eng",
+    "longbook_choice_eng",
+    "longdialogue_qa_eng",
+    "longbook_qa_chn",
+    "math_find",
+    "passkey",
+    "number_string",
+    "kv_retrieval",
+)
 
 MAX_NEW_TOKENS = {
-    "official": {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "longbook_sum_eng": 1200,
-                 "longbook_choice_eng": 40, "longbook_qa_eng": 40, "longbook_qa_chn": 40, "longdialogue_qa_eng": 40,
-                 "math_find": 3, "math_calc": 30000, "code_run": 5, "code_debug": 5},
+    "official": {
+        "passkey": 6,
+        "number_string": 12,
+        "kv_retrieval": 50,
+        "longbook_sum_eng": 1200,
+        "longbook_choice_eng": 40,
+        "longbook_qa_eng": 40,
+        "longbook_qa_chn": 40,
+        "longdialogue_qa_eng": 40,
+        "math_find": 3,
+        "math_calc": 30000,
+        "code_run": 5,
+        "code_debug": 5,
+    },
     # InfLLM's (and PQCache's, whose InfiniteBench pipeline is InfLLM's) generation lengths
-    "infllm": {"passkey": 32, "number_string": 32, "kv_retrieval": 100, "longbook_sum_eng": 1536,
-               "longbook_choice_eng": 32, "longbook_qa_eng": 32, "longbook_qa_chn": 32, "longdialogue_qa_eng": 32,
-               "math_find": 32, "math_calc": 64000, "code_run": 32, "code_debug": 32},
+    "infllm": {
+        "passkey": 32,
+        "number_string": 32,
+        "kv_retrieval": 100,
+        "longbook_sum_eng": 1536,
+        "longbook_choice_eng": 32,
+        "longbook_qa_eng": 32,
+        "longbook_qa_chn": 32,
+        "longdialogue_qa_eng": 32,
+        "math_find": 32,
+        "math_calc": 64000,
+        "code_run": 32,
+        "code_debug": 32,
+    },
 }
 
 _MC = "A. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}"
@@ -49,7 +90,8 @@ OPEN_TEMPLATES = {
     ),
     "longbook_sum_eng": "Summarize the book below.\n\n{context}\n\nSummary:",
     "longbook_choice_eng": (
-        "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n" + _MC
+        "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n"
+        + _MC
         + "\n\nThe letter of the correct answer is"
     ),
     "longbook_qa_eng": (
@@ -72,7 +114,7 @@ OPEN_TEMPLATES = {
     ),
     "longdialogue_qa_eng": (
         "Below is a dialogue script where one random occurrence of a character name is replaced with "
-        "\"$$MASK$$\", and you should try to guess who that character is.\n\n{context}\n\nThe name "
+        '"$$MASK$$", and you should try to guess who that character is.\n\n{context}\n\nThe name '
         "that has been replaced with $$MASK$$ is likely"
     ),
 }
@@ -117,8 +159,8 @@ CHAT_TEMPLATES = {
     ),
     "longdialogue_qa_eng": (
         "Below is a dialogue script where one random occurrence of a character name is replaced with "
-        "\"$$MASK$$\", and you should try to guess who that character is.\n\nThe dialogue:\n\n---\n\n"
-        "{context}\n\n---\n\nEnd of dialogue.\n\nWhich character is most likely \"$$MASK$$\"? Just say "
+        '"$$MASK$$", and you should try to guess who that character is.\n\nThe dialogue:\n\n---\n\n'
+        '{context}\n\n---\n\nEnd of dialogue.\n\nWhich character is most likely "$$MASK$$"? Just say '
         "the name used by the scriptwriter (before the colon marks) of one single character and "
         "nothing else."
     ),
@@ -128,8 +170,7 @@ CHAT_TEMPLATES = {
 INFLLM_TEMPLATES = {
     **CHAT_TEMPLATES,
     "kv_retrieval": (
-        "Extract the value corresponding to the specified key {key} in the JSON object below.\n\n{context}"
-        "\n\n{input}"
+        "Extract the value corresponding to the specified key {key} in the JSON object below.\n\n{context}\n\n{input}"
     ),
     "longbook_qa_eng": (
         "Read the book below and answer a question.\n\n{context}\n\nQuestion: {question}\n\nPlease "

@@ -64,7 +64,7 @@ def move_question_first(template: str) -> str:
     match = QUESTION.search(template)
     if match is None or match.start() < template.index("{context}"):
         raise ConfigError("this dataset's prompt has no question after the context", "use question_position=end")
-    rest = template[: match.start()] + template[match.end():]
+    rest = template[: match.start()] + template[match.end() :]
     return match.group(1) + "\n\n" + rest
 
 
@@ -86,8 +86,9 @@ def pqcache_ids(model: Any, prompt: str) -> tuple[list[int], str] | None:
     tokenizer = model.tokenizer
     if style == "system" and model.chat.available:
         messages = [{"role": "system", "content": PQCACHE_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             chat_template=model.chat.template)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, chat_template=model.chat.template
+        )
     elif style == "inst":
         text = f"[INST]{prompt}[/INST]"
     else:
@@ -228,8 +229,14 @@ class LongBench(Task):
                     min_new_tokens=1 if name == "samsum" else 0,
                     stop_tokens=("\n",) if name == "samsum" else (),
                     subset=name,
-                    meta={"dataset": name, "length": row.get("length"), "truncated": truncated, "max_length": limit,
-                          "chat_template": use_chat or built is not None, "prompt_format": fmt},
+                    meta={
+                        "dataset": name,
+                        "length": row.get("length"),
+                        "truncated": truncated,
+                        "max_length": limit,
+                        "chat_template": use_chat or built is not None,
+                        "prompt_format": fmt,
+                    },
                 )
 
     # ------------------------------------------------------------------ scoring

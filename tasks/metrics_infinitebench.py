@@ -132,7 +132,7 @@ def longbook_choice_eng(prediction: str, labels: Any, version: str) -> bool:
             continue
         if len(prediction) < at + len(prefix) + 1:
             return False
-        after = prediction[at + len(prefix) + 1:]
+        after = prediction[at + len(prefix) + 1 :]
         return any(after.startswith(label) for label in labels)
     for word in prediction.split():
         if word in "ABCD":
@@ -159,7 +159,7 @@ def code_debug(prediction: str, labels: Any, version: str) -> bool:
             continue
         if len(prediction) < at + len(prefix) + 1:
             return False
-        after = prediction[at + len(prefix) + 1:]
+        after = prediction[at + len(prefix) + 1 :]
         return after.startswith(letter) or after.startswith(function)
     return False
 

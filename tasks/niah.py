@@ -112,8 +112,9 @@ class NeedleInAHaystack(Task):
             raise ConfigError(f"unknown task.scorer {self.cfg['scorer']!r}", f"use one of {', '.join(SCORERS)}")
         count = self.cfg["needles"]
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1 + len(EXTRA_NEEDLES):
-            raise ConfigError(f"task.needles={count!r} must be an integer from 1 to {1 + len(EXTRA_NEEDLES)}",
-                              "e.g. task.needles=4")
+            raise ConfigError(
+                f"task.needles={count!r} must be an integer from 1 to {1 + len(EXTRA_NEEDLES)}", "e.g. task.needles=4"
+            )
         if int(self.cfg["queries_per_context"]) > count:
             raise ConfigError(
                 f"task.queries_per_context={self.cfg['queries_per_context']} asks more questions than "
@@ -121,8 +122,10 @@ class NeedleInAHaystack(Task):
                 f"set task.needles={self.cfg['queries_per_context']} or more",
             )
         if self.multi_query and self.cfg["question_position"] != "end":
-            raise ConfigError("several questions per context, or a question-agnostic context, need the question "
-                              "after the document", "drop task.question_position=start")
+            raise ConfigError(
+                "several questions per context, or a question-agnostic context, need the question after the document",
+                "drop task.question_position=start",
+            )
         self.lengths = lengths
         self.depths = depths
         self.needles = self.needle_set()
@@ -131,10 +134,21 @@ class NeedleInAHaystack(Task):
     def needle_set(self) -> list[Needle]:
         """The configured needle, then ``needles - 1`` of :data:`EXTRA_NEEDLES`."""
         answer = str(self.cfg["answer"])
-        first = Needle(str(self.cfg["needle"]), str(self.cfg["question"]), answer,
-                       "dolores park" if answer == ANSWER else answer.lower())
-        extra = [Needle(f"\nThe best thing to do in {city} is {answer}.\n", f"What is the best thing to do in {city}?",
-                        answer, key) for city, answer, key in EXTRA_NEEDLES]
+        first = Needle(
+            str(self.cfg["needle"]),
+            str(self.cfg["question"]),
+            answer,
+            "dolores park" if answer == ANSWER else answer.lower(),
+        )
+        extra = [
+            Needle(
+                f"\nThe best thing to do in {city} is {answer}.\n",
+                f"What is the best thing to do in {city}?",
+                answer,
+                key,
+            )
+            for city, answer, key in EXTRA_NEEDLES
+        ]
         return [first, *extra][: int(self.cfg["needles"])]
 
     def order(self, depth: float) -> list[int]:
@@ -155,8 +169,15 @@ class NeedleInAHaystack(Task):
         return [self.sample_id(length, depth) for length, depth in self.limited_grid()]
 
     def protocol(self) -> dict[str, Any]:
-        extra = {"needles": len(self.needles), "needle_depths": "depth + i (1 - depth) / needles",
-                 "question_order": "rotated by the depth's index"} if len(self.needles) > 1 else {}
+        extra = (
+            {
+                "needles": len(self.needles),
+                "needle_depths": "depth + i (1 - depth) / needles",
+                "question_order": "rotated by the depth's index",
+            }
+            if len(self.needles) > 1
+            else {}
+        )
         return {
             "task": self.name,
             "question_position": self.cfg["question_position"],
@@ -188,8 +209,10 @@ class NeedleInAHaystack(Task):
             return tokenizer(text, add_special_tokens=False).input_ids
 
         # per needle: the template before and after the haystack when its question is asked
-        frames = [[encode(part) for part in chat.render(self._user_message(PLACEHOLDER, n)).split(PLACEHOLDER)]
-                  for n in self.needles]
+        frames = [
+            [encode(part) for part in chat.render(self._user_message(PLACEHOLDER, n)).split(PLACEHOLDER)]
+            for n in self.needles
+        ]
         followups = None
         if self.multi_query:
             before, after = followup_frame(chat)
@@ -210,10 +233,17 @@ class NeedleInAHaystack(Task):
             context = _insert_all(haystack[:room], needles, depths, periods)
             order = self.order(depth)
             head, tail = frames[order[0]]
-            queries = [SampleQuery(self.needles[k].answer, frames[k][1], followups[k] if followups else None,
-                                   self.needles[k].question) for k in order]
-            meta: dict[str, Any] = {"length": length, "depth": depth,
-                                    "prompt_tokens": len(head) + len(context) + len(tail)}
+            queries = [
+                SampleQuery(
+                    self.needles[k].answer, frames[k][1], followups[k] if followups else None, self.needles[k].question
+                )
+                for k in order
+            ]
+            meta: dict[str, Any] = {
+                "length": length,
+                "depth": depth,
+                "prompt_tokens": len(head) + len(context) + len(tail),
+            }
             if count > 1:
                 meta.update(needle_depths=[round(d, 4) for d in depths], order=order)
             yield Sample(
@@ -278,7 +308,6 @@ class NeedleInAHaystack(Task):
         niah_heatmap(records, path, title=title)
         return [path]
 
-
     @classmethod
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
         """The runs' heatmaps side by side (PQCache Fig. 9); for multi-query runs, each run's score by
@@ -309,7 +338,7 @@ def _insert_all(
     out = list(context)
     # deepest first, and among needles at one point the later first, so each lands before the next
     for _, index in sorted(((point, index) for index, point in enumerate(points)), reverse=True):
-        out[points[index]:points[index]] = needles[index]
+        out[points[index] : points[index]] = needles[index]
     return out
 
 

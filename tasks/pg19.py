@@ -108,8 +108,10 @@ class PG19(Task):
         ids = model.tokenizer(text, add_special_tokens=True).input_ids
         for length in self.lengths:
             if length > len(ids):
-                raise ConfigError(f"book {book} has only {len(ids)} tokens, fewer than task.lengths={length}",
-                                  "use shorter lengths or another book")
+                raise ConfigError(
+                    f"book {book} has only {len(ids)} tokens, fewer than task.lengths={length}",
+                    "use shorter lengths or another book",
+                )
             yield Sample(
                 id=f"{book}-len{length}",
                 reference=None,
@@ -164,6 +166,7 @@ class PG19(Task):
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Perplexity over every scored token of the run, and per length."""
+
         def pooled(rows: list[dict[str, Any]]) -> float | None:
             nll = [x for r in rows for x in r["prediction"]["nll"]]
             return round(math.exp(float(np.mean(nll))), 3) if nll else None
@@ -185,14 +188,16 @@ class PG19(Task):
         perplexity_curves({r["id"]: r["prediction"]["curve"] for r in records}, path, title=title)
         return [path]
 
-
     @classmethod
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
         """Every run's cumulative-perplexity curves on one plot (ClusterKV Fig. 10)."""
         from kvbench.plots import perplexity_curves
 
-        curves = {f"{title} · {r['id']}" if len(records) > 1 else title: r["prediction"]["curve"]
-                  for title, records in runs for r in records}
+        curves = {
+            f"{title} · {r['id']}" if len(records) > 1 else title: r["prediction"]["curve"]
+            for title, records in runs
+            for r in records
+        }
         return perplexity_curves(curves, path, title="cumulative perplexity")
 
 

@@ -92,7 +92,7 @@ PASSAGE_HEADER = re.compile(r"(?:^|(?<=\n))Passage \d+:\n")
 EXAMPLE_QUESTION = re.compile(r"Question:\s*(.*?)\nAnswer:\s*$", re.S)
 WHERE = {
     "cacheblend": "../shared/data/cacheblend (CacheBlend's inputs/ folder: musique_s.json, wikimqa_s_clean.json, "
-                  "example_inputs/)",
+    "example_inputs/)",
     "longbench": "../shared/data/longbench/full (LongBench v1 data.zip: multi_news.jsonl)",
 }
 
@@ -116,24 +116,37 @@ DATASETS: dict[str, RagDataset] = {
     d.name: d
     for d in (
         RagDataset(
-            "musique", "musique_s.json", "cacheblend",
+            "musique",
+            "musique_s.json",
+            "cacheblend",
             prefix_prompt="You will be asked a question after reading several passages. Please directly answer the "
             "question based on the given passages. Do NOT repeat the question. The answer should be within 5 "
             "words..\nPassages:\n",
             query_prompt="\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. "
             "The answer should be within 5 words. \nQuestion:",
-            max_new_tokens=32, metric="f1",
+            max_new_tokens=32,
+            metric="f1",
         ),
         RagDataset(
-            "wikimqa", "wikimqa_s_clean.json", "cacheblend",
+            "wikimqa",
+            "wikimqa_s_clean.json",
+            "cacheblend",
             prefix_prompt="Answer the question based on the given passages. Only give me the answer and do not output "
             "any other words.\n\nThe following are given passages.\n",
             query_prompt="\n\nAnswer the question based on the given passages. Answer the question within 5 words. Do "
             "NOT repeat the question or output any other words. Question: ",
-            max_new_tokens=32, metric="f1",
+            max_new_tokens=32,
+            metric="f1",
         ),
-        RagDataset("multi_news", "multi_news.jsonl", "longbench", _MULTI_NEWS_BEFORE, _MULTI_NEWS_AFTER,
-                   max_new_tokens=128, metric="rouge_l"),
+        RagDataset(
+            "multi_news",
+            "multi_news.jsonl",
+            "longbench",
+            _MULTI_NEWS_BEFORE,
+            _MULTI_NEWS_AFTER,
+            max_new_tokens=128,
+            metric="rouge_l",
+        ),
         RagDataset("example", "example_inputs", "cacheblend", "", "", max_new_tokens=32, metric=None),
     )
 }
@@ -198,8 +211,10 @@ class Rag(Task):
                 f"unknown task.retriever {self.cfg['retriever']!r}", f"use one of {', '.join(RETRIEVERS)}"
             )
         if self.cfg["top_k"] is not None and name == "multi_news":
-            raise ConfigError("task.top_k needs a question to retrieve by, and multi_news has none",
-                              "drop task.top_k for multi_news (task.chunk_tokens still re-chunks)")
+            raise ConfigError(
+                "task.top_k needs a question to retrieve by, and multi_news has none",
+                "drop task.top_k for multi_news (task.chunk_tokens still re-chunks)",
+            )
         from kvbench.tasks.rag_pipelines import check
 
         check(self.cfg, name)
@@ -251,15 +266,24 @@ class Rag(Task):
             with open(self.path, encoding="utf-8") as handle:
                 for index, line in enumerate(row for row in handle if row.strip()):
                     row = json.loads(line)
-                    yield RawSample(id=f"{name}-{row.get('_id', index)}", passages=split_articles(row["context"]),
-                                    query=data.query_prompt, question=None, answers=list(row["answers"]))
+                    yield RawSample(
+                        id=f"{name}-{row.get('_id', index)}",
+                        passages=split_articles(row["context"]),
+                        query=data.query_prompt,
+                        question=None,
+                        answers=list(row["answers"]),
+                    )
         else:
             for file in self._example_files(self.path):
                 row = json.loads(file.read_text(encoding="utf-8"))
                 match = EXAMPLE_QUESTION.search(row["query"])
-                yield RawSample(id=f"example-{file.stem}", passages=[row[str(i)] for i in range(int(row["chunk_num"]))],
-                                query=row["query"], question=match.group(1).strip() if match else row["query"],
-                                answers=None)
+                yield RawSample(
+                    id=f"example-{file.stem}",
+                    passages=[row[str(i)] for i in range(int(row["chunk_num"]))],
+                    query=row["query"],
+                    question=match.group(1).strip() if match else row["query"],
+                    answers=None,
+                )
 
     def sample_ids(self) -> list[str]:
         return [raw.id for raw in self.limited(self._records())]
@@ -270,23 +294,30 @@ class Rag(Task):
         return {
             "task": self.name,
             "dataset": data.name,
-            "source": "CacheBlend example/blend_*.py + utils.py @ 55ad026" if data.source == "cacheblend"
+            "source": "CacheBlend example/blend_*.py + utils.py @ 55ad026"
+            if data.source == "cacheblend"
             else "LongBench v1 multi_news, CacheBlend-style chunks",
             "prefix_prompt": data.prefix_prompt,
             "query_prompt": data.query_prompt,
             "question": "CacheBlend normalize_question ('?' appended, first char lower-cased)"
-            if data.name in ("musique", "wikimqa") else None,
-            "passage": "title + '\\n\\n' + text + '\\n\\n'" if data.name in ("musique", "wikimqa")
-            else "LongBench 'Passage N:' article" if data.name == "multi_news" else "as given",
+            if data.name in ("musique", "wikimqa")
+            else None,
+            "passage": "title + '\\n\\n' + text + '\\n\\n'"
+            if data.name in ("musique", "wikimqa")
+            else "LongBench 'Passage N:' article"
+            if data.name == "multi_news"
+            else "as given",
             "segments": "prefix = template head + prefix prompt; one chunk per passage; query = query + template "
-                        "tail; pieces tokenised separately without special tokens",
+            "tail; pieces tokenised separately without special tokens",
             "chat_template": "the model's (placeholder split); tokenizer BOS only when it has none",
             "max_new_tokens": data.max_new_tokens,
             "stop": "the model's stop ids",
-            "scorer": {"f1": "CacheBlend F1 over model-tokenizer ids (first line, Yes/No collapse, SQuAD "
-                             "normalisation, max over answers)",
-                       "rouge_l": "Rouge-L F, rouge-score with stemming, max over references",
-                       None: "none (no gold answers): score null"}[data.metric],
+            "scorer": {
+                "f1": "CacheBlend F1 over model-tokenizer ids (first line, Yes/No collapse, SQuAD "
+                "normalisation, max over answers)",
+                "rouge_l": "Rouge-L F, rouge-score with stemming, max over references",
+                None: "none (no gold answers): score null",
+            }[data.metric],
             "chunk_tokens": self.cfg["chunk_tokens"],
             "top_k": self.cfg["top_k"],
             "retriever": self.cfg["retriever"] if self.cfg["top_k"] is not None else None,
@@ -327,11 +358,20 @@ class Rag(Task):
                     "raise task.max_length or use a model with a longer context",
                 )
             chunks, dropped, cut = fit_chunks(chunks, room)
-            segments = [Segment(tuple(prefix), "prefix"), *(Segment(tuple(c), "chunk") for c in chunks),
-                        Segment(tuple(query), "query")]
-            meta.update(chunks=len(chunks), chunk_lengths=[len(c) for c in chunks], prefix_tokens=len(prefix),
-                        query_tokens=len(query), prompt_tokens=sum(len(s) for s in segments),
-                        dropped_chunks=dropped, truncated=cut)
+            segments = [
+                Segment(tuple(prefix), "prefix"),
+                *(Segment(tuple(c), "chunk") for c in chunks),
+                Segment(tuple(query), "query"),
+            ]
+            meta.update(
+                chunks=len(chunks),
+                chunk_lengths=[len(c) for c in chunks],
+                prefix_tokens=len(prefix),
+                query_tokens=len(query),
+                prompt_tokens=sum(len(s) for s in segments),
+                dropped_chunks=dropped,
+                truncated=cut,
+            )
             yield Sample(
                 id=raw.id,
                 reference={"answers": raw.answers} if raw.answers is not None else None,

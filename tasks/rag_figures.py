@@ -62,8 +62,10 @@ DATASET_NAMES = {
 #: config keys that place a run (its series, panel or x value) rather than tell it apart from its neighbours
 PLACED = {"method.name", "method.recompute_ratio", "task.name", "task.dataset", "task.data_dir"}
 RATIO_AXIS = "recompute ratio r (share of context tokens)"
-TTFT_DEFINITION = ("TTFT: request to first token, mean over samples; chunk KV precomputation is excluded, loads from "
-                   "the chunk store's tier are included.")
+TTFT_DEFINITION = (
+    "TTFT: request to first token, mean over samples; chunk KV precomputation is excluded, loads from "
+    "the chunk store's tier are included."
+)
 
 
 @dataclass
@@ -124,8 +126,10 @@ def run_infos(runs: Sequence[Any]) -> list[RunInfo]:
         config = getattr(run, "config", None) or {}
         title, records = run
         if "method" not in config:
-            raise ConfigError(f"run {title!r} has no config.yaml to tell its method from",
-                              "re-run it with kvbench run (the rag figures place runs by their config)")
+            raise ConfigError(
+                f"run {title!r} has no config.yaml to tell its method from",
+                "re-run it with kvbench run (the rag figures place runs by their config)",
+            )
         settings: dict[str, Any] = {}
         for group in ("method", "store", "task", "budget", "profile"):
             for key, value in (config.get(group) or {}).items():
@@ -133,7 +137,8 @@ def run_infos(runs: Sequence[Any]) -> list[RunInfo]:
         method = config["method"]["name"]
         ratio = config["method"].get("recompute_ratio") if method == "cacheblend" else None
         dataset = config.get("task", {}).get("dataset") or next(
-            (r.get("protocol", {}).get("dataset") for r in records if r.get("protocol")), "?")
+            (r.get("protocol", {}).get("dataset") for r in records if r.get("protocol")), "?"
+        )
         infos.append(
             RunInfo(
                 method,
@@ -204,7 +209,7 @@ def _where(model: str, dataset: str) -> str:
 
 def _titled(kind_title: str, grouped: dict[tuple[str, str], list[RunInfo]]) -> str:
     if len(grouped) == 1:
-        (model, dataset), = grouped
+        ((model, dataset),) = grouped
         return f"{kind_title} — {model} on {DATASET_NAMES.get(dataset, dataset)}"
     return kind_title
 
@@ -257,8 +262,10 @@ def _score_of(info: RunInfo) -> tuple[float, float, float]:
 def _scored(infos: list[RunInfo]) -> list[RunInfo]:
     scored = [i for i in infos if i.scores]
     if not scored:
-        raise ConfigError("none of the matching runs has a score (the example inputs have no gold answers)",
-                          "use a scored dataset (task.dataset=musique|wikimqa|multi_news) or --figure-kind deviation")
+        raise ConfigError(
+            "none of the matching runs has a score (the example inputs have no gold answers)",
+            "use a scored dataset (task.dataset=musique|wikimqa|multi_news) or --figure-kind deviation",
+        )
     return scored
 
 
@@ -278,14 +285,24 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         for series in series_of(runs):
             color, marker, _ = palette.style(series[0].method)
             timed = [(i, t, s) for i in series if (s := _score(i)) is not None and (t := i.ttft) is not None]
-            panel.series.append(Series(
-                series[0].label, [t for _, t, _ in timed], [s[0] for _, _, s in timed],
-                kind="line" if len(timed) > 1 and series[0].ratio is not None else "points",
-                low=[s[1] for _, _, s in timed], high=[s[2] for _, _, s in timed], notes=[i.note for i, _, _ in timed],
-                color=color, marker=marker))
+            panel.series.append(
+                Series(
+                    series[0].label,
+                    [t for _, t, _ in timed],
+                    [s[0] for _, _, s in timed],
+                    kind="line" if len(timed) > 1 and series[0].ratio is not None else "points",
+                    low=[s[1] for _, _, s in timed],
+                    high=[s[2] for _, _, s in timed],
+                    notes=[i.note for i, _, _ in timed],
+                    color=color,
+                    marker=marker,
+                )
+            )
         panels.append(panel)
-    caption = (f"{_metric_caption(grouped)} {TTFT_DEFINITION} CacheBlend points are labelled with their recompute "
-               f"ratio r. {_samples(infos)}.")
+    caption = (
+        f"{_metric_caption(grouped)} {TTFT_DEFINITION} CacheBlend points are labelled with their recompute "
+        f"ratio r. {_samples(infos)}."
+    )
     return panels, _titled("Quality vs. time to first token", grouped), caption, 3
 
 
@@ -293,15 +310,19 @@ def quality_ttft(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
 def ratio(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     grouped = {key: runs for key, runs in groups(infos).items() if any(i.ratio is not None for i in runs)}
     if not grouped:
-        raise ConfigError("the ratio figure needs cacheblend runs (at several method.recompute_ratio values)",
-                          "e.g. kvbench run -m method=cacheblend method.recompute_ratio=0.05,0.15,0.3,0.5 task=rag ...")
+        raise ConfigError(
+            "the ratio figure needs cacheblend runs (at several method.recompute_ratio values)",
+            "e.g. kvbench run -m method=cacheblend method.recompute_ratio=0.05,0.15,0.3,0.5 task=rag ...",
+        )
     panels = []
     for (model, dataset), runs in grouped.items():
         where = f"{_where(model, dataset)}: " if len(grouped) > 1 else ""
-        quality = Panel(f"{where}Quality", RATIO_AXIS, f"{_metric(dataset)} (0–100)", xpercent=True, xlim=(0, None),
-                        ylim=(0, None))
-        ttft = Panel(f"{where}Time to first token", RATIO_AXIS, "mean TTFT (s)", xpercent=True, xlim=(0, None),
-                     ylim=(0, None))
+        quality = Panel(
+            f"{where}Quality", RATIO_AXIS, f"{_metric(dataset)} (0–100)", xpercent=True, xlim=(0, None), ylim=(0, None)
+        )
+        ttft = Panel(
+            f"{where}Time to first token", RATIO_AXIS, "mean TTFT (s)", xpercent=True, xlim=(0, None), ylim=(0, None)
+        )
         palette = Palette()
         for series in series_of(runs):
             color, marker, line = palette.style(series[0].method)
@@ -310,24 +331,45 @@ def ratio(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             label = series[0].label
             if series[0].ratio is not None:  # (then every run of the series has one)
                 at = [(r, s) for i, s in scored if (r := i.ratio) is not None]
-                quality.series.append(Series(label, [r for r, _ in at], [s[0] for _, s in at],
-                                             low=[s[1] for _, s in at], high=[s[2] for _, s in at],
-                                             color=color, marker=marker))
+                quality.series.append(
+                    Series(
+                        label,
+                        [r for r, _ in at],
+                        [s[0] for _, s in at],
+                        low=[s[1] for _, s in at],
+                        high=[s[2] for _, s in at],
+                        color=color,
+                        marker=marker,
+                    )
+                )
                 when = [(r, t) for i in timed if (r := i.ratio) is not None and (t := i.ttft) is not None]
-                ttft.series.append(Series(label, [r for r, _ in when], [t for _, t in when], color=color,
-                                          marker=marker))
+                ttft.series.append(
+                    Series(label, [r for r, _ in when], [t for _, t in when], color=color, marker=marker)
+                )
                 continue
             for info in series:  # a method without a ratio: one reference line per run
                 if (s := _score(info)) is not None:
                     band = info.method == "full"
-                    quality.series.append(Series(label, [0.0], [s[0]], kind="hline", low=[s[1]] if band else None,
-                                                 high=[s[2]] if band else None, color=color, linestyle=line))
+                    quality.series.append(
+                        Series(
+                            label,
+                            [0.0],
+                            [s[0]],
+                            kind="hline",
+                            low=[s[1]] if band else None,
+                            high=[s[2]] if band else None,
+                            color=color,
+                            linestyle=line,
+                        )
+                    )
                 if info.ttft is not None:
                     ttft.series.append(Series(label, [0.0], [info.ttft], kind="hline", color=color, linestyle=line))
         panels += [quality, ttft]
-    caption = (f"r: method.recompute_ratio, the share of the non-query tokens CacheBlend recomputes after its check "
-               f"layer. {_metric_caption(grouped)} Methods without a ratio are horizontal lines (full recompute's CI "
-               f"shaded). {TTFT_DEFINITION} {_samples(infos)}.")
+    caption = (
+        f"r: method.recompute_ratio, the share of the non-query tokens CacheBlend recomputes after its check "
+        f"layer. {_metric_caption(grouped)} Methods without a ratio are horizontal lines (full recompute's CI "
+        f"shaded). {TTFT_DEFINITION} {_samples(infos)}."
+    )
     return panels, _titled("Quality and TTFT vs. recompute ratio", grouped), caption, 2
 
 
@@ -335,8 +377,10 @@ def ratio(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
 def deviation(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     profiled = [i for i in infos if i.deviations]
     if not profiled:
-        raise ConfigError("the deviation figure needs runs with profile.deviation=true",
-                          "e.g. kvbench run method=full_reuse task=rag profile.deviation=true ...")
+        raise ConfigError(
+            "the deviation figure needs runs with profile.deviation=true",
+            "e.g. kvbench run method=full_reuse task=rag profile.deviation=true ...",
+        )
     grouped = groups(profiled)
     panels, layers = [], set()
     for (model, dataset), runs in grouped.items():
@@ -344,11 +388,19 @@ def deviation(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         n_layers = len(runs[0].deviations[0]["reused_kv_quantiles"])
         layer = n_layers // 2
         layers.add((layer, n_layers))
-        spread = Panel(f"{where}KV deviation on layer {layer} (of {n_layers})",
-                       "reused tokens ranked by KV deviation, largest first",
-                       r"KV deviation $\|V - V_{\mathrm{full}}\|_2^2$", xpercent=True, shade=(0.0, 0.15))
-        spearman = Panel(f"{where}Rank correlation of KV deviation, layers i and i+1", "layer i",
-                         "Spearman correlation", xinteger=True)
+        spread = Panel(
+            f"{where}KV deviation on layer {layer} (of {n_layers})",
+            "reused tokens ranked by KV deviation, largest first",
+            r"KV deviation $\|V - V_{\mathrm{full}}\|_2^2$",
+            xpercent=True,
+            shade=(0.0, 0.15),
+        )
+        spearman = Panel(
+            f"{where}Rank correlation of KV deviation, layers i and i+1",
+            "layer i",
+            "Spearman correlation",
+            xinteger=True,
+        )
         palette = Palette()
         shares = []
         for label, members in _same_curves(runs):
@@ -369,8 +421,18 @@ def deviation(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             rho = _by_layer(dev)
             if rho:
                 x, mean, low, high = zip(*rho)
-                spearman.series.append(Series(label, list(x), list(mean), low=list(low), high=list(high), band=True,
-                                              color=color, marker=marker))
+                spearman.series.append(
+                    Series(
+                        label,
+                        list(x),
+                        list(mean),
+                        low=list(low),
+                        high=list(high),
+                        band=True,
+                        color=color,
+                        marker=marker,
+                    )
+                )
         lowest = min((min(series.low or [0.0]) for series in spearman.series), default=0.0)
         spearman.ylim = (min(0.0, lowest - 0.05), 1.03)  # the full scale of a correlation, as the paper's Fig. 8
         if shares:
@@ -432,13 +494,20 @@ def _by_layer(deviations: list[dict[str, Any]]) -> list[tuple[int, float, float,
 
 # ---------------------------------------------------------------------- Fig. 6: attention deviation vs ratio
 def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
-    profiled = [i for i in infos if i.method in ("cacheblend", "full_reuse") and i.deviations
-                and any(d.get("attention_mean") is not None for d in i.deviations)]
+    profiled = [
+        i
+        for i in infos
+        if i.method in ("cacheblend", "full_reuse")
+        and i.deviations
+        and any(d.get("attention_mean") is not None for d in i.deviations)
+    ]
     grouped = {key: runs for key, runs in groups(profiled).items() if any(i.ratio is not None for i in runs)}
     if not grouped:
-        raise ConfigError("the selection figure needs cacheblend runs with profile.deviation=true",
-                          "e.g. kvbench run -m method=cacheblend method.selection=hkvd,random "
-                          "method.recompute_ratio=0.05,0.15,0.3 profile.deviation=true task=rag ...")
+        raise ConfigError(
+            "the selection figure needs cacheblend runs with profile.deviation=true",
+            "e.g. kvbench run -m method=cacheblend method.selection=hkvd,random "
+            "method.recompute_ratio=0.05,0.15,0.3 profile.deviation=true task=rag ...",
+        )
     panels = []
     for (model, dataset), runs in grouped.items():
         panel = Panel(
@@ -453,16 +522,26 @@ def selection(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         for series in series_of(runs):
             color, marker, line = palette.style(series[0].method)
             label = _selection_label(series[0])
-            points = [(i, _mean_se([d["attention_mean"] for d in i.deviations if d.get("attention_mean") is not None]))
-                      for i in series]
+            points = [
+                (i, _mean_se([d["attention_mean"] for d in i.deviations if d.get("attention_mean") is not None]))
+                for i in series
+            ]
             if series[0].ratio is None:
                 for _, (mean, _se) in points:
                     panel.series.append(Series(label, [0.0], [mean], kind="hline", color=color, linestyle=line))
                 continue
             at = [(r, m, s) for i, (m, s) in points if (r := i.ratio) is not None]  # (every run of the series)
-            panel.series.append(Series(label, [r for r, _, _ in at], [m for _, m, _ in at],
-                                       low=[m - s for _, m, s in at], high=[m + s for _, m, s in at],
-                                       color=color, marker=marker))
+            panel.series.append(
+                Series(
+                    label,
+                    [r for r, _, _ in at],
+                    [m for _, m, _ in at],
+                    low=[m - s for _, m, s in at],
+                    high=[m + s for _, m, s in at],
+                    color=color,
+                    marker=marker,
+                )
+            )
         panels.append(panel)
     caption = (
         "Attention deviation: Frobenius norm of the difference between the query rows' attention (softmax over "

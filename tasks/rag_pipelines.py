@@ -53,13 +53,17 @@ if TYPE_CHECKING:
 PIPELINES = ("stuff", "mapreduce", "maprerank")
 MAP_TOKENS = {"mapreduce": 64, "maprerank": 32}
 
-MAP_SUMMARY = ("Read the passage below, then write a short summary of whatever in it helps answer the question "
-               "that follows. If nothing in it is relevant, write \"Nothing relevant.\"\n\nPassage:\n")
+MAP_SUMMARY = (
+    "Read the passage below, then write a short summary of whatever in it helps answer the question "
+    'that follows. If nothing in it is relevant, write "Nothing relevant."\n\nPassage:\n'
+)
 MAP_SUMMARY_QUERY = "\n\nQuestion: {question}\nSummary of the relevant information:"
 REDUCE_SUMMARY = "Summary {index}: {text}\n\n"
-MAP_RERANK = ("Answer the question below using only the passage. Reply with the answer in at most 5 words on "
-              "the first line, then on a second line how confident you are, from 0 to 100, that the passage "
-              "answers the question, exactly as:\nAnswer: <answer>\nScore: <number>\n\nPassage:\n")
+MAP_RERANK = (
+    "Answer the question below using only the passage. Reply with the answer in at most 5 words on "
+    "the first line, then on a second line how confident you are, from 0 to 100, that the passage "
+    "answers the question, exactly as:\nAnswer: <answer>\nScore: <number>\n\nPassage:\n"
+)
 MAP_RERANK_QUERY = "\n\nQuestion: {question}"
 RERANK_CUE = "Answer:"
 #: LangChain's map-rerank parser shape: the answer, a newline, "Score:" and an integer
@@ -75,24 +79,35 @@ def check(cfg: dict[str, Any], dataset: str) -> None:
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         raise ConfigError(f"task.map_tokens={tokens!r} must be a positive integer or null", "e.g. task.map_tokens=64")
     if pipeline != "stuff" and dataset == "multi_news":
-        raise ConfigError(f"task.pipeline={pipeline} asks a question of every chunk, and multi_news has none",
-                          "use task.pipeline=stuff for multi_news")
+        raise ConfigError(
+            f"task.pipeline={pipeline} asks a question of every chunk, and multi_news has none",
+            "use task.pipeline=stuff for multi_news",
+        )
 
 
 def protocol(cfg: dict[str, Any]) -> dict[str, Any]:
     pipeline = cfg.get("pipeline", "stuff")
     if pipeline == "stuff":
         return {"pipeline": "stuff"}
-    out: dict[str, Any] = {"pipeline": pipeline, "map_tokens": map_tokens(cfg),
-                           "ttft": "sum of the map steps (prefill + decode), run one at a time"
-                                   + (", + the reduce prefill" if pipeline == "mapreduce" else "")}
+    out: dict[str, Any] = {
+        "pipeline": pipeline,
+        "map_tokens": map_tokens(cfg),
+        "ttft": "sum of the map steps (prefill + decode), run one at a time"
+        + (", + the reduce prefill" if pipeline == "mapreduce" else ""),
+    }
     if pipeline == "mapreduce":
-        out.update(map_prompt=MAP_SUMMARY + "{chunk}" + MAP_SUMMARY_QUERY, reduce_chunk=REDUCE_SUMMARY,
-                   reduce_prompt="the dataset's prefix prompt + summaries + its query prompt")
+        out.update(
+            map_prompt=MAP_SUMMARY + "{chunk}" + MAP_SUMMARY_QUERY,
+            reduce_chunk=REDUCE_SUMMARY,
+            reduce_prompt="the dataset's prefix prompt + summaries + its query prompt",
+        )
     else:
-        out.update(map_prompt=MAP_RERANK + "{chunk}" + MAP_RERANK_QUERY, assistant_cue=RERANK_CUE,
-                   parser=RERANK_PATTERN.pattern, ranking="highest score, ties to the earliest chunk; "
-                                                          "unparsed outputs rank last")
+        out.update(
+            map_prompt=MAP_RERANK + "{chunk}" + MAP_RERANK_QUERY,
+            assistant_cue=RERANK_CUE,
+            parser=RERANK_PATTERN.pattern,
+            ranking="highest score, ties to the earliest chunk; unparsed outputs rank last",
+        )
     return out
 
 
@@ -116,8 +131,9 @@ def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
     else:
         prefix = head + encode(MAP_RERANK)
         query = encode(MAP_RERANK_QUERY.format(question=question)) + tail + encode(RERANK_CUE)
-    maps: list[Any] = [_generate([Segment(prefix, "prefix"), chunk, Segment(query, "query")], new_tokens)
-                       for chunk in chunks]
+    maps: list[Any] = [
+        _generate([Segment(prefix, "prefix"), chunk, Segment(query, "query")], new_tokens) for chunk in chunks
+    ]
     if pipeline == "maprerank":
         return maps
     dataset = task.dataset
@@ -125,8 +141,10 @@ def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
     final_query = next(s for s in segments if s.role == "query")
 
     def reduce(outputs: list[Output]) -> list[GenerateRequest]:
-        summaries = [Segment(encode(REDUCE_SUMMARY.format(index=i + 1, text=out.text.strip())), "chunk")
-                     for i, out in enumerate(outputs)]
+        summaries = [
+            Segment(encode(REDUCE_SUMMARY.format(index=i + 1, text=out.text.strip())), "chunk")
+            for i, out in enumerate(outputs)
+        ]
         return [_generate([Segment(reduce_prefix, "prefix"), *summaries, final_query], sample.max_new_tokens)]
 
     return maps + [FollowUp(reduce)]
@@ -134,8 +152,9 @@ def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
 
 def _generate(segments: list[Segment], max_new_tokens: int) -> GenerateRequest:
     segments = [s for s in segments if len(s) or s.role == "query"]
-    return GenerateRequest(input_ids=[i for s in segments for i in s.ids], max_new_tokens=max_new_tokens,
-                           segments=tuple(segments))
+    return GenerateRequest(
+        input_ids=[i for s in segments for i in s.ids], max_new_tokens=max_new_tokens, segments=tuple(segments)
+    )
 
 
 def parse_rerank(text: str) -> tuple[str, int | None]:
@@ -169,14 +188,29 @@ def result(task: Rag, sample: Sample, outputs: list[Output]) -> SampleResult:
     maps = outputs[:n_maps]
     map_s = sum(_step_s(out) for out in maps)
     longest = max((_step_s(out) for out in maps), default=0.0)
-    steps = [{"step": "map", "prompt_tokens": out.prompt_tokens, "ttft_s": out.telemetry.get("ttft_s"),
-              "decode_s": out.telemetry.get("decode_s"), "new_tokens": out.telemetry.get("new_tokens")} for out in maps]
+    steps = [
+        {
+            "step": "map",
+            "prompt_tokens": out.prompt_tokens,
+            "ttft_s": out.telemetry.get("ttft_s"),
+            "decode_s": out.telemetry.get("decode_s"),
+            "new_tokens": out.telemetry.get("new_tokens"),
+        }
+        for out in maps
+    ]
     meta: dict[str, Any] = {**sample.meta, "pipeline": pipeline, "map_outputs": [out.text for out in maps]}
     if pipeline == "mapreduce":
         final = outputs[n_maps]
         first = float(final.telemetry.get("ttft_s") or 0.0)
-        steps.append({"step": "reduce", "prompt_tokens": final.prompt_tokens, "ttft_s": first,
-                      "decode_s": final.telemetry.get("decode_s"), "new_tokens": final.telemetry.get("new_tokens")})
+        steps.append(
+            {
+                "step": "reduce",
+                "prompt_tokens": final.prompt_tokens,
+                "ttft_s": first,
+                "decode_s": final.telemetry.get("decode_s"),
+                "new_tokens": final.telemetry.get("new_tokens"),
+            }
+        )
         prediction, stop = final.text, final.stop_reason
         ttft, parallel = map_s + first, longest + first
         telemetry = dict(final.telemetry)
@@ -187,11 +221,23 @@ def result(task: Rag, sample: Sample, outputs: list[Output]) -> SampleResult:
         prediction, stop = parsed[best][0], maps[best].stop_reason
         ttft, parallel = map_s, longest
         telemetry = {key: value for key, value in maps[best].telemetry.items() if key not in ("tt2t_s", "tpot_s")}
-        meta.update(map_scores=[score for _, score in parsed], chosen=best,
-                    unparsed=sum(score is None for _, score in parsed))
-    telemetry.update(ttft_s=ttft, prefill_s=ttft, prompt_tokens=sum(out.prompt_tokens for out in outputs),
-                     pipeline={"steps": steps, "map_s": map_s, "map_parallel_s": longest, "ttft_parallel_s": parallel})
+        meta.update(
+            map_scores=[score for _, score in parsed], chosen=best, unparsed=sum(score is None for _, score in parsed)
+        )
+    telemetry.update(
+        ttft_s=ttft,
+        prefill_s=ttft,
+        prompt_tokens=sum(out.prompt_tokens for out in outputs),
+        pipeline={"steps": steps, "map_s": map_s, "map_parallel_s": longest, "ttft_parallel_s": parallel},
+    )
     score = task.score(sample, prediction)
-    return SampleResult(id=sample.id, prediction=prediction, reference=sample.reference,
-                        score=None if score is None else float(score), subset=sample.subset,
-                        meta={**meta, "stop_reason": stop}, telemetry=telemetry, budget=outputs[-1].budget)
+    return SampleResult(
+        id=sample.id,
+        prediction=prediction,
+        reference=sample.reference,
+        score=None if score is None else float(score),
+        subset=sample.subset,
+        meta={**meta, "stop_reason": stop},
+        telemetry=telemetry,
+        budget=outputs[-1].budget,
+    )

@@ -50,7 +50,7 @@ def rechunk(pieces: Sequence[Sequence[int]], size: int) -> list[list[int]]:
     if size < 1:
         raise ConfigError(f"task.chunk_tokens={size} must be positive", "use e.g. task.chunk_tokens=512, or null")
     ids = [i for piece in pieces for i in piece]
-    return [ids[start:start + size] for start in range(0, len(ids), size)]
+    return [ids[start : start + size] for start in range(0, len(ids), size)]
 
 
 def top_k(distances: Sequence[float] | np.ndarray, k: int) -> list[int]:
@@ -83,8 +83,13 @@ class MiniLMRetriever:
 
         out = []
         for start in range(0, len(texts), batch_size):
-            batch = self.tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True,
-                                   max_length=MINILM_MAX_TOKENS, return_tensors="pt")
+            batch = self.tokenizer(
+                list(texts[start : start + batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=MINILM_MAX_TOKENS,
+                return_tensors="pt",
+            )
             with torch.inference_mode():
                 hidden = self.model(**batch).last_hidden_state
             out.append(mean_pool_normalize(hidden, batch["attention_mask"]).float().numpy())

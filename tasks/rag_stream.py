@@ -57,8 +57,10 @@ class RagStream(Rag):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"task.{key}={value!r} must be an integer >= {low}", f"e.g. task.{key}={max(low, 1)}")
         if not isinstance(self.cfg["shuffle_chunks"], bool):
-            raise ConfigError(f"task.shuffle_chunks={self.cfg['shuffle_chunks']!r} must be true or false",
-                              "use task.shuffle_chunks=true")
+            raise ConfigError(
+                f"task.shuffle_chunks={self.cfg['shuffle_chunks']!r} must be true or false",
+                "use task.shuffle_chunks=true",
+            )
         if self.cfg["pipeline"] != "stuff":
             raise ConfigError("task rag_stream serves single prompts", "drop task.pipeline (or use task=rag)")
 
@@ -88,14 +90,25 @@ class RagStream(Rag):
                     segments[slot] = chunks[pick]
                 sample.segments = segments
                 sample.meta["chunk_lengths"] = [len(segments[i]) for i in where]
-            sample.meta.update(stream_position=position, warmup=position < warmup, chunk_order=order,
-                               question_id=sample.id.rsplit("~", 1)[0], stream_seed=seed)
+            sample.meta.update(
+                stream_position=position,
+                warmup=position < warmup,
+                chunk_order=order,
+                question_id=sample.id.rsplit("~", 1)[0],
+                stream_seed=seed,
+            )
             yield sample
 
     def protocol(self) -> dict[str, Any]:
-        return {**super().protocol(), "task": self.name, "repeats": self.cfg["repeats"], "seed": self.cfg["seed"],
-                "warmup": self.cfg["warmup"], "shuffle_chunks": self.cfg["shuffle_chunks"],
-                "stream": "limit questions x repeats, seeded random order; served one at a time in that order"}
+        return {
+            **super().protocol(),
+            "task": self.name,
+            "repeats": self.cfg["repeats"],
+            "seed": self.cfg["seed"],
+            "warmup": self.cfg["warmup"],
+            "shuffle_chunks": self.cfg["shuffle_chunks"],
+            "stream": "limit questions x repeats, seeded random order; served one at a time in that order",
+        }
 
     # ------------------------------------------------------------------ the figure
     @classmethod
@@ -130,10 +143,13 @@ class RagStream(Rag):
         frame.to_csv(path.with_suffix(".csv"), index=False)
         path.with_suffix(".md").write_text(to_markdown(frame) + "\n", encoding="utf-8")
         n = len(prepared[0][1]) if prepared else 0
-        caption = (f"Each run's requests were served for real, one at a time in arrival order, with a chunk store that "
-                   f"started empty ({n} requests, the first {prepared[0][2] if prepared else 0} excluded); queueing "
-                   f"is replayed for Poisson arrivals at {len(rates)} rates ({rates[0]:.3g}–{rates[-1]:.3g} req/s, one "
-                   "seeded stream for every method): one server, FIFO, batch 1. TTFT = wait + chunk caches computed on "
-                   "a miss + prefill; throughput = served requests / (last completion - first arrival).")
-        return stream_figure(curves, path, title="TTFT under load vs achieved throughput (CacheBlend Fig. 14)",
-                             caption=caption)
+        caption = (
+            f"Each run's requests were served for real, one at a time in arrival order, with a chunk store that "
+            f"started empty ({n} requests, the first {prepared[0][2] if prepared else 0} excluded); queueing "
+            f"is replayed for Poisson arrivals at {len(rates)} rates ({rates[0]:.3g}–{rates[-1]:.3g} req/s, one "
+            "seeded stream for every method): one server, FIFO, batch 1. TTFT = wait + chunk caches computed on "
+            "a miss + prefill; throughput = served requests / (last completion - first arrival)."
+        )
+        return stream_figure(
+            curves, path, title="TTFT under load vs achieved throughput (CacheBlend Fig. 14)", caption=caption
+        )

@@ -65,8 +65,11 @@ def draw(kind: str, runs: Sequence[Any], path: Path) -> Path:
 
 def _series_key(info: RunInfo, placed: set[str]) -> str:
     """The run's variant without the settings this figure places (recomputed within the run's group)."""
-    return info.method + "|" + ",".join(f"{k}={_text(v)}" for k, v in sorted(info.settings.items())
-                                        if k in info.differ and k not in placed)
+    return (
+        info.method
+        + "|"
+        + ",".join(f"{k}={_text(v)}" for k, v in sorted(info.settings.items()) if k in info.differ and k not in placed)
+    )
 
 
 def _mark_differences(infos: list[RunInfo]) -> None:
@@ -81,9 +84,7 @@ def _mark_differences(infos: list[RunInfo]) -> None:
 
 def _label(info: RunInfo, placed: set[str]) -> str:
     extra = ", ".join(
-        f"{k.split('.', 1)[1]}={_text(info.settings.get(k))}"
-        for k in sorted(info.differ)
-        if k not in placed
+        f"{k.split('.', 1)[1]}={_text(info.settings.get(k))}" for k in sorted(info.differ) if k not in placed
     )
     name = METHODS.get(info.method, (info.method,))[0]
     if info.ratio is not None and "method.recompute_ratio" not in placed:
@@ -108,20 +109,32 @@ def retrieval(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     grouped = groups(infos)
     panels = []
     for (model, dataset), runs in grouped.items():
-        panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", "retrieved chunks (task.top_k)",
-                      f"{_metric(dataset)} (0–100)")
+        panel = Panel(
+            _where(model, dataset) if len(grouped) > 1 else "",
+            "retrieved chunks (task.top_k)",
+            f"{_metric(dataset)} (0–100)",
+        )
         palette = Palette()
         by_series: dict[str, list[RunInfo]] = {}
         for info in runs:
             by_series.setdefault(_series_key(info, placed) + f"|{info.ratio}", []).append(info)
-        for key in sorted(by_series, key=lambda k: (list(METHODS).index(k.split("|")[0]) if k.split("|")[0] in METHODS
-                                                    else 99, k)):
+        for key in sorted(
+            by_series, key=lambda k: (list(METHODS).index(k.split("|")[0]) if k.split("|")[0] in METHODS else 99, k)
+        ):
             series = sorted(by_series[key], key=lambda i: int(_setting(i, "task.top_k")))
             color, marker, _ = palette.style(series[0].method)
             scores = [_score_of(i) for i in series]
-            panel.series.append(Series(_label(series[0], placed), [int(_setting(i, "task.top_k")) for i in series],
-                                       [s[0] for s in scores], low=[s[1] for s in scores], high=[s[2] for s in scores],
-                                       color=color, marker=marker))
+            panel.series.append(
+                Series(
+                    _label(series[0], placed),
+                    [int(_setting(i, "task.top_k")) for i in series],
+                    [s[0] for s in scores],
+                    low=[s[1] for s in scores],
+                    high=[s[2] for s in scores],
+                    color=color,
+                    marker=marker,
+                )
+            )
         panels.append(panel)
     lengths = sorted({_setting(i, "task.chunk_tokens") for i in infos}, key=lambda v: (v is None, v or 0))
     caption = (
@@ -144,20 +157,30 @@ def equal_quality_points(infos: list[RunInfo]) -> list[dict[str, Any]]:
     out = []
     for (model, dataset, length, chunks), runs in sorted(cells.items(), key=lambda kv: tuple(map(str, kv[0]))):
         full = [i for i in runs if i.method == "full"]
-        blends = sorted((i for i in runs if i.method == "cacheblend" and i.ratio is not None),
-                        key=lambda i: i.ratio or 0.0)
+        blends = sorted(
+            (i for i in runs if i.method == "cacheblend" and i.ratio is not None), key=lambda i: i.ratio or 0.0
+        )
         if not full or not blends:
             continue
         reference = full[0]
         f1 = float(np.mean(reference.scores))
         chosen = next((i for i in blends if float(np.mean(i.scores)) >= f1 - EQUAL_QUALITY), None)
         prompt = np.mean([r["telemetry"].get("prompt_tokens") or 0 for r in reference.records])
-        out.append({"model": model, "dataset": dataset, "chunk_tokens": length, "top_k": chunks,
-                    "prompt_tokens": float(prompt), "full_f1": f1, "full_ttft_s": reference.ttft,
-                    "ratios_tried": [i.ratio for i in blends],
-                    "ratio": None if chosen is None else chosen.ratio,
-                    "cacheblend_f1": None if chosen is None else float(np.mean(chosen.scores)),
-                    "cacheblend_ttft_s": None if chosen is None else chosen.ttft})
+        out.append(
+            {
+                "model": model,
+                "dataset": dataset,
+                "chunk_tokens": length,
+                "top_k": chunks,
+                "prompt_tokens": float(prompt),
+                "full_f1": f1,
+                "full_ttft_s": reference.ttft,
+                "ratios_tried": [i.ratio for i in blends],
+                "ratio": None if chosen is None else chosen.ratio,
+                "cacheblend_f1": None if chosen is None else float(np.mean(chosen.scores)),
+                "cacheblend_ttft_s": None if chosen is None else chosen.ttft,
+            }
+        )
     return out
 
 
@@ -182,29 +205,53 @@ def scaling(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         (model, dataset, value), xs = max(counts.items(), key=lambda kv: (len(kv[1]), str(kv[0])))
         if len(xs) < 2:
             continue
-        row = sorted((p for p in points if (p["model"], p["dataset"], p[fixed]) == (model, dataset, value)),
-                     key=lambda p: p[axis])
+        row = sorted(
+            (p for p in points if (p["model"], p["dataset"], p[fixed]) == (model, dataset, value)),
+            key=lambda p: p[axis],
+        )
         label = "chunks" if axis == "top_k" else "chunk length (tokens)"
-        panel = Panel(f"{title}, {fixed.replace('_', ' ')} = {_text(value)} — {_where(model, dataset)}", label,
-                      "compute time: mean TTFT (s)", ylim=(0, None))
-        panel.series.append(Series("Full KV recompute", [p[axis] for p in row], [p["full_ttft_s"] for p in row],
-                                   color=METHODS["full"][1], marker=METHODS["full"][2]))
+        panel = Panel(
+            f"{title}, {fixed.replace('_', ' ')} = {_text(value)} — {_where(model, dataset)}",
+            label,
+            "compute time: mean TTFT (s)",
+            ylim=(0, None),
+        )
+        panel.series.append(
+            Series(
+                "Full KV recompute",
+                [p[axis] for p in row],
+                [p["full_ttft_s"] for p in row],
+                color=METHODS["full"][1],
+                marker=METHODS["full"][2],
+            )
+        )
         blend = [p for p in row if p["ratio"] is not None]
-        panel.series.append(Series("CacheBlend (smallest r at equal quality)", [p[axis] for p in blend],
-                                   [p["cacheblend_ttft_s"] for p in blend], notes=[f"r={p['ratio']:g}" for p in blend],
-                                   color=METHODS["cacheblend"][1], marker=METHODS["cacheblend"][2]))
+        panel.series.append(
+            Series(
+                "CacheBlend (smallest r at equal quality)",
+                [p[axis] for p in blend],
+                [p["cacheblend_ttft_s"] for p in blend],
+                notes=[f"r={p['ratio']:g}" for p in blend],
+                color=METHODS["cacheblend"][1],
+                marker=METHODS["cacheblend"][2],
+            )
+        )
         missing = [p for p in row if p["ratio"] is None]
         if missing:
             panel.note = "no ratio reached full's F1 - 1.5 at " + ", ".join(_text(p[axis]) for p in missing)
         panels.append(panel)
     if not panels:
-        raise ConfigError("the scaling figure needs at least two numbers of chunks or two chunk lengths",
-                          "sweep task.top_k or task.chunk_tokens")
-    caption = (f"For each setting: full recompute's TTFT, and CacheBlend's at the smallest recompute ratio r (of those "
-               f"run) whose mean F1 is at most {EQUAL_QUALITY:g} points below full's (the paper's 0.015 loss); chunk "
-               f"caches in RAM. {TTFT_NOTE} With few samples an F1 difference of this size is within noise: read the "
-               f"ratios as indicative. Fig. 15(c), batched prefill, is not drawn: the engine prefills one request at a "
-               f"time. {_samples(infos)}.")
+        raise ConfigError(
+            "the scaling figure needs at least two numbers of chunks or two chunk lengths",
+            "sweep task.top_k or task.chunk_tokens",
+        )
+    caption = (
+        f"For each setting: full recompute's TTFT, and CacheBlend's at the smallest recompute ratio r (of those "
+        f"run) whose mean F1 is at most {EQUAL_QUALITY:g} points below full's (the paper's 0.015 loss); chunk "
+        f"caches in RAM. {TTFT_NOTE} With few samples an F1 difference of this size is within noise: read the "
+        f"ratios as indicative. Fig. 15(c), batched prefill, is not drawn: the engine prefills one request at a "
+        f"time. {_samples(infos)}."
+    )
     return panels, "Compute time at equal quality (CacheBlend Fig. 15)", caption, 2
 
 
@@ -218,15 +265,21 @@ def _parallel_ttft(info: RunInfo) -> float | None:
 def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
     infos = _scored(infos)
     if not any((_setting(i, "task.pipeline") or "stuff") != "stuff" for i in infos):
-        raise ConfigError("the pipelines figure needs runs with task.pipeline=mapreduce or maprerank",
-                          "e.g. kvbench run -m method=full task=rag task.pipeline=mapreduce,maprerank ...")
+        raise ConfigError(
+            "the pipelines figure needs runs with task.pipeline=mapreduce or maprerank",
+            "e.g. kvbench run -m method=full task=rag task.pipeline=mapreduce,maprerank ...",
+        )
     _mark_differences(infos)
     placed = {"task.pipeline", "task.map_tokens"}
     grouped = groups(infos)
     panels = []
     for (model, dataset), runs in grouped.items():
-        panel = Panel(_where(model, dataset) if len(grouped) > 1 else "", "mean TTFT (s)",
-                      f"{_metric(dataset)} (0–100)", xlim=(0, None))
+        panel = Panel(
+            _where(model, dataset) if len(grouped) > 1 else "",
+            "mean TTFT (s)",
+            f"{_metric(dataset)} (0–100)",
+            xlim=(0, None),
+        )
         palette = Palette()
         for info in sorted(runs, key=lambda i: (_setting(i, "task.pipeline") or "stuff", i.method, i.ratio or 0)):
             score = _score_of(info)
@@ -239,18 +292,39 @@ def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                 label = name + ("" if info.method == "full" else f" ({METHODS.get(info.method, (info.method,))[0]})")
             ttft = info.ttft
             if ttft is not None:  # (every run records TTFT; one without has no place on this axis)
-                panel.series.append(Series(label, [ttft], [score[0]], kind="points", low=[score[1]], high=[score[2]],
-                                           color=color, marker=marker))
+                panel.series.append(
+                    Series(
+                        label,
+                        [ttft],
+                        [score[0]],
+                        kind="points",
+                        low=[score[1]],
+                        high=[score[2]],
+                        color=color,
+                        marker=marker,
+                    )
+                )
             parallel = _parallel_ttft(info) if pipeline != "stuff" else None
             if parallel is not None:
-                panel.series.append(Series(f"{label}, maps in parallel (ideal)", [parallel], [score[0]], kind="points",
-                                           color=color, marker="o", linestyle="none"))
+                panel.series.append(
+                    Series(
+                        f"{label}, maps in parallel (ideal)",
+                        [parallel],
+                        [score[0]],
+                        kind="points",
+                        color=color,
+                        marker="o",
+                        linestyle="none",
+                    )
+                )
         panels.append(panel)
-    caption = (f"MapReduce: each chunk summarised alone, the summaries answered in one prompt; MapRerank: each chunk "
-               f"answered alone with a 0–100 score, the best answer kept (LangChain's chains, kvbench's prompts). TTFT "
-               f"of a pipeline: request to the first token of its final answer, the map steps run one at a time "
-               f"(measured); 'maps in parallel': the longest map step instead of their sum (an idealised bound). "
-               f"{_metric_caption(grouped)} {_samples(infos)}.")
+    caption = (
+        f"MapReduce: each chunk summarised alone, the summaries answered in one prompt; MapRerank: each chunk "
+        f"answered alone with a 0–100 score, the best answer kept (LangChain's chains, kvbench's prompts). TTFT "
+        f"of a pipeline: request to the first token of its final answer, the map steps run one at a time "
+        f"(measured); 'maps in parallel': the longest map step instead of their sum (an idealised bound). "
+        f"{_metric_caption(grouped)} {_samples(infos)}."
+    )
     return panels, _titled("RAG pipelines vs. CacheBlend", grouped), caption, 2
 
 
@@ -272,11 +346,20 @@ def storage(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         key=lambda s: (s != "RAM", s.startswith("disk throttled"), -float(s.split()[3]) if "throttled" in s else 0),
     )
     if not settings:
-        raise ConfigError("the storage figure needs reuse-method runs (their store.tier places them)",
-                          "e.g. kvbench run -m method=cacheblend,full_reuse,prefix_cache store.tier=ram,disk ...")
+        raise ConfigError(
+            "the storage figure needs reuse-method runs (their store.tier places them)",
+            "e.g. kvbench run -m method=cacheblend,full_reuse,prefix_cache store.tier=ram,disk ...",
+        )
     _mark_differences(infos)
-    placed = {"store.tier", "store.read_mbps", "store.pipeline", "store.cold_reads", "store.dir", "store.ram_gb",
-              "store.disk_gb"}
+    placed = {
+        "store.tier",
+        "store.read_mbps",
+        "store.pipeline",
+        "store.cold_reads",
+        "store.dir",
+        "store.ram_gb",
+        "store.disk_gb",
+    }
     panels = []
     for setting in settings:
         runs = [i for i in infos if _storage(i) in (setting, None)]
@@ -289,14 +372,26 @@ def storage(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             color, marker, _ = palette.style(info.method)
             ttft = info.ttft
             if ttft is not None:  # (every run records TTFT; one without has no place on this axis)
-                panel.series.append(Series(_label(info, placed), [ttft], [score[0]], kind="points", low=[score[1]],
-                                           high=[score[2]], color=color, marker=marker))
+                panel.series.append(
+                    Series(
+                        _label(info, placed),
+                        [ttft],
+                        [score[0]],
+                        kind="points",
+                        low=[score[1]],
+                        high=[score[2]],
+                        color=color,
+                        marker=marker,
+                    )
+                )
         panels.append(panel)
     grouped = groups(infos)
-    caption = (f"Chunk KV caches served from RAM, from this machine's disk with the page cache dropped before every "
-               f"read, or from the same disk throttled to N MB/s (store.read_mbps: reads padded with sleep, an "
-               f"emulation of a slower device); loads pipelined with recompute (store.pipeline). Full recompute "
-               f"reads no cache and appears in every panel. {_metric_caption(grouped)} {TTFT_NOTE} {_samples(infos)}.")
+    caption = (
+        f"Chunk KV caches served from RAM, from this machine's disk with the page cache dropped before every "
+        f"read, or from the same disk throttled to N MB/s (store.read_mbps: reads padded with sleep, an "
+        f"emulation of a slower device); loads pipelined with recompute (store.pipeline). Full recompute "
+        f"reads no cache and appears in every panel. {_metric_caption(grouped)} {TTFT_NOTE} {_samples(infos)}."
+    )
     return panels, _titled("Quality vs. TTFT by storage device", grouped), caption, len(panels)
 
 

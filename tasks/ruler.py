@@ -175,12 +175,15 @@ class Ruler(Task):
         names = list(TASKS) if names == ["all"] else names
         unknown = [n for n in names if n not in TASKS]
         if unknown or not names:
-            raise ConfigError(f"unknown RULER task(s) {', '.join(unknown) or '(none given)'}",
-                              f"task.subsets takes [all] or names from {', '.join(TASKS)}")
+            raise ConfigError(
+                f"unknown RULER task(s) {', '.join(unknown) or '(none given)'}",
+                f"task.subsets takes [all] or names from {', '.join(TASKS)}",
+            )
         self.lengths = [int(x) for x in self.cfg["lengths"]]
         if not self.lengths or min(self.lengths) < 256:
-            raise ConfigError(f"task.lengths={self.lengths} must be token counts of at least 256",
-                              "e.g. task.lengths=[4096,8192]")
+            raise ConfigError(
+                f"task.lengths={self.lengths} must be token counts of at least 256", "e.g. task.lengths=[4096,8192]"
+            )
         self.num_samples = int(self.cfg["num_samples"])
         if self.num_samples < 1:
             raise ConfigError(f"task.num_samples={self.num_samples} must be positive", "e.g. task.num_samples=20")
@@ -191,13 +194,18 @@ class Ruler(Task):
                 f"drop the override, or use the kvbench release that generated version {self.cfg['generator_version']}",
             )
         if self.cfg["question_position"] not in ("end", None):
-            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}: RULER asks after the context",
-                              "drop task.question_position")
+            raise ConfigError(
+                f"task.question_position={self.cfg['question_position']!r}: RULER asks after the context",
+                "drop task.question_position",
+            )
         self.qa_paths = {task: self._qa_file(task) for task in names if task in QA_TASKS}
         skipped = [task for task, path in self.qa_paths.items() if path is None]
         if skipped:
-            print(f"ruler: skipping {', '.join(skipped)}: no SQuAD / HotpotQA in task.data_dir "
-                  f"(put RULER's squad.json / hotpotqa.json there)", file=sys.stderr)
+            print(
+                f"ruler: skipping {', '.join(skipped)}: no SQuAD / HotpotQA in task.data_dir "
+                f"(put RULER's squad.json / hotpotqa.json there)",
+                file=sys.stderr,
+            )
         self.names = [n for n in names if n not in skipped]
         self.skipped = skipped
         self._vt_units: dict[int, int] = {}  # per tokenizer
@@ -234,15 +242,18 @@ class Ruler(Task):
             "tasks": self.names,
             "skipped": self.skipped,
             "length_unit": "prompt tokens (chat template and answer prefix included) + the task's tokens to "
-                           "generate <= length (RULER's max_seq_length)",
+            "generate <= length (RULER's max_seq_length)",
             "max_new_tokens": {t: FAMILIES[TASKS[t][0]].max_new_tokens for t in self.names},
             "metric": {t: "string_match_" + FAMILIES[TASKS[t][0]].metric for t in self.names},
             "chat_template": bool(self.cfg["chat_template"]),
             "answer_prefix": "opens the assistant turn",
             "wonderwords": WONDERWORDS_VERSION,
             "sentence_split": "regex (RULER: nltk punkt)",
-            **({"questions": "one key each: RULER's asked keys first, then the others; up to queries_per_context"}
-               if self.multi_query else {}),
+            **(
+                {"questions": "one key each: RULER's asked keys first, then the others; up to queries_per_context"}
+                if self.multi_query
+                else {}
+            ),
             **self.multi_query_protocol(),
         }
 
@@ -250,8 +261,10 @@ class Ruler(Task):
     def samples(self, model: Any) -> Iterable[Sample]:
         for length in self.lengths:
             if length > model.spec.max_length:
-                raise ConfigError(f"task.lengths has {length}, beyond the model's {model.spec.max_length} tokens",
-                                  f"use lengths up to {model.spec.max_length}")
+                raise ConfigError(
+                    f"task.lengths has {length}, beyond the model's {model.spec.max_length} tokens",
+                    f"use lengths up to {model.spec.max_length}",
+                )
         for task, length, index in self._grid():
             yield self.make_sample(task, length, index, model)
 
@@ -261,8 +274,15 @@ class Ruler(Task):
         segments = prompts[0]
         ids = [i for s in segments for i in s.ids]
         questions = self.questions(draw)
-        meta = {"task": task, "length": length, "index": index, "units": units, "prompt_tokens": len(ids),
-                "query": questions[0].query, "digest": ids_digest(ids)}
+        meta = {
+            "task": task,
+            "length": length,
+            "index": index,
+            "units": units,
+            "prompt_tokens": len(ids),
+            "query": questions[0].query,
+            "digest": ids_digest(ids),
+        }
         context, queries = None, None
         if self.multi_query:
             context = segments[:2]
@@ -318,10 +338,14 @@ class Ruler(Task):
         if units is None:
             raise ConfigError(
                 f"task.lengths has {length}, too short for {task} ({measure(low)} prompt tokens with the smallest "
-                f"haystack + {family.max_new_tokens} to generate)", "use longer task.lengths")
+                f"haystack + {family.max_new_tokens} to generate)",
+                "use longer task.lengths",
+            )
         if high is not None and units == high:
-            raise ConfigError(f"{task} at length {length} needs more than the {high} distinct words of its vocabulary",
-                              f"drop {task} from task.subsets or use shorter task.lengths")
+            raise ConfigError(
+                f"{task} at length {length} needs more than the {high} distinct words of its vocabulary",
+                f"drop {task} from task.subsets or use shorter task.lengths",
+            )
         draw, prompts = built[units]
         return draw, units, prompts
 
@@ -351,20 +375,26 @@ class Ruler(Task):
 
             def vt(units: int) -> Draw:
                 rng = Random(seed)
-                example = variable_tracking(rng, example_units, num_chains=args["num_chains"],
-                                            num_hops=min(10, args["num_hops"]), name_length=3)
+                example = variable_tracking(
+                    rng, example_units, num_chains=args["num_chains"], num_hops=min(10, args["num_hops"]), name_length=3
+                )
                 return variable_tracking(rng, units, examples=(example,), **args)
+
             return vt
         if family == "common_words_extraction":
             short = length < 4096  # RULER's smaller repeats and example below 4K
-            example_args = dict(num_cw=args["num_cw"], freq_cw=3, freq_ucw=1) if short else \
-                dict(num_cw=args["num_cw"], freq_cw=10, freq_ucw=3)
+            example_args = (
+                dict(num_cw=args["num_cw"], freq_cw=3, freq_ucw=1)
+                if short
+                else dict(num_cw=args["num_cw"], freq_cw=10, freq_ucw=3)
+            )
             main_args = dict(num_cw=args["num_cw"], freq_cw=6, freq_ucw=1) if short else args
 
             def cwe(units: int) -> Draw:
                 rng = Random(seed)
                 example = common_words(rng, 20 if short else 40, **example_args)
                 return common_words(rng, units, examples=(example,), **main_args)
+
             return cwe
         if family == "freq_words_extraction":
             vocab_size = (length - FAMILIES[family].max_new_tokens) // 50
@@ -388,12 +418,18 @@ class Ruler(Task):
         if any(t.before != first.before or t.context != first.context for t in texts[1:]):
             raise ValueError("the questions of one RULER context must share its instruction and context")
         before = first.before.rstrip(" ")
-        context = first.before[len(before):] + first.context
+        context = first.before[len(before) :] + first.context
         base = not self.cfg["chat_template"]
         prefix = Segment(tokenizer(head + before, add_special_tokens=base).input_ids, "prefix")
         chunk = Segment(tokenizer(context, add_special_tokens=False).input_ids, "chunk")
-        return [[prefix, chunk, Segment(tokenizer(t.after + tail + t.answer_prefix, add_special_tokens=False).input_ids,
-                                        "query")] for t in texts]
+        return [
+            [
+                prefix,
+                chunk,
+                Segment(tokenizer(t.after + tail + t.answer_prefix, add_special_tokens=False).input_ids, "query"),
+            ]
+            for t in texts
+        ]
 
     def _followups(self, task: str, draw: Draw, questions: list[Question], model: Any) -> list[list[int] | None]:
         """Each question as a new user turn (the question sentence, the template's turn frame and the
@@ -423,8 +459,9 @@ class Ruler(Task):
         probe = sample_seed(int(self.cfg["seed"]), "vt-example", 0, 0)
 
         def measure(units: int) -> int:
-            draw = variable_tracking(Random(probe), units, num_chains=args["num_chains"],
-                                     num_hops=min(10, args["num_hops"]), name_length=3)
+            draw = variable_tracking(
+                Random(probe), units, num_chains=args["num_chains"], num_hops=min(10, args["num_hops"]), name_length=3
+            )
             text = render("vt", draw, ruler_question(draw))
             return len(model.tokenizer(text.user + text.answer_prefix, add_special_tokens=False).input_ids)
 
@@ -500,5 +537,7 @@ def _read_qa(path: Path, dataset: str) -> QASet:
     try:
         return read_squad(path) if dataset == "squad" else read_hotpotqa(path)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path} is not {dataset} in RULER's format ({type(exc).__name__}: {exc})",
-                          "use SQuAD v2.0 dev (squad.json) / HotpotQA dev distractor (hotpotqa.json)") from None
+        raise ConfigError(
+            f"{path} is not {dataset} in RULER's format ({type(exc).__name__}: {exc})",
+            "use SQuAD v2.0 dev (squad.json) / HotpotQA dev distractor (hotpotqa.json)",
+        ) from None

@@ -102,8 +102,9 @@ def word_lists() -> dict[str, tuple[str, ...]]:
     try:
         from wonderwords.random_word import Defaults
     except ImportError:
-        raise ConfigError("RULER's word lists need the wonderwords package",
-                          f"pip install wonderwords=={WONDERWORDS_VERSION}") from None
+        raise ConfigError(
+            "RULER's word lists need the wonderwords package", f"pip install wonderwords=={WONDERWORDS_VERSION}"
+        ) from None
     lists = {}
     for name, member in (("nouns", Defaults.NOUNS), ("adjectives", Defaults.ADJECTIVES), ("verbs", Defaults.VERBS)):
         text = files("wonderwords.assets").joinpath(member.value).read_text(encoding="utf-8")
@@ -186,8 +187,18 @@ def _lines_with(rng: Random, lines: list[str], inserts: Sequence[str]) -> list[s
 
 
 # ----------------------------------------------------------------------------------------- generators
-def niah(rng: Random, units: int, *, haystack: str, key_type: str, value_type: str, num_keys: int = 1,
-         num_values: int = 1, num_queries: int = 1, essay: Sequence[str] = ()) -> Draw:
+def niah(
+    rng: Random,
+    units: int,
+    *,
+    haystack: str,
+    key_type: str,
+    value_type: str,
+    num_keys: int = 1,
+    num_values: int = 1,
+    num_queries: int = 1,
+    essay: Sequence[str] = (),
+) -> Draw:
     """Needles in a haystack of ``units`` essay words, noise lines or distractor needles; one question
     per key (its values), RULER asking ``num_queries`` of them."""
     if haystack not in HAYSTACKS:
@@ -213,17 +224,26 @@ def niah(rng: Random, units: int, *, haystack: str, key_type: str, value_type: s
     return Draw("\n".join(_lines_with(rng, lines, needles)), questions, asked)
 
 
-def variable_tracking(rng: Random, units: int, *, num_chains: int = 1, num_hops: int = 4, name_length: int = 5,
-                      examples: tuple[Draw, ...] = ()) -> Draw:
+def variable_tracking(
+    rng: Random,
+    units: int,
+    *,
+    num_chains: int = 1,
+    num_hops: int = 4,
+    name_length: int = 5,
+    examples: tuple[Draw, ...] = (),
+) -> Draw:
     """``num_chains`` assignment chains of ``num_hops`` links, each link on its own line, in order, among
     ``units`` noise lines; one question per chain (its value → all its names), RULER asking the first."""
     names = distinct(lambda: "".join(rng.choices(string.ascii_uppercase, k=name_length)), num_chains * (num_hops + 1))
     chain_values = distinct(lambda: str(rng.randint(10000, 99998)), num_chains)  # np.random.randint(10000, 99999)
     chains, questions = [], []
     for c, value in enumerate(chain_values):
-        chain_names = names[c * (num_hops + 1):(c + 1) * (num_hops + 1)]
-        chains.append([f"VAR {chain_names[0]} = {value}"]
-                      + [f"VAR {chain_names[j + 1]} = VAR {chain_names[j]} " for j in range(num_hops)])
+        chain_names = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
+        chains.append(
+            [f"VAR {chain_names[0]} = {value}"]
+            + [f"VAR {chain_names[j + 1]} = VAR {chain_names[j]} " for j in range(num_hops)]
+        )
         questions.append(Question(value, tuple(chain_names)))
     lines = [NOISE] * units
     for chain in chains:
@@ -233,8 +253,9 @@ def variable_tracking(rng: Random, units: int, *, num_chains: int = 1, num_hops:
     return Draw("\n".join(lines), tuple(questions), (0,), examples)
 
 
-def common_words(rng: Random, units: int, *, num_cw: int = 10, freq_cw: int = 30, freq_ucw: int = 3,
-                 examples: tuple[Draw, ...] = ()) -> Draw:
+def common_words(
+    rng: Random, units: int, *, num_cw: int = 10, freq_cw: int = 30, freq_ucw: int = 3, examples: tuple[Draw, ...] = ()
+) -> Draw:
     """A numbered list of ``units`` distinct words: the first ``num_cw`` ``freq_cw`` times each, the rest
     ``freq_ucw`` times, shuffled; the answer is the ``num_cw`` common words."""
     vocabulary = common_words_vocabulary()
@@ -257,8 +278,8 @@ def zeta(alpha: float) -> float:
     if alpha <= 1:
         raise ValueError("zeta(alpha) diverges for alpha <= 1")
     n = 1000
-    head = math.fsum(k ** -alpha for k in range(1, n))
-    return head + n ** (1 - alpha) / (alpha - 1) + n ** -alpha / 2 + alpha * n ** (-alpha - 1) / 12
+    head = math.fsum(k**-alpha for k in range(1, n))
+    return head + n ** (1 - alpha) / (alpha - 1) + n**-alpha / 2 + alpha * n ** (-alpha - 1) / 12
 
 
 def freq_words(rng: Random, units: int, *, vocab_size: int, alpha: float = 2.0, word_length: int = 6) -> Draw:
@@ -267,7 +288,7 @@ def freq_words(rng: Random, units: int, *, vocab_size: int, alpha: float = 2.0, 
     rng.shuffle(vocabulary)
     vocabulary[0] = "..."
     z = zeta(alpha)
-    sequence = [word for k, word in enumerate(vocabulary, start=1) for _ in range(int(units * k ** -alpha / z))]
+    sequence = [word for k, word in enumerate(vocabulary, start=1) for _ in range(int(units * k**-alpha / z))]
     rng.shuffle(sequence)
     return Draw(" ".join(sequence), (Question("", tuple(vocabulary[1:4])),))
 
@@ -299,8 +320,14 @@ def read_squad(path: Path) -> QASet:
             own = index[paragraph["context"]]
             for qa in paragraph["qas"]:
                 if not qa.get("is_impossible", False):
-                    items.append(QAItem(qa["question"], tuple(a["text"] for a in qa["answers"]), (own,),
-                                        tuple(d for d in article_docs if d != own)))
+                    items.append(
+                        QAItem(
+                            qa["question"],
+                            tuple(a["text"] for a in qa["answers"]),
+                            (own,),
+                            tuple(d for d in article_docs if d != own),
+                        )
+                    )
     return QASet(tuple(items), documents)
 
 
@@ -313,8 +340,9 @@ def read_hotpotqa(path: Path) -> QASet:
 
     documents = tuple(sorted({as_doc(t, s) for row in data for t, s in row["context"]}))
     index = {doc: i for i, doc in enumerate(documents)}
-    items = tuple(QAItem(row["question"], (row["answer"],), tuple(index[as_doc(t, s)] for t, s in row["context"]))
-                  for row in data)
+    items = tuple(
+        QAItem(row["question"], (row["answer"],), tuple(index[as_doc(t, s)] for t, s in row["context"])) for row in data
+    )
     return QASet(items, documents)
 
 

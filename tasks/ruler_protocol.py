@@ -33,30 +33,40 @@ FAMILIES: dict[str, Family] = {
         "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
         "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
         " The special magic {type_needle_v} for {query} mentioned in the provided text are",
-        128, "all"),
+        128,
+        "all",
+    ),
     "variable_tracking": Family(
         "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
         "Question: Find all variables that are assigned the value {query} in the text above.",
         " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
         "assigned the value {query}, they are: ",
-        30, "all"),
+        30,
+        "all",
+    ),
     "common_words_extraction": Family(
         "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
         "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
         " Answer: The top 10 words that appear most often in the list are:",
-        120, "all"),
+        120,
+        "all",
+    ),
     "freq_words_extraction": Family(
         "Read the following coded text and track the frequency of each coded word. Find the three most "
         "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
         "the dots '....'. What are the three most frequently appeared words in the above coded text?",
         " Answer: According to the coded text above, the three most frequently appeared words are:",
-        50, "all"),
+        50,
+        "all",
+    ),
     "qa": Family(
         "Answer the question based on the given documents. Only give me the answer and do not output any other "
         "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
         "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
         " Answer:",
-        32, "part"),
+        32,
+        "part",
+    ),
 }
 
 #: RULER's synthetic.yaml: task name → (family, arguments)

@@ -55,11 +55,14 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
             try:
                 row = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"{path}:{number}: not a valid JSON line ({exc})",
-                                  "repair that line or download the file again") from None
+                raise ConfigError(
+                    f"{path}:{number}: not a valid JSON line ({exc})", "repair that line or download the file again"
+                ) from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{number}: a JSON {type(row).__name__}, not an object (one row per line)",
-                                  "repair that line or download the file again")
+                raise ConfigError(
+                    f"{path}:{number}: a JSON {type(row).__name__}, not an object (one row per line)",
+                    "repair that line or download the file again",
+                )
             yield row
 
 

@@ -5,8 +5,12 @@ import sys
 
 def test_quick_benchmarks_run_and_report_ratios():
     names = ["pq_search", "kmeans_faiss", "clusterkv_select", "pqcache_e2e", "clusterkv_e2e"]
-    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "--quick", "--repeats", "1", "--json", *names],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "bench", "--quick", "--repeats", "1", "--json", *names],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     by_name = {r["name"]: r for r in report["results"]}
@@ -28,9 +32,27 @@ def test_unknown_benchmark_is_one_error_line():
 
 def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     saved = tmp_path / "bench.json"
-    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--quick", "--save", str(saved),
-                          "--model", "tiny_qwen2", "--lengths", "700,900", "--new-tokens", "4"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "bench",
+            "pqcache_e2e",
+            "--quick",
+            "--save",
+            str(saved),
+            "--model",
+            "tiny_qwen2",
+            "--lengths",
+            "700,900",
+            "--new-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("## pqcache_e2e")  # the table is printed, the record goes to the file
     record = json.loads(saved.read_text())
@@ -38,15 +60,35 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     rows = record["results"][0]["rows"]
     assert [r["model"] for r in rows] == ["tiny_qwen2"] * 2
     assert 690 < rows[0]["prompt"] <= 700 and 890 < rows[1]["prompt"] <= 900
-    bad = subprocess.run([sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--lengths" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_reuse_ttft_reports_every_config_against_full():
     """reuse_ttft on a tiny model: full and both reuse methods from both tiers, ratios from paired rounds."""
-    out = subprocess.run([sys.executable, "-m", "kvbench", "bench", "reuse_ttft", "--quick", "--repeats", "1", "--json",
-                          "--model", "tiny_llama"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "bench",
+            "reuse_ttft",
+            "--quick",
+            "--repeats",
+            "1",
+            "--json",
+            "--model",
+            "tiny_llama",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["results"][0]["rows"]
     assert [(r["method"], r["chunks from"]) for r in rows] == [

@@ -17,13 +17,23 @@ def test_checks_pass_and_fail(tmp_path, capsys):
     essays = tmp_path / "essays"
     essays.mkdir()
     (essays / "e.txt").write_text("Some essay text about work. " * 300)
-    common = ["model=tiny_llama", "task=niah", "task.lengths=[600]", "task.depths=[0.5]", "task.max_new_tokens=4",
-              f"task.data_dir={essays}"]
+    common = [
+        "model=tiny_llama",
+        "task=niah",
+        "task.lengths=[600]",
+        "task.depths=[0.5]",
+        "task.max_new_tokens=4",
+        f"task.data_dir={essays}",
+    ]
     golden = tmp_path / "checks.yaml"
-    golden.write_text(yaml.safe_dump([
-        {"name": "counts", "overrides": common, "expect": {"n": 1}},
-        {"name": "impossible", "overrides": common, "expect": {"score": 123.0}, "tolerance": 0.1},
-    ]))
+    golden.write_text(
+        yaml.safe_dump(
+            [
+                {"name": "counts", "overrides": common, "expect": {"n": 1}},
+                {"name": "impossible", "overrides": common, "expect": {"score": 123.0}, "tolerance": 0.1},
+            ]
+        )
+    )
     assert run_checks(str(golden), names=["counts"], output_dir=str(tmp_path / "runs")) == 0
     assert run_checks(str(golden), output_dir=str(tmp_path / "runs")) == 1
     out = capsys.readouterr().out
@@ -78,9 +88,27 @@ def test_update_records_then_detects_a_change(tmp_path, capsys):
     essays.mkdir()
     (essays / "e.txt").write_text("Some essay text about work and life. " * 200)
     golden = tmp_path / "checks.yaml"
-    golden.write_text("# header kept\n" + yaml.safe_dump([{"name": "stream", "overrides": [
-        "model=tiny_llama", "method=streamingllm", "task=niah", "task.lengths=[400]", "task.depths=[0.5]",
-        "task.max_new_tokens=6", f"task.data_dir={essays}", "budget.tokens=64", "budget.sink=4"]}]))
+    golden.write_text(
+        "# header kept\n"
+        + yaml.safe_dump(
+            [
+                {
+                    "name": "stream",
+                    "overrides": [
+                        "model=tiny_llama",
+                        "method=streamingllm",
+                        "task=niah",
+                        "task.lengths=[400]",
+                        "task.depths=[0.5]",
+                        "task.max_new_tokens=6",
+                        f"task.data_dir={essays}",
+                        "budget.tokens=64",
+                        "budget.sink=4",
+                    ],
+                }
+            ]
+        )
+    )
     with pytest.raises(ConfigError, match="no expected values"):
         run_checks(str(golden))
     assert run_checks(str(golden), update=True) == 0
@@ -101,8 +129,18 @@ def test_update_records_then_detects_a_change(tmp_path, capsys):
 
 def test_needs_skips_and_bad_entries(tmp_path, capsys):
     golden = tmp_path / "checks.yaml"
-    golden.write_text(yaml.safe_dump([{"name": "x", "needs": [str(tmp_path / "absent")], "expect": {"n": 1},
-                                       "overrides": ["model=tiny_llama", "task=niah"]}]))
+    golden.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "x",
+                    "needs": [str(tmp_path / "absent")],
+                    "expect": {"n": 1},
+                    "overrides": ["model=tiny_llama", "task=niah"],
+                }
+            ]
+        )
+    )
     assert run_checks(str(golden)) == 0
     assert "skip x" in capsys.readouterr().out
     golden.write_text(yaml.safe_dump([{"name": "x", "overides": []}]))

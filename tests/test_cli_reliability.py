@@ -28,8 +28,15 @@ def no_loading(monkeypatch):
 
 def base_args(tmp_path, essays, extra=()):
     """A small NIAH run on tiny_llama; ``extra`` overrides replace the base keys they name."""
-    base = ["model=tiny_llama", f"output_dir={tmp_path / 'runs'}", "progress=false", f"task.data_dir={essays}",
-            "task.lengths=[600]", "task.depths=[0]", "task.max_new_tokens=4"]
+    base = [
+        "model=tiny_llama",
+        f"output_dir={tmp_path / 'runs'}",
+        "progress=false",
+        f"task.data_dir={essays}",
+        "task.lengths=[600]",
+        "task.depths=[0]",
+        "task.max_new_tokens=4",
+    ]
     keys = {a.partition("=")[0] for a in extra}
     if "task" in keys:  # another task: none of NIAH's keys
         base = [a for a in base if not a.startswith("task.")]
@@ -100,8 +107,10 @@ def test_bad_config_fails_fast_before_loading(name, tmp_path, essays, no_loading
 
 def test_validation_needs_no_torch(tmp_path, essays):
     """In a fresh interpreter the config-only checks answer without importing torch (about 2 s alone)."""
-    script = ("import sys; from kvbench.cli import main; code = main(sys.argv[1:]); "
-              "print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)")
+    script = (
+        "import sys; from kvbench.cli import main; code = main(sys.argv[1:]); "
+        "print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)"
+    )
     started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", script, "run", *base_args(tmp_path, essays, ["budget.token_ratio=abc"])],
@@ -117,8 +126,18 @@ def test_validation_needs_no_torch(tmp_path, essays):
 def test_run_help_prints_usage():
     out = subprocess.run(KVBENCH + ["run", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stderr == ""
-    for needle in ("usage: kvbench run", "--dry-run", "--wait", "method=", "streamingllm", "task=", "niah",
-                   "budget.token_ratio", "examples:", "kvbench run -m method=full,oracle"):
+    for needle in (
+        "usage: kvbench run",
+        "--dry-run",
+        "--wait",
+        "method=",
+        "streamingllm",
+        "task=",
+        "niah",
+        "budget.token_ratio",
+        "examples:",
+        "kvbench run -m method=full,oracle",
+    ):
         assert needle in out.stdout, needle
 
 
@@ -142,8 +161,15 @@ def test_quoted_non_ascii_output_dir_is_accepted(tmp_path, essays, no_loading, c
 
 
 def test_ctrl_c_saves_samples_and_prints_the_resume_command(tmp_path, essays):
-    args = ["run", "model=tiny_llama", f"output_dir={tmp_path / 'runs'}", f"task.data_dir={essays}",
-            "task.lengths=[600,700]", "task.depths=[0,0.5,1]", "task.max_new_tokens=8"]
+    args = [
+        "run",
+        "model=tiny_llama",
+        f"output_dir={tmp_path / 'runs'}",
+        f"task.data_dir={essays}",
+        "task.lengths=[600,700]",
+        "task.depths=[0,0.5,1]",
+        "task.max_new_tokens=8",
+    ]
     proc = subprocess.Popen(KVBENCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while time.time() < deadline:

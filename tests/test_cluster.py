@@ -16,8 +16,9 @@ TINY = ["model=tiny_llama", "task.lengths=[512]", "task.max_new_tokens=4", "prog
 
 
 def kvbench(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def samples_by_run(output_dir: Path) -> dict[str, dict[str, tuple]]:
@@ -35,8 +36,12 @@ def test_shards_partition_the_ids():
     from kvbench.tasks.base import parse_shard
 
     ids = create_task({"name": "niah", "lengths": [256, 512], "depths": [0, 0.25, 0.5, 0.75, 1]}).sample_ids()
-    parts = [create_task({"name": "niah", "lengths": [256, 512], "depths": [0, 0.25, 0.5, 0.75, 1],
-                          "shard": f"{i}/3"}).shard_sample_ids() for i in range(3)]
+    parts = [
+        create_task(
+            {"name": "niah", "lengths": [256, 512], "depths": [0, 0.25, 0.5, 0.75, 1], "shard": f"{i}/3"}
+        ).shard_sample_ids()
+        for i in range(3)
+    ]
     assert sorted(sum(parts, [])) == sorted(ids) and len(set(sum(parts, []))) == len(ids)
     assert [len(p) for p in parts] == [4, 3, 3]
     assert parse_shard(None) is None and parse_shard("0/1") is None and parse_shard("1/4") == (1, 4)
@@ -49,9 +54,24 @@ def test_two_shard_workers_lose_and_duplicate_nothing(tmp_path):
     """Two processes on one run with task.shard=0/2 and 1/2 at the same time: each writes its own run
     directory (no waiting on a lock), and the merged run equals the unsharded one sample for sample."""
     common = [*TINY, "task.depths=[0,0.5,1]", "method=streamingllm", "budget.tokens=64"]
-    workers = [subprocess.Popen([sys.executable, "-m", "kvbench", "run", *common, f"task.shard={i}/2",
-                                 f"output_dir={tmp_path / 'sharded'}"], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbench",
+                "run",
+                *common,
+                f"task.shard={i}/2",
+                f"output_dir={tmp_path / 'sharded'}",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for worker in workers:
         _, err = worker.communicate(timeout=600)
         assert worker.returncode == 0, err[-2000:]
@@ -59,7 +79,7 @@ def test_two_shard_workers_lose_and_duplicate_nothing(tmp_path):
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     shards = samples_by_run(tmp_path / "sharded")
-    (unsharded_id, expected), = samples_by_run(tmp_path / "whole").items()
+    ((unsharded_id, expected),) = samples_by_run(tmp_path / "whole").items()
     assert len(shards) == 2
     seen = [i for part in shards.values() for i in part]
     assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen)), "no sample lost, none duplicated"
@@ -106,8 +126,17 @@ def test_joblib_sweep_equals_the_sequential_sweep(tmp_path):
 
 def test_submitit_local_executor_runs_the_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    out = kvbench("run", "-m", *TINY, "task.depths=[0.5]", "method=full,streamingllm", "budget.tokens=64",
-                  "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", f"output_dir={tmp_path}")
+    out = kvbench(
+        "run",
+        "-m",
+        *TINY,
+        "task.depths=[0.5]",
+        "method=full,streamingllm",
+        "budget.tokens=64",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=10",
+        f"output_dir={tmp_path}",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     runs = samples_by_run(tmp_path)
     assert len(runs) == 2 and all(len(r) == 1 for r in runs.values())

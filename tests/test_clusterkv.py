@@ -37,15 +37,27 @@ def test_covering_budget_is_token_identical_to_full(fixture, request, random_ids
     loaded = request.getfixturevalue(fixture)
     ids = random_ids(400, seed=31)
     full = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=16, min_new_tokens=16)
-    ckv = generate(loaded, create_method({"name": "clusterkv"}), ids, max_new_tokens=16, min_new_tokens=16,
-                   budget=BudgetConfig(tokens=416))
+    ckv = generate(
+        loaded,
+        create_method({"name": "clusterkv"}),
+        ids,
+        max_new_tokens=16,
+        min_new_tokens=16,
+        budget=BudgetConfig(tokens=416),
+    )
     assert ckv.tokens == full.tokens
 
 
 def test_decode_time_clustering_grows_the_index(tiny_llama, random_ids):
     method = create_method({"name": "clusterkv", "clusters": 25})
-    out = generate(tiny_llama, method, random_ids(2000, seed=32), max_new_tokens=700, min_new_tokens=700,
-                   budget=BudgetConfig(tokens=256))
+    out = generate(
+        tiny_llama,
+        method,
+        random_ids(2000, seed=32),
+        max_new_tokens=700,
+        min_new_tokens=700,
+        budget=BudgetConfig(tokens=256),
+    )
     assert out.telemetry["new_tokens"] == 700
     for layer in range(2, tiny_llama.spec.n_layers):
         index = method.index[layer]
@@ -80,8 +92,14 @@ def test_only_selected_clustered_tokens_cross_the_link(tiny_qwen2, random_ids):
         return selection
 
     method.select = recording
-    out = generate(tiny_qwen2, method, random_ids(600, seed=34), max_new_tokens=24, min_new_tokens=24,
-                   budget=BudgetConfig(tokens=64))
+    out = generate(
+        tiny_qwen2,
+        method,
+        random_ids(600, seed=34),
+        max_new_tokens=24,
+        min_new_tokens=24,
+        budget=BudgetConfig(tokens=64),
+    )
     assert len(expected) == 23 * (tiny_qwen2.spec.n_layers - 2)
     assert out.telemetry["bytes_h2d_fetch"] == sum(expected)
     assert out.telemetry["cache_hits"] == 0

@@ -17,13 +17,18 @@ NEW = 24
 
 def hf_greedy(loaded, ids, n=NEW):
     out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def run(loaded, name, ids, n=NEW, profile=None, **budget):
     return generate(
-        loaded, create_method({"name": name}), ids, max_new_tokens=n, min_new_tokens=n,
-        budget=BudgetConfig(**budget), profile=profile,
+        loaded,
+        create_method({"name": name}),
+        ids,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        budget=BudgetConfig(**budget),
+        profile=profile,
     )
 
 
@@ -120,8 +125,14 @@ def test_silent_compression_failures_are_loud(tiny_llama, random_ids):
     ids = random_ids(200, seed=6)
     for name in (_Lazy.name, _LazyEvictor.name):
         with pytest.raises(CompressionNotApplied, match="attended all|kept all"):
-            generate(tiny_llama, create_method({"name": name}), ids, max_new_tokens=4, min_new_tokens=4,
-                     budget=BudgetConfig(token_ratio=0.1))
+            generate(
+                tiny_llama,
+                create_method({"name": name}),
+                ids,
+                max_new_tokens=4,
+                min_new_tokens=4,
+                budget=BudgetConfig(token_ratio=0.1),
+            )
 
 
 def test_context_longer_than_the_model_is_an_error(tiny_llama):
@@ -136,8 +147,9 @@ def test_stop_ids_and_min_new_tokens(tiny_llama, random_ids):
     first = free.index(stop)
     out = generate(tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=12, stop_ids=[stop])
     assert out.stop_reason == "stop" and out.tokens == free[: first + 1]
-    late = generate(tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=12, stop_ids=[stop],
-                    min_new_tokens=first + 1)
+    late = generate(
+        tiny_llama, create_method({"name": "full"}), ids, max_new_tokens=12, stop_ids=[stop], min_new_tokens=first + 1
+    )
     assert len(late.tokens) > first + 1
 
 

@@ -48,8 +48,14 @@ def test_a_budget_covering_the_cache_is_token_identical_to_full(fixture, name, r
         _FULL[fixture] = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=NEW, min_new_tokens=NEW)
     full = _FULL[fixture]
     assert len(set(full.tokens)) > 3
-    out = generate(loaded, create_method({"name": name}), ids, max_new_tokens=NEW, min_new_tokens=NEW,
-                   budget=BudgetConfig(tokens=300 + NEW))
+    out = generate(
+        loaded,
+        create_method({"name": name}),
+        ids,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        budget=BudgetConfig(tokens=300 + NEW),
+    )
     assert out.tokens == full.tokens
     assert out.telemetry["kv_bytes_ratio"] == pytest.approx(1.0)
 
@@ -60,8 +66,14 @@ def test_covering_budget_on_smollm2_is_token_identical_to_full(smollm2):
     ids = smollm2.chat.encode(prompt)
     full = generate(smollm2, create_method({"name": "full"}), ids, max_new_tokens=12, min_new_tokens=12)
     for name in METHODS:
-        out = generate(smollm2, create_method({"name": name}), ids, max_new_tokens=12, min_new_tokens=12,
-                       budget=BudgetConfig(tokens=len(ids) + 12))
+        out = generate(
+            smollm2,
+            create_method({"name": name}),
+            ids,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            budget=BudgetConfig(tokens=len(ids) + 12),
+        )
         assert out.tokens == full.tokens, name
 
 
@@ -137,9 +149,13 @@ def test_pyramid_layers_attend_only_their_own_kept_tokens(tiny_llama, random_ids
 def test_authors_rounding_may_keep_a_whole_layer_without_tripping_the_guard(tiny_llama, random_ids):
     # at a large budget the pyramid's bottom layer can keep every prompt token (max clamps to s - window)
     # window 32 (the default is now the authors' 8, whose larger select makes this prompt "short": uniform)
-    out = generate(tiny_llama, create_method({"name": "pyramidkv", "rounding": "authors", "window": 32}),
-                   random_ids(400, seed=45),
-                   max_new_tokens=3, budget=BudgetConfig(token_ratio=0.6))
+    out = generate(
+        tiny_llama,
+        create_method({"name": "pyramidkv", "rounding": "authors", "window": 32}),
+        random_ids(400, seed=45),
+        max_new_tokens=3,
+        budget=BudgetConfig(token_ratio=0.6),
+    )
     b = out.budget
     assert b.sink + b.layer_budget(0) == 400 and out.telemetry["kept_per_layer"][0] == 400
     assert out.telemetry["kept_per_layer"][-1] < 400
@@ -176,8 +192,12 @@ def test_snapkv_keeps_a_spike_and_its_pooled_neighbours():
     budget = ResolvedBudget(context=48, sink=2, local=8, select=5)
     kv = prefill(create_method({"name": "snapkv", "window": 8, "kernel": 5}), query, key, budget)
     assert kv.positions[0].tolist() == [0, 1, 10, 11, 12, 13, 14] + list(range(40, 48))  # sinks, spike ± 2, window
-    lone = prefill(create_method({"name": "snapkv", "window": 8, "kernel": 1}), query, key,
-                   ResolvedBudget(context=48, sink=2, local=8, select=1))
+    lone = prefill(
+        create_method({"name": "snapkv", "window": 8, "kernel": 1}),
+        query,
+        key,
+        ResolvedBudget(context=48, sink=2, local=8, select=1),
+    )
     assert lone.positions[0].tolist() == [0, 1, 12] + list(range(40, 48))
 
 
@@ -219,8 +239,11 @@ def test_gqa_reductions_pick_differently(name, loved, liked, loved_key, liked_ke
     budget = ResolvedBudget(context=24, sink=0, local=4, select=1)
     picks = {}
     for rule in ("sum", "mean", "max"):
-        cfg = {"name": name, "gqa": rule,
-               **({"kernel": 1, "window": 4, "granularity": "kv_head"} if name == "snapkv" else {})}
+        cfg = {
+            "name": name,
+            "gqa": rule,
+            **({"kernel": 1, "window": 4, "granularity": "kv_head"} if name == "snapkv" else {}),
+        }
         picks[rule] = prefill(create_method(cfg), query, key, budget, group=2).positions[0, 0].item()
     assert picks == {"sum": liked, "mean": liked, "max": loved}
 

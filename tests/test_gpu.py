@@ -21,8 +21,9 @@ def cuda_llama():
 
 def test_full_matches_generate_on_cuda(cuda_llama, random_ids):
     ids = random_ids(300, seed=51)
-    expected = cuda_llama.model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, min_new_tokens=16,
-                                         do_sample=False)[0, 300:].tolist()
+    expected = cuda_llama.model.generate(
+        torch.tensor([ids], device="cuda"), max_new_tokens=16, min_new_tokens=16, do_sample=False
+    )[0, 300:].tolist()
     assert (
         generate(cuda_llama, create_method({"name": "full"}), ids, max_new_tokens=16, min_new_tokens=16).tokens
         == expected
@@ -33,9 +34,21 @@ def test_full_matches_generate_on_cuda(cuda_llama, random_ids):
 def test_offloading_methods_run_on_cuda_with_pinned_host_tier(cuda_llama, random_ids, name):
     ids = random_ids(600, seed=52)
     full = generate(cuda_llama, create_method({"name": "full"}), ids, max_new_tokens=12, min_new_tokens=12)
-    cover = generate(cuda_llama, create_method({"name": name}), ids, max_new_tokens=12, min_new_tokens=12,
-                     budget=BudgetConfig(tokens=612))
+    cover = generate(
+        cuda_llama,
+        create_method({"name": name}),
+        ids,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        budget=BudgetConfig(tokens=612),
+    )
     assert cover.tokens == full.tokens
-    small = generate(cuda_llama, create_method({"name": name}), ids, max_new_tokens=6, min_new_tokens=6,
-                     budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64))
+    small = generate(
+        cuda_llama,
+        create_method({"name": name}),
+        ids,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64),
+    )
     assert small.telemetry["bytes_h2d_fetch"] > 0

@@ -23,8 +23,14 @@ def test_generator_reproduces_the_released_passkey_files(length):
 
 
 def test_generated_prompts_hit_the_token_length(tiny_llama):
-    task = create_task({"name": "infinitebench", "subsets": ["passkey", "number_string", "kv_retrieval", "math_find"],
-                        "lengths": [1200], "depths": [0.0, 1.0]})
+    task = create_task(
+        {
+            "name": "infinitebench",
+            "subsets": ["passkey", "number_string", "kv_retrieval", "math_find"],
+            "lengths": [1200],
+            "depths": [0.0, 1.0],
+        }
+    )
     samples = list(task.samples(tiny_llama))
     assert [s.id for s in samples] == task.sample_ids()
     for sample in samples:
@@ -81,11 +87,11 @@ def test_real_tasks_need_data():
         create_task({"name": "infinitebench", "subsets": ["nope"]})
 
 
-
 @pytest.mark.skipif(not ARCHIVE.exists(), reason="needs ../shared/data/infinitebench")
 def test_real_passkey_file(tiny_llama):
-    task = create_task({"name": "infinitebench", "data_dir": str(ARCHIVE), "file": "passkey_8192.first5.jsonl",
-                        "limit": 2})
+    task = create_task(
+        {"name": "infinitebench", "data_dir": str(ARCHIVE), "file": "passkey_8192.first5.jsonl", "limit": 2}
+    )
     samples = list(task.samples(tiny_llama))
     assert len(samples) == 2 and samples[0].reference == ["69682"] and samples[0].subset == "passkey"
     assert task.score(samples[0], "69682.") == 100.0 and task.score(samples[0], "12345") == 0.0
@@ -100,9 +106,16 @@ def test_infllm_protocol_is_infllms_pred_script(tiny_llama, tmp_path):
     from kvbench.tasks.infinitebench_protocol import infllm_conv
 
     assert [infllm_conv(n) for n in ("llama31_8b_instruct", "mistral7b_instruct_v02", "qwen25_05b")] == [
-        "llama-3-inst", "mistral-inst", "chat"]
-    row = {"id": 0, "context": "HEAD " + "The grass is green. " * 400 + " TAIL", "input": "What is the pass key?",
-           "answer": "12345"}
+        "llama-3-inst",
+        "mistral-inst",
+        "chat",
+    ]
+    row = {
+        "id": 0,
+        "context": "HEAD " + "The grass is green. " * 400 + " TAIL",
+        "input": "What is the pass key?",
+        "answer": "12345",
+    }
     (tmp_path / "passkey.jsonl").write_text(json.dumps(row) + "\n")
     tok = tiny_llama.tokenizer
 
@@ -115,7 +128,7 @@ def test_infllm_protocol_is_infllms_pred_script(tiny_llama, tmp_path):
     assert "truncated_from" not in full.meta and tok.decode(full.input_ids).startswith("<|im_start|>user\n")
     cut, task = sample("llama31_8b_instruct", max_length=1000)  # an explicit max_len: 1000 - 32 generated
     assert len(cut.input_ids) == 1000 - 32 and cut.meta["truncated_from"] == len(full.input_ids)
-    assert cut.input_ids[:128] == full.input_ids[:128] and cut.input_ids[128:] == full.input_ids[-(1000 - 32 - 128):]
+    assert cut.input_ids[:128] == full.input_ids[:128] and cut.input_ids[128:] == full.input_ids[-(1000 - 32 - 128) :]
     assert tok.decode(cut.input_ids).rstrip().endswith("<|im_start|>assistant")  # the template's tail survives
     assert "suffix" in task.protocol()["truncation"]
     assert truncate_suffix(tok, list(range(10)), 20, True) == list(range(10))
@@ -126,10 +139,13 @@ def test_infllm_protocol_is_infllms_pred_script(tiny_llama, tmp_path):
 def test_infllm_prompts(tiny_llama):
     task = create_task({"name": "infinitebench", "protocol": "infllm", "subsets": ["kv_retrieval"]})
     row = {"context": "JSON data:\n{}", "input": 'Key: "ab-12"\nThe value associated with the specified key is: '}
-    assert task.format_prompt("kv_retrieval", row).startswith('Extract the value corresponding to the specified key '
-                                                               '"ab-12" in the JSON object below.')
-    row = {"context": "[1, 2]", "input": "You should answer with only one number, no other words. "
-                                         "The largest number of the list is: "}
+    assert task.format_prompt("kv_retrieval", row).startswith(
+        'Extract the value corresponding to the specified key "ab-12" in the JSON object below.'
+    )
+    row = {
+        "context": "[1, 2]",
+        "input": "You should answer with only one number, no other words. The largest number of the list is: ",
+    }
     assert task.format_prompt("math_find", row).startswith("What is the largest number in the following list?")
     # InfLLM's "The .+ of" also takes words other than "number", where the other protocols' "The \w+ number" fails
     row["input"] = "The largest element of the list is: "

@@ -29,9 +29,15 @@ def test_regular_install_works_from_any_directory(tmp_path):
     )
     assert build.returncode == 0, build.stderr
     files = {p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()}
-    for needed in ("kvbench/cli.py", "kvbench/methods/oracle.py", "kvbench/tasks/niah.py",
-                   "kvbench/conf/config.yaml", "kvbench/conf/model/smollm2_135m.yaml", "kvbench/methods/params.py",
-                   "kvbench/papers_data/pqcache.yaml"):
+    for needed in (
+        "kvbench/cli.py",
+        "kvbench/methods/oracle.py",
+        "kvbench/tasks/niah.py",
+        "kvbench/conf/config.yaml",
+        "kvbench/conf/model/smollm2_135m.yaml",
+        "kvbench/methods/params.py",
+        "kvbench/papers_data/pqcache.yaml",
+    ):
         assert needed in files, needed
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]); import kvbench, kvbench.cli as c;"

@@ -20,8 +20,10 @@ from kvbench.tasks import create_task
 from .conftest import SHARED_DATA
 
 CB = SHARED_DATA / "cacheblend"
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not (CB / "musique_s.json").exists(), reason="needs ../shared/data/cacheblend")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not (CB / "musique_s.json").exists(), reason="needs ../shared/data/cacheblend"),
+]
 MAX_LENGTH = 1500
 TASK = {"name": "rag", "dataset": "musique", "data_dir": str(CB), "limit": 2, "max_length": MAX_LENGTH}
 
@@ -41,16 +43,23 @@ def requests(smollm2):
 def test_cacheblend_recomputing_everything_is_token_identical_to_full(smollm2, requests):
     for request in requests:
         full = execute(smollm2, create_method({"name": "full"}), request, BudgetConfig(), Profile())
-        blend = execute(smollm2, create_method({"name": "cacheblend", "recompute_ratio": 1.0}), request, BudgetConfig(),
-                        Profile())
+        blend = execute(
+            smollm2, create_method({"name": "cacheblend", "recompute_ratio": 1.0}), request, BudgetConfig(), Profile()
+        )
         assert blend.tokens == full.tokens and len(full.tokens) == request.max_new_tokens
         assert blend.telemetry["prefill"]["recompute_per_layer"] == [1.0] * smollm2.spec.n_layers
 
 
 @pytest.mark.parametrize("method", [["method=full_reuse"], ["method=cacheblend", "method.recompute_ratio=0.15"]])
 def test_reuse_runs_through_the_runner_with_the_rag_task(method, tmp_path):
-    overrides = ["model=smollm2_135m", "task=rag", *(f"task.{k}={v}" for k, v in TASK.items() if k != "name"),
-                 f"output_dir={tmp_path}", "progress=false", *method]
+    overrides = [
+        "model=smollm2_135m",
+        "task=rag",
+        *(f"task.{k}={v}" for k, v in TASK.items() if k != "name"),
+        f"output_dir={tmp_path}",
+        "progress=false",
+        *method,
+    ]
     run_dir = RunDir(run(compose(overrides)).run_dir)
     records = run_dir.records()
     assert [r["id"] for r in records] == ["musique-0", "musique-1"] and run_dir.state().status == "finished"

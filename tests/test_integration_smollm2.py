@@ -21,7 +21,7 @@ def niah_prompt(smollm2):
 
 def test_full_is_token_identical_to_generate(smollm2, niah_prompt):
     out = smollm2.model.generate(torch.tensor([niah_prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    expected = out[0, len(niah_prompt):].tolist()
+    expected = out[0, len(niah_prompt) :].tolist()
     ours = generate(smollm2, create_method({"name": "full"}), niah_prompt, max_new_tokens=NEW, min_new_tokens=NEW)
     assert ours.tokens == expected
     assert "Dolores Park" in ours.text
@@ -30,11 +30,18 @@ def test_full_is_token_identical_to_generate(smollm2, niah_prompt):
 @pytest.mark.parametrize("name", ["oracle", "streamingllm"])
 def test_covering_budget_matches_full_and_small_budget_attends_the_budget(smollm2, niah_prompt, name):
     full = generate(smollm2, create_method({"name": "full"}), niah_prompt, max_new_tokens=NEW, min_new_tokens=NEW)
-    cover = generate(smollm2, create_method({"name": name}), niah_prompt, max_new_tokens=NEW, min_new_tokens=NEW,
-                     budget=BudgetConfig(tokens=len(niah_prompt) + NEW))
+    cover = generate(
+        smollm2,
+        create_method({"name": name}),
+        niah_prompt,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        budget=BudgetConfig(tokens=len(niah_prompt) + NEW),
+    )
     assert cover.tokens == full.tokens
-    small = generate(smollm2, create_method({"name": name}), niah_prompt, max_new_tokens=4,
-                     budget=BudgetConfig(token_ratio=0.1))
+    small = generate(
+        smollm2, create_method({"name": name}), niah_prompt, max_new_tokens=4, budget=BudgetConfig(token_ratio=0.1)
+    )
     assert all(a == small.budget.total + 1 for a in small.telemetry["attended_per_layer"])
 
 

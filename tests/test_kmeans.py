@@ -277,13 +277,15 @@ def test_objective_matches_faiss_from_the_same_start_and_is_close_from_its_own()
     start = kmeans(x, 32, iters=0, seed=0).centroids
     for p in range(2):
         data = x[p].numpy()
-        same = faiss.Kmeans(16, 32, niter=20, seed=1, verbose=False, min_points_per_centroid=1,
-                            max_points_per_centroid=10**6)
+        same = faiss.Kmeans(
+            16, 32, niter=20, seed=1, verbose=False, min_points_per_centroid=1, max_points_per_centroid=10**6
+        )
         same.train(data, init_centroids=start[p].numpy())
         d_same, _ = same.index.search(data, 1)
         assert float(ours.inertia[p]) == pytest.approx(float(d_same.sum()), rel=2e-3)
-        own = faiss.Kmeans(16, 32, niter=20, seed=1, verbose=False, min_points_per_centroid=1,
-                           max_points_per_centroid=10**6)
+        own = faiss.Kmeans(
+            16, 32, niter=20, seed=1, verbose=False, min_points_per_centroid=1, max_points_per_centroid=10**6
+        )
         own.train(data)
         d_own, _ = own.index.search(data, 1)
         assert float(ours.inertia[p]) == pytest.approx(float(d_own.sum()), rel=0.05)

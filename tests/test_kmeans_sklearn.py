@@ -29,8 +29,14 @@ def overlapping(problems: int, n: int, d: int, centres: int, seed: int) -> torch
 
 
 def sklearn_fit(points: torch.Tensor, start: torch.Tensor, iters: int, tol: float) -> KMeans:
-    model = KMeans(n_clusters=start.shape[0], init=start.numpy().astype(np.float64), n_init=1, max_iter=iters,
-                   tol=tol, algorithm="lloyd")
+    model = KMeans(
+        n_clusters=start.shape[0],
+        init=start.numpy().astype(np.float64),
+        n_init=1,
+        max_iter=iters,
+        tol=tol,
+        algorithm="lloyd",
+    )
     return model.fit(points.numpy().astype(np.float64))
 
 

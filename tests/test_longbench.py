@@ -44,8 +44,15 @@ def test_question_first_template():
 
 @needs_data
 def test_samples_follow_the_protocol(tiny_llama):
-    task = create_task({"name": "longbench", "subsets": ["multi_news", "passage_retrieval_zh"],
-                        "data_dir": str(LB / "full"), "limit": 2, "max_length": 1500})
+    task = create_task(
+        {
+            "name": "longbench",
+            "subsets": ["multi_news", "passage_retrieval_zh"],
+            "data_dir": str(LB / "full"),
+            "limit": 2,
+            "max_length": 1500,
+        }
+    )
     samples = list(task.samples(tiny_llama))
     assert [s.subset for s in samples] == ["multi_news"] * 2 + ["passage_retrieval_zh"] * 2
     first = samples[0]
@@ -57,8 +64,14 @@ def test_samples_follow_the_protocol(tiny_llama):
 
 
 def test_samsum_stops_at_newline_and_skips_the_template(tiny_llama, tmp_path):
-    row = {"input": "Dialogue: A: hi\nSummary: ", "context": "Dialogue: x\nSummary: y", "answers": ["A greets."],
-           "length": 9, "all_classes": None, "_id": "s1"}
+    row = {
+        "input": "Dialogue: A: hi\nSummary: ",
+        "context": "Dialogue: x\nSummary: y",
+        "answers": ["A greets."],
+        "length": 9,
+        "all_classes": None,
+        "_id": "s1",
+    }
     (tmp_path / "samsum.jsonl").write_text(json.dumps(row) + "\n")
     sample = next(
         iter(create_task({"name": "longbench", "subsets": ["samsum"], "data_dir": str(tmp_path)}).samples(tiny_llama))
@@ -67,27 +80,39 @@ def test_samsum_stops_at_newline_and_skips_the_template(tiny_llama, tmp_path):
     assert sample.prompt == DATASETS["samsum"].prompt.format(**row)
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"subsets": ["nope"]}, "unknown LongBench subset"),
-    ({"subsets": ["gov_report"], "question_position": "start"}, "QA datasets only"),
-    ({"subsets": ["musique"], "e": True}, "LongBench-E has no musique"),
-    ({"protocol": "mine"}, "protocol"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"subsets": ["nope"]}, "unknown LongBench subset"),
+        ({"subsets": ["gov_report"], "question_position": "start"}, "QA datasets only"),
+        ({"subsets": ["musique"], "e": True}, "LongBench-E has no musique"),
+        ({"protocol": "mine"}, "protocol"),
+    ],
+)
 def test_bad_options(cfg, match):
     with pytest.raises(ConfigError, match=match):
         create_task({"name": "longbench", **cfg})
 
 
 def test_scores_through_the_task(tiny_llama, tmp_path):
-    row = {"input": "Which city?", "context": "Paris is nice.", "answers": ["Paris"], "length": 3,
-           "all_classes": None, "_id": "q1"}
+    row = {
+        "input": "Which city?",
+        "context": "Paris is nice.",
+        "answers": ["Paris"],
+        "length": 3,
+        "all_classes": None,
+        "_id": "q1",
+    }
     (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
     task = create_task({"name": "longbench", "subsets": ["hotpotqa"], "data_dir": str(tmp_path)})
     sample = next(iter(task.samples(tiny_llama)))
     # "The city of Paris" -> [city, of, paris]: P = 1/3, R = 1 -> F1 = 0.5
     assert task.score(sample, "Paris") == 100.0 and task.score(sample, "The city of Paris") == pytest.approx(50.0)
-    records = [{"subset": "hotpotqa", "score": 100.0, "meta": {}}, {"subset": "hotpotqa", "score": 0.0, "meta": {}},
-               {"subset": "trec", "score": 50.0, "meta": {}}]
+    records = [
+        {"subset": "hotpotqa", "score": 100.0, "meta": {}},
+        {"subset": "hotpotqa", "score": 0.0, "meta": {}},
+        {"subset": "trec", "score": 50.0, "meta": {}},
+    ]
     assert task.aggregate(records) == {
         "score": 50.0,
         "n": 3,
@@ -104,24 +129,36 @@ def test_pqcache_protocol_formats_prompts_as_its_pred_script(tiny_llama, tmp_pat
 
     from kvbench.tasks.longbench_protocol import pqcache_chat_style
 
-    assert [pqcache_chat_style(n) for n in ("llama31_8b_instruct", "mistral7b_instruct_v02", "llama2-7b-chat-4k",
-                                            "smollm2_135m")] == ["system", "inst", "inst", None]
-    row = {"input": "Which city?", "context": "Paris is nice.", "answers": ["Paris"], "length": 3,
-           "all_classes": None, "_id": "q1"}
+    assert [
+        pqcache_chat_style(n)
+        for n in ("llama31_8b_instruct", "mistral7b_instruct_v02", "llama2-7b-chat-4k", "smollm2_135m")
+    ] == ["system", "inst", "inst", None]
+    row = {
+        "input": "Which city?",
+        "context": "Paris is nice.",
+        "answers": ["Paris"],
+        "length": 3,
+        "all_classes": None,
+        "_id": "q1",
+    }
     (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "trec.jsonl").write_text(json.dumps({**row, "_id": "t1"}) + "\n")
     tok = tiny_llama.tokenizer
 
     def samples(name, protocol="pqcache"):
         model = SimpleNamespace(spec=SimpleNamespace(name=name, max_length=16384), tokenizer=tok, chat=tiny_llama.chat)
-        task = create_task({"name": "longbench", "subsets": ["hotpotqa", "trec"], "data_dir": str(tmp_path),
-                            "protocol": protocol})
+        task = create_task(
+            {"name": "longbench", "subsets": ["hotpotqa", "trec"], "data_dir": str(tmp_path), "protocol": protocol}
+        )
         return {s.subset: s for s in task.samples(model)}, task
 
     prompt = DATASETS["hotpotqa"].prompt.format(**row)
     llama, task = samples("llama31_8b_instruct")
-    text = tok.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."},
-                                    {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": prompt}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert llama["hotpotqa"].input_ids == tok(text, add_special_tokens=True).input_ids
     assert "You are a helpful assistant." in tok.decode(llama["hotpotqa"].input_ids)
     assert llama["hotpotqa"].meta["prompt_format"] == "pqcache_system"

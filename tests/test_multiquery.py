@@ -31,16 +31,35 @@ def queries(questions, n=NEW, followups=None):
     return tuple(Query(q, n, followup_ids=f, min_new_tokens=n) for q, f in zip(questions, followups))
 
 
-def talk(loaded, name, context, questions, *, compression="question_agnostic", keep=False, segments=None, n=NEW,
-         followups=None, **budget):
-    request = MultiQueryRequest(context, queries(questions, n, followups), compression=compression, keep_answers=keep,
-                                context_segments=segments)
+def talk(
+    loaded,
+    name,
+    context,
+    questions,
+    *,
+    compression="question_agnostic",
+    keep=False,
+    segments=None,
+    n=NEW,
+    followups=None,
+    **budget,
+):
+    request = MultiQueryRequest(
+        context, queries(questions, n, followups), compression=compression, keep_answers=keep, context_segments=segments
+    )
     return converse(loaded, create_method({"name": name}), request, budget=BudgetConfig(**budget))
 
 
 def single(loaded, name, prompt, n=NEW, segments=None, **budget):
-    return generate(loaded, create_method({"name": name}), prompt, max_new_tokens=n, min_new_tokens=n,
-                    segments=segments, budget=BudgetConfig(**budget)).tokens
+    return generate(
+        loaded,
+        create_method({"name": name}),
+        prompt,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        segments=segments,
+        budget=BudgetConfig(**budget),
+    ).tokens
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
@@ -86,13 +105,25 @@ class Recorder:
 
     @staticmethod
     def copy(store):
-        return [(layer.keys.clone(), layer.values.clone(), layer.positions.clone(), layer.n, layer.seen,
-                 layer.resident_sink, layer.resident_recent) for layer in store.layers]
+        return [
+            (
+                layer.keys.clone(),
+                layer.values.clone(),
+                layer.positions.clone(),
+                layer.n,
+                layer.seen,
+                layer.resident_sink,
+                layer.resident_recent,
+            )
+            for layer in store.layers
+        ]
 
     @staticmethod
     def equal(a, b):
-        return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) and x[3:] == y[3:]
-                   for x, y in zip(a, b, strict=True))
+        return all(
+            torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) and x[3:] == y[3:]
+            for x, y in zip(a, b, strict=True)
+        )
 
     def same_steps(self, i, j):
         """Questions ``i`` and ``j`` went through identical decode steps (every layer's attention output)."""
@@ -208,7 +239,7 @@ class Drifting(RetrievalMethod):
             self.steps += 1
         lay = self.layout(kv)
         offset = (7 * self.steps) % max(1, lay.middle - self.ctx.budget.select)
-        chosen = lay.candidates(kv.home)[offset: offset + self.ctx.budget.select]
+        chosen = lay.candidates(kv.home)[offset : offset + self.ctx.budget.select]
         return compose(lay, chosen.expand(kv.n_kv_heads, -1))
 
     def snapshot(self):
@@ -243,8 +274,16 @@ def test_question_agnostic_compression_does_not_see_the_question(name, tiny_llam
         for seed in (40, 41):
             recorder = Recorder(monkeypatch)
             question = ids(30, seed=seed)
-            talk(tiny_llama, name, context, [question, question], compression=compression,
-                 followups=[question, question], n=2, token_ratio=0.1)
+            talk(
+                tiny_llama,
+                name,
+                context,
+                [question, question],
+                compression=compression,
+                followups=[question, question],
+                n=2,
+                token_ratio=0.1,
+            )
             positions = [layer[2] for layer in recorder.copies[0]]
             kept[compression, seed] = [
                 row[row < len(context)] for p in positions for row in p

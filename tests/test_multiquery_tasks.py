@@ -22,8 +22,9 @@ from tests.conftest import niah_run_config
 
 
 def niah(essays, **cfg):
-    return create_task({"name": "niah", "data_dir": str(essays), "lengths": [700], "depths": [0.0, 0.25, 0.5, 0.75],
-                        **cfg})
+    return create_task(
+        {"name": "niah", "data_dir": str(essays), "lengths": [700], "depths": [0.0, 0.25, 0.5, 0.75], **cfg}
+    )
 
 
 # ------------------------------------------------------------------------------------------------ NIAH
@@ -35,8 +36,12 @@ def test_one_needle_prompts_and_run_ids_are_unchanged(tiny_llama, essays, tmp_pa
     digests = {
         s.id: hashlib.sha256(json.dumps(s.input_ids).encode()).hexdigest()[:16] for s in task.samples(tiny_llama)
     }
-    assert digests == {"len600_depth0": "244be3ae71c3a4ad", "len600_depth1": "6bc9df611ac31f09",
-                       "len700_depth0": "fd1c5f6b5c8d6fd7", "len700_depth1": "99a8efc0f71116c2"}
+    assert digests == {
+        "len600_depth0": "244be3ae71c3a4ad",
+        "len600_depth1": "6bc9df611ac31f09",
+        "len700_depth0": "fd1c5f6b5c8d6fd7",
+        "len700_depth1": "99a8efc0f71116c2",
+    }
     from kvbench.runner import plan
 
     cfg = niah_run_config(tmp_path / "runs", essays, "snapkv", budget__token_ratio=0.1)
@@ -124,16 +129,19 @@ def test_substring_scorer_finds_each_needles_key():
     )
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"needles": 0}, "needles"),
-    ({"needles": 9}, "needles"),
-    ({"needles": 2, "queries_per_context": 3}, "queries_per_context"),
-    ({"needles": 2, "queries_per_context": 2, "question_position": "start"}, "question_position"),
-    ({"compression": "question_agnostic", "question_position": "start"}, "question_position"),
-    ({"compression": "sometimes"}, "compression"),
-    ({"keep_answers": "yes"}, "keep_answers"),
-    ({"queries_per_context": 0}, "queries_per_context"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"needles": 0}, "needles"),
+        ({"needles": 9}, "needles"),
+        ({"needles": 2, "queries_per_context": 3}, "queries_per_context"),
+        ({"needles": 2, "queries_per_context": 2, "question_position": "start"}, "question_position"),
+        ({"compression": "question_agnostic", "question_position": "start"}, "question_position"),
+        ({"compression": "sometimes"}, "compression"),
+        ({"keep_answers": "yes"}, "keep_answers"),
+        ({"queries_per_context": 0}, "queries_per_context"),
+    ],
+)
 def test_bad_multi_query_options(cfg, match):
     with pytest.raises(ConfigError, match=match):
         create_task({"name": "niah", **cfg})
@@ -142,8 +150,16 @@ def test_bad_multi_query_options(cfg, match):
 def test_a_multi_query_run_scores_each_question_and_reports_first_and_later(tiny_llama, tmp_path, essays):
     from kvbench.runner import run
 
-    cfg = niah_run_config(tmp_path / "runs", essays, "full", task__needles=3, task__queries_per_context=3,
-                          task__compression="question_agnostic", task__lengths=[600], task__depths=[0.0, 0.5])
+    cfg = niah_run_config(
+        tmp_path / "runs",
+        essays,
+        "full",
+        task__needles=3,
+        task__queries_per_context=3,
+        task__compression="question_agnostic",
+        task__lengths=[600],
+        task__depths=[0.0, 0.5],
+    )
     summary = run(cfg)
     records = [json.loads(line) for line in (summary.run_dir / "samples.jsonl").read_text().splitlines()]
     task = create_task(cfg["task"])
@@ -164,11 +180,17 @@ def test_a_multi_query_run_scores_each_question_and_reports_first_and_later(tiny
 
 
 def test_multi_query_metrics_on_hand_written_records():
-    records = [{"queries": [{"index": 0, "score": 100.0}, {"index": 1, "score": 0.0}, {"index": 2, "score": 50.0}]},
-               {"queries": [{"index": 0, "score": 50.0}, {"index": 1, "score": 100.0}]},
-               {"score": 7.0}]
-    assert multi_query_metrics(records) == {"score_first": 75.0, "score_followup": 50.0,
-                                            "score_by_query": {"0": 75.0, "1": 50.0, "2": 50.0}, "queries_asked": 5}
+    records = [
+        {"queries": [{"index": 0, "score": 100.0}, {"index": 1, "score": 0.0}, {"index": 2, "score": 50.0}]},
+        {"queries": [{"index": 0, "score": 50.0}, {"index": 1, "score": 100.0}]},
+        {"score": 7.0},
+    ]
+    assert multi_query_metrics(records) == {
+        "score_first": 75.0,
+        "score_followup": 50.0,
+        "score_by_query": {"0": 75.0, "1": 50.0, "2": 50.0},
+        "queries_asked": 5,
+    }
     assert multi_query_metrics([{"score": 1.0}]) == {}
 
 
@@ -184,8 +206,14 @@ NEEDLE_RE = re.compile(r"One of the special magic numbers? for (.+?) is: (\d+)\.
 
 
 def test_ruler_asks_a_contexts_keys_one_by_one(tiny_llama, ruler_essays):
-    cfg = {"name": "ruler", "haystack": str(ruler_essays), "num_samples": 1, "lengths": [1536],
-           "subsets": ["niah_multiquery", "niah_multikey_1", "niah_single_1"], "queries_per_context": 4}
+    cfg = {
+        "name": "ruler",
+        "haystack": str(ruler_essays),
+        "num_samples": 1,
+        "lengths": [1536],
+        "subsets": ["niah_multiquery", "niah_multikey_1", "niah_single_1"],
+        "queries_per_context": 4,
+    }
     task = create_task(cfg)
     single = create_task({**cfg, "queries_per_context": 1})
     decode = tiny_llama.tokenizer.decode
@@ -223,8 +251,14 @@ def test_ruler_multi_query_run_reports_per_task_by_question(tiny_llama, ruler_es
 
     base = OmegaConf.load(conf_dir() / "config.yaml")
     task = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "ruler.yaml"))
-    task.update(subsets=["niah_multikey_1", "fwe"], lengths=[1024], num_samples=1, haystack=str(ruler_essays),
-                queries_per_context=2, compression="question_agnostic")
+    task.update(
+        subsets=["niah_multikey_1", "fwe"],
+        lengths=[1024],
+        num_samples=1,
+        haystack=str(ruler_essays),
+        queries_per_context=2,
+        compression="question_agnostic",
+    )
     from kvbench.methods import method_node
 
     cfg = {
@@ -244,16 +278,24 @@ def test_ruler_multi_query_run_reports_per_task_by_question(tiny_llama, ruler_es
 
 # ---------------------------------------------------------------------------------------------- figures
 def fake_records(scores, compression):
-    return [{"score": sum(s) / len(s), "meta": {"compression": compression, "task": "niah_single_1", "length": 1024},
-             "queries": [{"index": i, "score": v} for i, v in enumerate(s)]} for s in scores]
+    return [
+        {
+            "score": sum(s) / len(s),
+            "meta": {"compression": compression, "task": "niah_single_1", "length": 1024},
+            "queries": [{"index": i, "score": v} for i, v in enumerate(s)],
+        }
+        for s in scores
+    ]
 
 
 def test_score_by_query_figure(tmp_path):
     from kvbench.plots import score_by_query
 
-    runs = [("snapkv\nratio 0.1  (50.0)", fake_records([[100, 0, 50]], "question_aware")),
-            ("snapkv\nratio 0.1  (20.0)", fake_records([[20, 20, 20]], "question_agnostic")),
-            ("full\nfull cache  (100.0)", fake_records([[100, 100, 100]], "question_agnostic"))]
+    runs = [
+        ("snapkv\nratio 0.1  (50.0)", fake_records([[100, 0, 50]], "question_aware")),
+        ("snapkv\nratio 0.1  (20.0)", fake_records([[20, 20, 20]], "question_agnostic")),
+        ("full\nfull cache  (100.0)", fake_records([[100, 100, 100]], "question_agnostic")),
+    ]
     path = score_by_query(runs, tmp_path / "q.png")
     assert path.stat().st_size > 5000
     with pytest.raises(ConfigError, match="queries_per_context"):
@@ -263,7 +305,9 @@ def test_score_by_query_figure(tmp_path):
 def test_ruler_by_length_figure(tmp_path):
     from kvbench.plots import ruler_by_length
 
-    records = [{"score": s, "meta": {"task": t, "length": n}} for t, n, s in
-               [("vt", 4096, 100.0), ("cwe", 4096, 50.0), ("vt", 8192, 40.0), ("cwe", 8192, 0.0)]]
+    records = [
+        {"score": s, "meta": {"task": t, "length": n}}
+        for t, n, s in [("vt", 4096, 100.0), ("cwe", 4096, 50.0), ("vt", 8192, 40.0), ("cwe", 8192, 0.0)]
+    ]
     path = ruler_by_length([("full\nfull cache", records), ("snapkv\nratio 0.1", records[:2])], tmp_path / "r.png")
     assert path.stat().st_size > 5000

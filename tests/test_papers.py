@@ -32,6 +32,7 @@ def value(paper: str, artifact: str, **keys):
 
 # --- the files --------------------------------------------------------------------------------------------
 
+
 def test_every_paper_file_loads_and_validates():
     assert set(papers.paper_names()) == set(PAPERS)
     for name in PAPERS:
@@ -134,13 +135,13 @@ def printed_table(source: str, caption: str, ncols: int) -> dict[str, list[float
     lines = text_of(source).splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(caption))
     rows: dict[str, list[float]] = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip():
             break
         tokens = line.split()
         i = 0
         while i < len(tokens):
-            cells = tokens[i + 1:i + 1 + ncols]
+            cells = tokens[i + 1 : i + 1 + ncols]
             numeric = len(cells) == ncols and all(re.fullmatch(_NUMBER, c) for c in cells)
             if numeric and not re.fullmatch(_NUMBER, tokens[i]):
                 rows[tokens[i]] = [float(c) for c in cells]
@@ -152,15 +153,25 @@ def printed_table(source: str, caption: str, ncols: int) -> dict[str, list[float
 
 PQ_METHODS = ("oracle", "h2o", "snapkv", "pyramidkv", "infllm", "sparq", "pqcache")
 TABLES = {  # artifact -> (caption prefix in the text, the printed columns as row keys)
-    "table2": ("Table 2. LongBench evaluation", [{"method": "full", "token_ratio": None}]
-               + [{"method": m, "token_ratio": r} for r in (0.2, 0.1) for m in PQ_METHODS]),
+    "table2": (
+        "Table 2. LongBench evaluation",
+        [{"method": "full", "token_ratio": None}]
+        + [{"method": m, "token_ratio": r} for r in (0.2, 0.1) for m in PQ_METHODS],
+    ),
     "table3": ("Table 3. LongBench question-answering", [{"method": m} for m in ("snapkv", "pyramidkv", "pqcache")]),
-    "table4": ("Table 4. Infinitebench evaluation", [{"method": "full", "token_ratio": None}]
-               + [{"method": m, "token_ratio": r} for r in (0.2, 0.1) for m in PQ_METHODS]),
-    "table5": ("Table 5. Performance of PQCache", [{"method": "full"}, {"method": "pqcache"}, {"method": "minference"},
-                                                   {"method": "minference_pqcache"}]),
-    "table6": ("Table 6. LongBench evaluation of Llama-3.1-70B",
-               [{"method": "full"}, {"cpu": "half"}, {"cpu": "same"}]),
+    "table4": (
+        "Table 4. Infinitebench evaluation",
+        [{"method": "full", "token_ratio": None}]
+        + [{"method": m, "token_ratio": r} for r in (0.2, 0.1) for m in PQ_METHODS],
+    ),
+    "table5": (
+        "Table 5. Performance of PQCache",
+        [{"method": "full"}, {"method": "pqcache"}, {"method": "minference"}, {"method": "minference_pqcache"}],
+    ),
+    "table6": (
+        "Table 6. LongBench evaluation of Llama-3.1-70B",
+        [{"method": "full"}, {"cpu": "half"}, {"cpu": "same"}],
+    ),
 }
 
 
@@ -173,7 +184,8 @@ def test_pqcache_tables_match_the_paper_text_cell_by_cell(artifact):
     transcribed = {}
     for row in art.values:
         transcribed.setdefault(row.get("dataset_label", row["dataset"]), {})[
-            next(i for i, c in enumerate(columns) if all(row.get(k) == v for k, v in c.items()))] = row["value"]
+            next(i for i, c in enumerate(columns) if all(row.get(k) == v for k, v in c.items()))
+        ] = row["value"]
     assert printed.keys() == transcribed.keys()
     for label, cells in printed.items():
         assert [transcribed[label][i] for i in range(len(columns))] == cells, label
@@ -183,11 +195,12 @@ def test_pqcache_tables_match_the_paper_text_cell_by_cell(artifact):
 def test_clusterkv_table_matches_the_paper_text():
     art = papers.get_artifact("clusterkv", "table1")
     text = text_of(art.source)
-    table = text[text.index("TABLE I: Average scores"):text.index("Results on LongBench.")]
+    table = text[text.index("TABLE I: Average scores") : text.index("Results on LongBench.")]
     for label, method in (("Quest", "quest"), ("InfiniGen", "infinigen"), ("ClusterKV (ours)", "clusterkv")):
         printed = re.search(re.escape(label) + r"((?: " + _NUMBER + "){4})", table).group(1).split()
-        assert [value("clusterkv", "table1", method=method, budget_tokens=b) for b in (256, 512, 1024, 2048)] \
-            == [float(x) for x in printed], method
+        assert [value("clusterkv", "table1", method=method, budget_tokens=b) for b in (256, 512, 1024, 2048)] == [
+            float(x) for x in printed
+        ], method
     assert "Full KV 49.01" in table and "Budget 256 512 1024 2048" in table
 
 
@@ -224,12 +237,29 @@ def test_the_papers_are_the_seed_files_named_in_the_yaml():
 
 # --- validation errors ------------------------------------------------------------------------------------
 
+
 def minimal() -> dict:
-    return {"paper": "demo", "title": "Demo", "arxiv": "0000.00000", "source": "seeds/demo.txt",
-            "artifacts": {"table9": {"kind": "table", "where": "§1", "caption": "demo", "numbers": True,
-                                     "metric": "score", "unit": "score (0-100)", "dims": ["dataset", "method"],
-                                     "values": [{"dataset": "qasper", "method": "pqcache", "value": 1.5},
-                                                {"dataset": "qasper", "method": "full", "value": 2.5}]}}}
+    return {
+        "paper": "demo",
+        "title": "Demo",
+        "arxiv": "0000.00000",
+        "source": "seeds/demo.txt",
+        "artifacts": {
+            "table9": {
+                "kind": "table",
+                "where": "§1",
+                "caption": "demo",
+                "numbers": True,
+                "metric": "score",
+                "unit": "score (0-100)",
+                "dims": ["dataset", "method"],
+                "values": [
+                    {"dataset": "qasper", "method": "pqcache", "value": 1.5},
+                    {"dataset": "qasper", "method": "full", "value": 2.5},
+                ],
+            }
+        },
+    }
 
 
 def write(tmp_path, doc, name="demo.yaml"):
@@ -251,27 +281,30 @@ def _art(doc):
     return doc["artifacts"]["table9"]
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: _row(d).pop("method"), "demo.yaml: table9: row 0: missing dims ['method']"),
-    (lambda d: _row(d, 1).update(method="pqcach"), "demo.yaml: table9: row 1: unknown method 'pqcach'"),
-    (lambda d: _row(d).update(dataset="qasperr"), "row 0: unknown dataset 'qasperr'"),
-    (lambda d: _row(d, 1).update(method="pqcache"), "table9: row 1: same dataset, method as row 0"),
-    (lambda d: _row(d).update(low=1.0, high=2.0), "row 0: give either value or both low and high"),
-    (lambda d: _row(d).update(value="1.5"), "row 0: value, low and high must be numbers"),
-    (lambda d: _row(d).update(relation="about"), "row 0: relation must be one of"),
-    (lambda d: _row(d).update(extra=1), "row 0: unknown keys ['extra']"),
-    (lambda d: _art(d).update(kind="prose"), "row 0: a number read from prose or a caption needs its quote"),
-    (lambda d: _art(d).update(numbers=False), "table9: numbers is false but values are given"),
-    (lambda d: _art(d).update(numbers=False, values=[]), "numbers is false: a note must say why"),
-    (lambda d: _art(d).update(values=[]), "numbers is true but there are no values"),
-    (lambda d: _art(d).update(metric={"x": "y"}), "metric must be a string, or a mapping per quantity"),
-    (lambda d: _art(d).update(model="gpt9"), "table9: unknown model 'gpt9'"),
-    (lambda d: _art(d).update(task="squad"), "table9: unknown task 'squad'"),
-    (lambda d: _art(d).update(fixed={"method": "full"}), "clash with row fields, labels or fixed keys"),
-    (lambda d: d["artifacts"].update({"Table-9": {}}), "Table-9: artifact ids are lower-case"),
-    (lambda d: d.update(paper="other"), "demo.yaml: paper is 'other' but the file is named demo.yaml"),
-    (lambda d: d.pop("arxiv"), "demo.yaml: missing keys ['arxiv']"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: _row(d).pop("method"), "demo.yaml: table9: row 0: missing dims ['method']"),
+        (lambda d: _row(d, 1).update(method="pqcach"), "demo.yaml: table9: row 1: unknown method 'pqcach'"),
+        (lambda d: _row(d).update(dataset="qasperr"), "row 0: unknown dataset 'qasperr'"),
+        (lambda d: _row(d, 1).update(method="pqcache"), "table9: row 1: same dataset, method as row 0"),
+        (lambda d: _row(d).update(low=1.0, high=2.0), "row 0: give either value or both low and high"),
+        (lambda d: _row(d).update(value="1.5"), "row 0: value, low and high must be numbers"),
+        (lambda d: _row(d).update(relation="about"), "row 0: relation must be one of"),
+        (lambda d: _row(d).update(extra=1), "row 0: unknown keys ['extra']"),
+        (lambda d: _art(d).update(kind="prose"), "row 0: a number read from prose or a caption needs its quote"),
+        (lambda d: _art(d).update(numbers=False), "table9: numbers is false but values are given"),
+        (lambda d: _art(d).update(numbers=False, values=[]), "numbers is false: a note must say why"),
+        (lambda d: _art(d).update(values=[]), "numbers is true but there are no values"),
+        (lambda d: _art(d).update(metric={"x": "y"}), "metric must be a string, or a mapping per quantity"),
+        (lambda d: _art(d).update(model="gpt9"), "table9: unknown model 'gpt9'"),
+        (lambda d: _art(d).update(task="squad"), "table9: unknown task 'squad'"),
+        (lambda d: _art(d).update(fixed={"method": "full"}), "clash with row fields, labels or fixed keys"),
+        (lambda d: d["artifacts"].update({"Table-9": {}}), "Table-9: artifact ids are lower-case"),
+        (lambda d: d.update(paper="other"), "demo.yaml: paper is 'other' but the file is named demo.yaml"),
+        (lambda d: d.pop("arxiv"), "demo.yaml: missing keys ['arxiv']"),
+    ],
+)
 def test_validation_errors_name_file_artifact_and_row(tmp_path, mutate, message):
     doc = minimal()
     mutate(doc)
@@ -292,9 +325,16 @@ def test_extra_names_admit_names_outside_kvbench(tmp_path):
 def test_quantity_described_metrics_and_unknown_refs(tmp_path):
     doc = minimal()
     art = doc["artifacts"]["table9"]
-    art.update(kind="prose", dims=["quantity"], metric={"gain": "a gain"}, unit={"gain": "%"},
-               values=[{"quantity": "gain", "value": 3.0, "quote": "a gain of 3"},
-                       {"quantity": "loss", "value": 1.0, "quote": "a loss of 1"}])
+    art.update(
+        kind="prose",
+        dims=["quantity"],
+        metric={"gain": "a gain"},
+        unit={"gain": "%"},
+        values=[
+            {"quantity": "gain", "value": 3.0, "quote": "a gain of 3"},
+            {"quantity": "loss", "value": 1.0, "quote": "a loss of 1"},
+        ],
+    )
     with pytest.raises(papers.PaperDataError, match="metric must describe every quantity .missing: loss"):
         papers.load_file(write(tmp_path, doc))
     with pytest.raises(ConfigError, match="no artifact 'table99'"):

@@ -88,8 +88,12 @@ def test_examples_are_valid_values():
 
 @pytest.mark.parametrize(
     "values, needle",
-    [({"n": 0}, "toy.n=0 is out of range"), ({"ratio": 1.5}, "use a value in [0, 1]"),
-     ({"size": 0}, "use a value >= 1"), ({"layers": [0, -1]}, "toy.layers=-1 is out of range")],
+    [
+        ({"n": 0}, "toy.n=0 is out of range"),
+        ({"ratio": 1.5}, "use a value in [0, 1]"),
+        ({"size": 0}, "use a value >= 1"),
+        ({"layers": [0, -1]}, "toy.layers=-1 is out of range"),
+    ],
 )
 def test_ranges(values, needle):
     assert needle in error_of(**values)
@@ -131,8 +135,9 @@ def test_hydra_nodes_are_the_dataclass_defaults():
 
 
 def test_overrides_reach_the_method():
-    node = compose(["method=pqcache", "method.m=2", "method.b=4", "method.kmeans_iters=adaptive",
-                    "method.dense_layers=[0,3]"])["method"]
+    node = compose(
+        ["method=pqcache", "method.m=2", "method.b=4", "method.kmeans_iters=adaptive", "method.dense_layers=[0,3]"]
+    )["method"]
     method = create_method(node)
     assert (method.params.m, method.params.b, method.params.kmeans_iters) == (2, 4, "adaptive")
     assert method.dense_layers == (0, 3)
@@ -182,7 +187,11 @@ def test_budget_defaults_come_from_the_params():
 def test_every_sweep_point_is_expanded():
     points = method_sweep_points(["method=pqcache,oracle", "method.m=2,4", "+method.b=6", "task.lengths=[1,2]"])
     assert [(p["name"], p["m"], p["b"]) for p in points] == [
-        ("pqcache", 2, 6), ("pqcache", 4, 6), ("oracle", 2, 6), ("oracle", 4, 6)]
+        ("pqcache", 2, 6),
+        ("pqcache", 4, 6),
+        ("oracle", 2, 6),
+        ("oracle", 4, 6),
+    ]
     assert points[2]["gqa"] == "softmax_sum" and points[2]["offload"] is False
     default = method_sweep_points(["method.sink=8"])
     assert default == [{"name": "full", "sink": 8}]  # the config's default method
@@ -190,7 +199,8 @@ def test_every_sweep_point_is_expanded():
     assert restored == [{k: v for k, v in method_node("quest").items() if k != "page_size"}]
     # malformed overrides and flags are Hydra's to report; the rest is still checked
     assert method_sweep_points(["method=pqcache", "method.m=[1,", "--cfg", "method.b=4"]) == [
-        {**method_node("pqcache"), "b": 4}]
+        {**method_node("pqcache"), "b": 4}
+    ]
 
 
 KVBENCH_IN_PROCESS = (
@@ -213,9 +223,21 @@ KVBENCH_IN_PROCESS = (
 def test_cli_rejects_bad_method_keys_before_loading_anything(tmp_path, args, needle):
     out_dir = tmp_path / "runs"
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", KVBENCH_IN_PROCESS, "run", "model=tiny_llama",
-                             f"output_dir={out_dir}", "budget.tokens=64", *args],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KVBENCH_IN_PROCESS,
+            "run",
+            "model=tiny_llama",
+            f"output_dir={out_dir}",
+            "budget.tokens=64",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.perf_counter() - started
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("kvbench: error: ") and needle in lines[0], result.stderr
@@ -253,10 +275,18 @@ def test_a_method_preset_is_its_method_with_the_values_set(tmp_path):
     from kvbench.results import run_id_for
 
     assert "pqcache_niah" in method_choices() and set(METHOD_PRESETS) <= set(method_choices())
-    preset, explicit = compose_many([
-        ["method=pqcache_niah", "model=tiny_llama", "task=niah", "budget.token_ratio=0.1"],
-        ["method=pqcache", "method.protocol=pqcache_niah", "model=tiny_llama", "task=niah", "budget.token_ratio=0.1"],
-    ])
+    preset, explicit = compose_many(
+        [
+            ["method=pqcache_niah", "model=tiny_llama", "task=niah", "budget.token_ratio=0.1"],
+            [
+                "method=pqcache",
+                "method.protocol=pqcache_niah",
+                "model=tiny_llama",
+                "task=niah",
+                "budget.token_ratio=0.1",
+            ],
+        ]
+    )
     assert preset["method"] == explicit["method"] == method_node("pqcache_niah")
     assert preset["method"]["name"] == "pqcache" and preset["method"]["protocol"] == "pqcache_niah"
     assert run_id_for(preset) == run_id_for(explicit)

@@ -31,8 +31,14 @@ def test_covering_budget_is_token_identical_to_full(fixture, request, random_ids
     loaded = request.getfixturevalue(fixture)
     ids = random_ids(400, seed=21)
     full = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=NEW, min_new_tokens=NEW)
-    pq = generate(loaded, create_method({"name": "pqcache"}), ids, max_new_tokens=NEW, min_new_tokens=NEW,
-                  budget=BudgetConfig(tokens=400 + NEW))
+    pq = generate(
+        loaded,
+        create_method({"name": "pqcache"}),
+        ids,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        budget=BudgetConfig(tokens=400 + NEW),
+    )
     assert pq.tokens == full.tokens
 
 
@@ -41,8 +47,12 @@ def test_exact_codes_select_what_the_oracle_selects(tiny_llama, random_ids, rule
     """m = d_h one-dimensional sub-spaces with more centroids than distinct values: codes are exact."""
     ids = random_ids(200, seed=22)
     budget = BudgetConfig(tokens=60)
-    pq = first_step_selection(tiny_llama, {"name": "pqcache", "m": 32, "b": 8, "kmeans_iters": 30,
-                                           "init": "kmeans++", "gqa": rule}, ids, budget)
+    pq = first_step_selection(
+        tiny_llama,
+        {"name": "pqcache", "m": 32, "b": 8, "kmeans_iters": 30, "init": "kmeans++", "gqa": rule},
+        ids,
+        budget,
+    )
     oracle = first_step_selection(tiny_llama, {"name": "oracle", "gqa": rule}, ids, budget)
     assert torch.equal(pq, oracle)
     coarse = first_step_selection(tiny_llama, {"name": "pqcache", "m": 2, "b": 2, "gqa": rule}, ids, budget)
@@ -93,8 +103,13 @@ def test_adaptive_iterations_follow_the_cost_model(tiny_llama, random_ids, tmp_p
     assert iterations_for(fitted, 100) == 3  # clipped below
     assert iterations_for(fitted, 10**6) == 300  # clipped above
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
-    out = generate(tiny_llama, create_method({"name": "pqcache", "kmeans_iters": "adaptive"}), random_ids(600, seed=24),
-                   max_new_tokens=3, budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64))
+    out = generate(
+        tiny_llama,
+        create_method({"name": "pqcache", "kmeans_iters": "adaptive"}),
+        random_ids(600, seed=24),
+        max_new_tokens=3,
+        budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64),
+    )
     used = out.telemetry["method"]["kmeans_iters"]
     assert 3 <= used <= 300
     assert list((tmp_path / "cost_models").glob("tiny_llama-cpu-*.json"))
@@ -108,8 +123,14 @@ def test_new_token_codes_are_written_in_place(tiny_llama, random_ids):
     from kvbench.methods.primitives.pq import pq_encode
 
     method = create_method({"name": "pqcache"})
-    generate(tiny_llama, method, random_ids(200, seed=5), max_new_tokens=12, min_new_tokens=12,
-             budget=BudgetConfig(tokens=48, sink=4, local=8))
+    generate(
+        tiny_llama,
+        method,
+        random_ids(200, seed=5),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        budget=BudgetConfig(tokens=48, sink=4, local=8),
+    )
     checked = 0
     for layer, state in method.layers.items():
         if state.buffer is None:

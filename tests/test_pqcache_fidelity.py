@@ -67,8 +67,10 @@ def test_each_instance_has_its_own_pool_of_its_workers_and_it_shuts_down(tiny_ll
         assert len(calls) == layers * shares
         assert sum(problems for _, problems, _, _ in calls) == layers * 4
         # ... clustered on the pool's threads, never on the caller's
-        assert all(thread is not threading.main_thread() and thread.name.startswith("kvbench-kmeans")
-                   for thread, _, _, _ in calls)
+        assert all(
+            thread is not threading.main_thread() and thread.name.startswith("kvbench-kmeans")
+            for thread, _, _, _ in calls
+        )
         assert len({thread for thread, _, _, _ in calls}) <= method.params.workers
     assert pools[1] is not pools[3]
     assert (pools[1]._max_workers, pools[3]._max_workers) == (1, 3)  # a class-level pool kept the first's 1
@@ -94,8 +96,9 @@ def test_splitting_a_layer_among_workers_gives_the_unsplit_codebook():
     reference = pq_fit(keys, 4, 3, iters=25, seed=4321, **SKLEARN)
     for workers in (1, 3, 8):
         pool = KMeansWorkers(workers)
-        book, seconds = pool.submit(keys, 4, 3, iters=25, metric="l2", seed=4321, init="random",
-                                    options=dict(SKLEARN)).result()
+        book, seconds = pool.submit(
+            keys, 4, 3, iters=25, metric="l2", seed=4321, init="random", options=dict(SKLEARN)
+        ).result()
         pool.shutdown()
         assert torch.equal(book.codes, reference.codes)
         assert torch.allclose(book.centroids, reference.centroids, atol=1e-5)
@@ -120,7 +123,11 @@ def test_adaptive_is_the_protocol_default_and_fitted_on_the_cpu_workers(tiny_lla
     out = generate(tiny_llama, method, random_ids(600, seed=63), max_new_tokens=3, budget=BUDGET)
     tele = out.telemetry["method"]
     assert (tele["protocol"], tele["kmeans_schedule"], tele["kmeans_device"], tele["kmeans_workers"]) == (
-        "pqcache", "adaptive", "cpu", 2)
+        "pqcache",
+        "adaptive",
+        "cpu",
+        2,
+    )
     assert 3 <= tele["kmeans_iters"] <= 300
     # the cost model timed this instance's own pool, on host keys, at exact iteration counts
     timed = [s for s in submits if s[2] == {}]
@@ -135,12 +142,19 @@ def test_adaptive_is_the_protocol_default_and_fitted_on_the_cpu_workers(tiny_lla
     assert tele["cost_model"]["kmeans"] == fitted["kmeans"]
 
 
-@pytest.mark.parametrize(("cfg", "iters"), [({"protocol": "pqcache_niah"}, 10), ({"kmeans_iters": 7}, 7),
-                                            ({"protocol": "pqcache_niah", "kmeans_iters": 4}, 4)])
+@pytest.mark.parametrize(
+    ("cfg", "iters"),
+    [
+        ({"protocol": "pqcache_niah"}, 10),
+        ({"kmeans_iters": 7}, 7),
+        ({"protocol": "pqcache_niah", "kmeans_iters": 4}, 4),
+    ],
+)
 def test_a_fixed_schedule_fits_no_cost_model(tiny_llama, random_ids, tmp_path, monkeypatch, cfg, iters):
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
-    out = generate(tiny_llama, create_method({"name": "pqcache", **cfg}), random_ids(400, seed=64), max_new_tokens=3,
-                   budget=BUDGET)
+    out = generate(
+        tiny_llama, create_method({"name": "pqcache", **cfg}), random_ids(400, seed=64), max_new_tokens=3, budget=BUDGET
+    )
     tele = out.telemetry["method"]
     assert tele["kmeans_schedule"] == tele["kmeans_iters"] == iters and tele["cost_model"] is None
     assert 0 < tele["kmeans_updates"] <= iters
@@ -167,8 +181,16 @@ def pqcache_codes(cfg: dict, keys: torch.Tensor) -> torch.Tensor:
     method = create_method({"name": "pqcache", **cfg})
     options = dict(SKLEARN) if method.params.kmeans_rules == "sklearn" else {}
     pool = KMeansWorkers(method.params.workers)
-    book, _ = pool.submit(keys, 1, 2, iters=20, metric=method.params.metric, seed=method.params.seed,
-                          init=method.params.init, options=options).result()
+    book, _ = pool.submit(
+        keys,
+        1,
+        2,
+        iters=20,
+        metric=method.params.metric,
+        seed=method.params.seed,
+        init=method.params.init,
+        options=options,
+    ).result()
     pool.shutdown()
     return book.codes[0, :, 0].long()
 
@@ -180,8 +202,13 @@ def test_pqcache_relocates_an_empty_cluster_by_default_and_clusterkv_keeps_it(ti
     assert torch.bincount(pqcache_codes({"kmeans_rules": "fixed"}, keys), minlength=4).tolist() == [61, 0, 2, 1]
     # the run passes the rules to every share
     calls = spy_kmeans(monkeypatch)
-    generate(tiny_llama, create_method({"name": "pqcache", "protocol": "pqcache_niah"}), random_ids(300, seed=65),
-             max_new_tokens=2, budget=BUDGET)
+    generate(
+        tiny_llama,
+        create_method({"name": "pqcache", "protocol": "pqcache_niah"}),
+        random_ids(300, seed=65),
+        max_new_tokens=2,
+        budget=BUDGET,
+    )
     assert calls and all({k: kw[k] for k in SKLEARN} == SKLEARN for _, _, _, kw in calls)
     # ClusterKV keeps its own rules: an empty cluster keeps its centroid
     clusterkv = create_method({"name": "clusterkv", "metric": "l2"})
@@ -238,6 +265,7 @@ def test_on_cuda_kmeans_runs_where_asked(random_ids, monkeypatch, device, where)
         assert calls and {c[2] for c in calls} == {where}
         assert out.telemetry["method"]["kmeans_device"].startswith(where)
     full = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=8, min_new_tokens=8)
-    cover = generate(loaded, create_method(cfg), ids, max_new_tokens=8, min_new_tokens=8,
-                     budget=BudgetConfig(tokens=608))
+    cover = generate(
+        loaded, create_method(cfg), ids, max_new_tokens=8, min_new_tokens=8, budget=BudgetConfig(tokens=608)
+    )
     assert cover.tokens == full.tokens

@@ -62,8 +62,19 @@ def prefills(monkeypatch):
 def test_the_sharing_rule_follows_the_prefill_plan():
     """Every method with the stock dense plan shares (the issue's list included), every method with its
     own plan does not, and PQCache shares only without k-means overlapped with the prefill."""
-    assert {"full", "oracle", "quest", "sparq", "infllm", "pqcache", "clusterkv", "streamingllm", "snapkv",
-            "pyramidkv", "h2o"} <= set(SHARING)
+    assert {
+        "full",
+        "oracle",
+        "quest",
+        "sparq",
+        "infllm",
+        "pqcache",
+        "clusterkv",
+        "streamingllm",
+        "snapkv",
+        "pyramidkv",
+        "h2o",
+    } <= set(SHARING)
     for name in SHIPPED:
         overrides = type(create_method({"name": name})).prefill_plan is not KVMethod.prefill_plan
         assert not (overrides and method(name).shares_prefill), name
@@ -99,8 +110,9 @@ def test_shared_prefill_is_token_identical_and_hit(name, model, request, caches,
         for figure in ("kept_per_layer", "attended_per_layer", "attended_first_step", "kv_bytes_after_prefill"):
             assert shared.telemetry[figure] == own.telemetry[figure], figure
     after = list(cache._slots[key].entry.tensors())
-    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)), \
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)), (
         f"{name} changed the shared K/V or statistics in place"
+    )
     # the timing rule: the dense time measured when the entry was made, plus this method's own work
     assert second.telemetry["prefill_s"] >= slot.dense_s > 0
 
@@ -131,8 +143,9 @@ class OwnPlan(KVMethod):
         return DensePrefill(ctx, input_ids, torch.arange(input_ids.numel()))
 
 
-@pytest.mark.parametrize("make", [lambda: OwnPlan(), lambda: create_method({"name": "pqcache"})],
-                         ids=["own_plan", "pqcache_overlap"])
+@pytest.mark.parametrize(
+    "make", [lambda: OwnPlan(), lambda: create_method({"name": "pqcache"})], ids=["own_plan", "pqcache_overlap"]
+)
 def test_a_method_that_changes_its_prefill_never_gets_a_shared_one(make, tiny_llama, prefills):
     cache = PrefillCache(ram_bytes=512 * MB, disk_bytes=0)
     ids = prompt(seed=7)

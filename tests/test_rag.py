@@ -35,10 +35,16 @@ PASSAGES = [
 def qa_dir(tmp_path):
     """A musique_s.json in CacheBlend's format: two questions over the four passages."""
     rows = [
-        {"question": "Where was Ada Lovelace born", "answers": ["London"],
-         "ctxs": [{"title": "", "text": p} for p in PASSAGES]},
-        {"question": "What did Babbage design?", "answers": ["the Analytical Engine"],
-         "ctxs": [{"title": "T", "text": p} for p in PASSAGES[:2]]},
+        {
+            "question": "Where was Ada Lovelace born",
+            "answers": ["London"],
+            "ctxs": [{"title": "", "text": p} for p in PASSAGES],
+        },
+        {
+            "question": "What did Babbage design?",
+            "answers": ["the Analytical Engine"],
+            "ctxs": [{"title": "T", "text": p} for p in PASSAGES[:2]],
+        },
     ]
     (tmp_path / "musique_s.json").write_text(json.dumps(rows))
     return tmp_path
@@ -116,8 +122,13 @@ def test_sentencepiece_junctions_keep_no_lone_space_token(scheme):
     from transformers import PreTrainedTokenizerFast
 
     core = SentencePieceBPETokenizer()
-    core.train_from_iterator(["[INST] You will be asked [/INST] Answer: hello world"] * 3, vocab_size=120,
-                             min_frequency=1, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    core.train_from_iterator(
+        ["[INST] You will be asked [/INST] Answer: hello world"] * 3,
+        vocab_size=120,
+        min_frequency=1,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        show_progress=False,
+    )
     core._tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
     core._tokenizer.decoder = decoders.Metaspace(prepend_scheme=scheme)
     tok = PreTrainedTokenizerFast(
@@ -133,16 +144,19 @@ def test_sentencepiece_junctions_keep_no_lone_space_token(scheme):
     assert tok.decode(ids, skip_special_tokens=True).strip() == "[INST] You will [/INST]"
 
 
-@pytest.mark.parametrize("cfg, needle", [
-    ({"dataset": "nq"}, "unknown task.dataset 'nq'"),
-    ({"dataset": "musique"}, "needs task.data_dir"),
-    ({"dataset": "musique", "data_dir": "/no/such/folder"}, "is not a folder"),
-    ({"dataset": "wikimqa", "data_dir": "."}, "wikimqa_s_clean.json not found"),
-    ({"dataset": "multi_news", "data_dir": ".", "top_k": 6}, "multi_news has none"),
-    ({"dataset": "musique", "data_dir": ".", "chunk_tokens": 0}, "task.chunk_tokens=0"),
-    ({"dataset": "musique", "data_dir": ".", "retriever": "tfidf"}, "unknown task.retriever"),
-    ({"dataset": "musique", "data_dir": ".", "question_position": "start"}, "after the passages"),
-])
+@pytest.mark.parametrize(
+    "cfg, needle",
+    [
+        ({"dataset": "nq"}, "unknown task.dataset 'nq'"),
+        ({"dataset": "musique"}, "needs task.data_dir"),
+        ({"dataset": "musique", "data_dir": "/no/such/folder"}, "is not a folder"),
+        ({"dataset": "wikimqa", "data_dir": "."}, "wikimqa_s_clean.json not found"),
+        ({"dataset": "multi_news", "data_dir": ".", "top_k": 6}, "multi_news has none"),
+        ({"dataset": "musique", "data_dir": ".", "chunk_tokens": 0}, "task.chunk_tokens=0"),
+        ({"dataset": "musique", "data_dir": ".", "retriever": "tfidf"}, "unknown task.retriever"),
+        ({"dataset": "musique", "data_dir": ".", "question_position": "start"}, "after the passages"),
+    ],
+)
 def test_bad_config_is_refused_before_any_model(cfg, needle, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
@@ -218,9 +232,21 @@ def test_multi_news_articles_are_chunks_of_longbench_prompt(tiny_llama):
 def test_kvbench_run_rag_musique(tmp_path):
     """`kvbench run method=full task=rag task.dataset=musique ... task.limit=2 model=tiny_llama`, with the
     prompt capped at 3,000 tokens (tiny_llama's tokens are bytes: one passage stays) to keep it fast."""
-    args = [sys.executable, "-m", "kvbench", "run", "method=full", "task=rag", "task.dataset=musique",
-            f"task.data_dir={CB}", "task.limit=2", "task.max_length=3000", "model=tiny_llama",
-            f"output_dir={tmp_path}", "progress=false"]
+    args = [
+        sys.executable,
+        "-m",
+        "kvbench",
+        "run",
+        "method=full",
+        "task=rag",
+        "task.dataset=musique",
+        f"task.data_dir={CB}",
+        "task.limit=2",
+        "task.max_length=3000",
+        "model=tiny_llama",
+        f"output_dir={tmp_path}",
+        "progress=false",
+    ]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     (run_dir,) = list(tmp_path.iterdir())
@@ -238,8 +264,21 @@ def test_kvbench_run_rag_musique(tmp_path):
 
 
 def test_cli_refuses_an_unknown_dataset_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvbench", "run", "task=rag", "task.dataset=hotpot", "model=tiny_llama",
-                          f"output_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "run",
+            "task=rag",
+            "task.dataset=hotpot",
+            "model=tiny_llama",
+            f"output_dir={tmp_path / 'runs'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode != 0 and len(lines) == 1 and "task.dataset" in lines[0] and "fix:" in lines[0]
     assert not (tmp_path / "runs").exists()

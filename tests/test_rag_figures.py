@@ -1,7 +1,6 @@
 """The rag task's CacheBlend figures from synthetic run records (no model): the series each figure
 holds, what is drawn, and the `kvbench report --figure --figure-kind` dispatch."""
 
-
 import numpy as np
 import pytest
 import yaml
@@ -194,13 +193,31 @@ def test_deviation_figure_needs_profiled_runs():
 
 # ---------------------------------------------------------------------- Fig. 6
 def test_selection_figure_compares_hkvd_and_random_by_ratio(figures, tmp_path):
-    runs = [fake_run("full_reuse", [0, 0], [0.1, 0.1], deviations=[dev(1.0, 8.0), dev(1.0, 10.0)]),
-            fake_run("prefix_cache", [0, 0], [0.5, 0.5], deviations=[dev(1.0, 0.0)] * 2)]  # exact: not in Fig. 6
+    runs = [
+        fake_run("full_reuse", [0, 0], [0.1, 0.1], deviations=[dev(1.0, 8.0), dev(1.0, 10.0)]),
+        fake_run("prefix_cache", [0, 0], [0.5, 0.5], deviations=[dev(1.0, 0.0)] * 2),
+    ]  # exact: not in Fig. 6
     for r, hkvd, rand in [(0.3, (2.0, 4.0), (5.0, 7.0)), (0.05, (5.0, 6.0), (8.0, 9.0))]:
-        runs.append(fake_run("cacheblend", [0, 0], [0.2, 0.2], recompute_ratio=r, selection="hkvd",
-                             deviations=[dev(1.0, a) for a in hkvd]))
-        runs.append(fake_run("cacheblend", [0, 0], [0.2, 0.2], recompute_ratio=r, selection="random",
-                             deviations=[dev(1.0, a) for a in rand]))
+        runs.append(
+            fake_run(
+                "cacheblend",
+                [0, 0],
+                [0.2, 0.2],
+                recompute_ratio=r,
+                selection="hkvd",
+                deviations=[dev(1.0, a) for a in hkvd],
+            )
+        )
+        runs.append(
+            fake_run(
+                "cacheblend",
+                [0, 0],
+                [0.2, 0.2],
+                recompute_ratio=r,
+                selection="random",
+                deviations=[dev(1.0, a) for a in rand],
+            )
+        )
     (panel,), title, caption, _ = selection(run_infos(runs))
     series = by_label(panel)
     assert list(series) == ["Full KV reuse", "CacheBlend, HKVD selection", "CacheBlend, random selection"]
@@ -247,12 +264,26 @@ def write_runs(root, runs):
 
 @pytest.mark.parametrize("kind", FIGURE_KINDS)
 def test_report_draws_every_kind_to_a_png(kind, tmp_path, capsys):
-    write_runs(tmp_path / "runs", sweep() + profiled_sweep()[:2] + [
-        fake_run("cacheblend", [1, 2], [0.3, 0.3], recompute_ratio=0.3, selection="random",
-                 deviations=[dev(1.0, 3.0), dev(1.0, 4.0)])])
+    write_runs(
+        tmp_path / "runs",
+        sweep()
+        + profiled_sweep()[:2]
+        + [
+            fake_run(
+                "cacheblend",
+                [1, 2],
+                [0.3, 0.3],
+                recompute_ratio=0.3,
+                selection="random",
+                deviations=[dev(1.0, 3.0), dev(1.0, 4.0)],
+            )
+        ],
+    )
     out = tmp_path / "figs" / f"{kind}.png"
-    assert cli.main(["report", str(tmp_path / "runs"), "--figure", str(out), "--where", "task=rag",
-                     "--figure-kind", kind]) == 0
+    assert (
+        cli.main(["report", str(tmp_path / "runs"), "--figure", str(out), "--where", "task=rag", "--figure-kind", kind])
+        == 0
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(out) in capsys.readouterr().out
 
 

@@ -67,8 +67,15 @@ def one_step(loaded, method_cfg, ids, budget, rule="attended"):
         return selection
 
     method.select = spy
-    out = generate(loaded, method, ids, max_new_tokens=2, min_new_tokens=2, budget=budget,
-                   profile=Profile(recall=True, recall_rule=rule))
+    out = generate(
+        loaded,
+        method,
+        ids,
+        max_new_tokens=2,
+        min_new_tokens=2,
+        budget=budget,
+        profile=Profile(recall=True, recall_rule=rule),
+    )
     return out, seen
 
 
@@ -102,15 +109,19 @@ def reference_recall(query, keys, positions, slots, prompt, b):
     return sum(values) / heads
 
 
-@pytest.mark.parametrize("cfg", [
-    {"name": "oracle"},
-    {"name": "oracle", "per_query_head": True},
-    {"name": "quest"},
-    {"name": "clusterkv"},
-    {"name": "sparq"},
-    {"name": "infllm", "block_size": 32},
-    {"name": "pqcache", "m": 2, "b": 4},
-], ids=lambda cfg: "-".join(str(v) for v in cfg.values()))
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"name": "oracle"},
+        {"name": "oracle", "per_query_head": True},
+        {"name": "quest"},
+        {"name": "clusterkv"},
+        {"name": "sparq"},
+        {"name": "infllm", "block_size": 32},
+        {"name": "pqcache", "m": 2, "b": 4},
+    ],
+    ids=lambda cfg: "-".join(str(v) for v in cfg.values()),
+)
 def test_every_method_is_scored_by_the_same_definition(cfg, tiny_llama, random_ids):
     """The engine's recall of each layer equals the independent reference computed from what that
     layer attended, with the same B for every method (same budget.* keys)."""
@@ -127,6 +138,7 @@ def test_every_method_is_scored_by_the_same_definition(cfg, tiny_llama, random_i
 
 def test_the_earlier_rule_is_still_available(tiny_llama, random_ids):
     """``softmax_sum`` scores only the chosen part against the oracle's own rule: the oracle gets 1."""
-    out, _ = one_step(tiny_llama, {"name": "oracle"}, random_ids(400, seed=63), BudgetConfig(token_ratio=0.1),
-                      rule="softmax_sum")
+    out, _ = one_step(
+        tiny_llama, {"name": "oracle"}, random_ids(400, seed=63), BudgetConfig(token_ratio=0.1), rule="softmax_sum"
+    )
     assert out.telemetry["recall"] == pytest.approx(1.0) and "recall_b" not in out.telemetry

@@ -93,8 +93,11 @@ def test_a_one_cell_heatmap_keeps_its_title_inside(tmp_path, monkeypatch):
     from kvbench.plots import niah_heatmap
 
     figures = capture_figures(monkeypatch)
-    niah_heatmap([{"meta": {"length": 1024, "depth": 0.5}, "score": 80.0}], tmp_path / "h.png",
-                 title="smollm2_135m · streamingllm · ratio 0.1")
+    niah_heatmap(
+        [{"meta": {"length": 1024, "depth": 0.5}, "score": 80.0}],
+        tmp_path / "h.png",
+        title="smollm2_135m · streamingllm · ratio 0.1",
+    )
     fig = figures[0]
     fig.canvas.draw()
     title = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())

@@ -20,8 +20,9 @@ needs_data = pytest.mark.skipif(not (SHARED_DATA / "longbench" / "full").is_dir(
 
 
 def kvbench(*args, cwd=REPO, timeout=600):
-    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 # ---------------------------------------------------------------------- experiment files
@@ -90,8 +91,14 @@ def test_run_with_an_experiment_sweeps_its_params(tmp_path):
 def table3_smoke(tmp_path_factory):
     """``kvbench reproduce pqcache/table3 scale=smoke`` once for the tests of this module: (folder, result)."""
     tmp_path = tmp_path_factory.mktemp("table3")
-    out = kvbench("reproduce", "pqcache/table3", "scale=smoke", f"output_dir={tmp_path / 'runs'}",
-                  "--out", str(tmp_path / "report"))
+    out = kvbench(
+        "reproduce",
+        "pqcache/table3",
+        "scale=smoke",
+        f"output_dir={tmp_path / 'runs'}",
+        "--out",
+        str(tmp_path / "report"),
+    )
     return tmp_path, out
 
 
@@ -112,8 +119,14 @@ def test_table3_smoke_renders_ours_beside_the_paper(table3_smoke):
     row = table[(table["dataset"] == "average") & (table["method"] == "pqcache")].iloc[0]
     assert row["paper"] == pytest.approx(32.44) and row["delta"] == pytest.approx(row["ours"] - 32.44)
     # resumable: a second call computes nothing
-    again = kvbench("reproduce", "pqcache/table3", "scale=smoke", f"output_dir={tmp_path / 'runs'}",
-                    "--out", str(tmp_path / "report"))
+    again = kvbench(
+        "reproduce",
+        "pqcache/table3",
+        "scale=smoke",
+        f"output_dir={tmp_path / 'runs'}",
+        "--out",
+        str(tmp_path / "report"),
+    )
     assert again.returncode == 0 and "[1/" not in again.stdout
 
 
@@ -134,22 +147,32 @@ def test_paper_text_and_holds():
 def test_claim_ops_against_hand_computed_values():
     from kvbench.render import claim_value
 
-    frame = pd.DataFrame({
-        "config.method.name": ["full", "snapkv", "pyramidkv", "pqcache", "full", "pqcache"],
-        "dataset": ["average"] * 4 + ["1024", "1024"],
-        "score": [50.0, 40.0, 44.0, 46.2, 10.0, 10.4],
-        "ttft_s": [3.0, 1.0, 1.0, 1.2, None, None],
-    })
+    frame = pd.DataFrame(
+        {
+            "config.method.name": ["full", "snapkv", "pyramidkv", "pqcache", "full", "pqcache"],
+            "dataset": ["average"] * 4 + ["1024", "1024"],
+            "score": [50.0, 40.0, 44.0, 46.2, 10.0, 10.4],
+            "ttft_s": [3.0, 1.0, 1.0, 1.2, None, None],
+        }
+    )
     avg = {"dataset": "average"}
     assert claim_value(
         frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "full"}, "b": {"method": "pqcache"}}
     ) == pytest.approx(2.5)
-    assert claim_value(frame, {"op": "rel_gain_over_best", "a": {"method": "pqcache", **avg},
-                               "among": {"method": ["snapkv", "pyramidkv"], **avg}}) == pytest.approx(5.0)
-    assert claim_value(frame, {"op": "rel_gap", "a": {"method": "pqcache", **avg}, "b": {"method": "full", **avg}}) \
-        == pytest.approx(7.6)
-    assert claim_value(frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"},
-                               "b": {"method": "full"}}) == pytest.approx(0.4)
+    assert claim_value(
+        frame,
+        {
+            "op": "rel_gain_over_best",
+            "a": {"method": "pqcache", **avg},
+            "among": {"method": ["snapkv", "pyramidkv"], **avg},
+        },
+    ) == pytest.approx(5.0)
+    assert claim_value(
+        frame, {"op": "rel_gap", "a": {"method": "pqcache", **avg}, "b": {"method": "full", **avg}}
+    ) == pytest.approx(7.6)
+    assert claim_value(
+        frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"}, "b": {"method": "full"}}
+    ) == pytest.approx(0.4)
     assert claim_value(frame, {"op": "value", "a": {"method": "snapkv"}, "scale": 0.5}) == pytest.approx(20.0)
     assert (
         claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "nope"}, "b": {"method": "full"}})

@@ -18,8 +18,9 @@ METHODS = ["quest", "sparq", "infllm"]
 def gen(loaded, name, ids, n=NEW, profile=None, **kw):
     cfg = {"name": name}
     cfg.update(kw.pop("method", {}))
-    return generate(loaded, create_method(cfg), ids, max_new_tokens=n, min_new_tokens=n,
-                    budget=BudgetConfig(**kw), profile=profile)
+    return generate(
+        loaded, create_method(cfg), ids, max_new_tokens=n, min_new_tokens=n, budget=BudgetConfig(**kw), profile=profile
+    )
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
@@ -33,8 +34,15 @@ def test_covering_budget_is_token_identical_to_full(fixture, name, request, rand
 
 @pytest.mark.parametrize("name", METHODS)
 def test_small_budget_offloads_and_counts_bytes(tiny_llama, random_ids, name):
-    out = gen(tiny_llama, name, random_ids(700, seed=12), n=6, token_ratio=0.2, comm_ratio=1 / 64,
-              profile=Profile(recall=True))
+    out = gen(
+        tiny_llama,
+        name,
+        random_ids(700, seed=12),
+        n=6,
+        token_ratio=0.2,
+        comm_ratio=1 / 64,
+        profile=Profile(recall=True),
+    )
     t = out.telemetry
     b = out.budget
     dense = {"quest": {0, 1}}.get(name, set())
@@ -80,13 +88,27 @@ def test_quest_attends_whole_pages_inside_the_budget(tiny_llama, random_ids):
 def test_sparq_with_all_components_is_the_exact_top_k(tiny_llama, random_ids):
     """r = d_h makes SparQ's scores exact q·k/sqrt(d), summed over the group: the Oracle's logit_sum pick."""
     ids = random_ids(600, seed=14)
-    sparq = gen(tiny_llama, "sparq", ids, n=10, token_ratio=0.1, method={"r": 32},
-                profile=Profile(recall=True, recall_rule="logit_sum"))
+    sparq = gen(
+        tiny_llama,
+        "sparq",
+        ids,
+        n=10,
+        token_ratio=0.1,
+        method={"r": 32},
+        profile=Profile(recall=True, recall_rule="logit_sum"),
+    )
     oracle = gen(tiny_llama, "oracle", ids, n=10, token_ratio=0.1, method={"gqa": "logit_sum"})
     assert sparq.telemetry["recall"] == pytest.approx(1.0)
     assert sparq.tokens == oracle.tokens
-    low_rank = gen(tiny_llama, "sparq", ids, n=10, token_ratio=0.1, method={"r": 2},
-                   profile=Profile(recall=True, recall_rule="logit_sum"))
+    low_rank = gen(
+        tiny_llama,
+        "sparq",
+        ids,
+        n=10,
+        token_ratio=0.1,
+        method={"r": 2},
+        profile=Profile(recall=True, recall_rule="logit_sum"),
+    )
     assert low_rank.telemetry["recall"] < 1.0
 
 

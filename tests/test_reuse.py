@@ -94,8 +94,15 @@ def test_rerotated_keys_equal_keys_computed_at_the_target_positions(arch, rope, 
 def test_llama31_8b_shape_rope_scaling_rerotates(random_ids):
     """The real Llama-3.1-8B RoPE (llama3 scaling, theta 5e5, d_h 128) with small random weights."""
     cfg = model_config("llama31_8b_shape")
-    cfg["config"] = {**cfg["config"], "num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 64,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}
+    cfg["config"] = {
+        **cfg["config"],
+        "num_hidden_layers": 1,
+        "hidden_size": 256,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 300,
+    }
     loaded = load_model(cfg)
     assert loaded.model.model.rotary_emb.rope_type == "llama3" and loaded.spec.head_dim == 128
     ids = random_ids(32, seed=12)
@@ -204,8 +211,16 @@ def test_reuse_methods_refuse_prompts_without_chunks(tiny_llama, random_ids):
         generate(tiny_llama, create_method({"name": "cacheblend"}), ids, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("bad", [{"recompute_ratio": 1.5}, {"recompute_ratio": -0.1}, {"mask": "fuzzy"},
-                                 {"selection": "best"}, {"filter_ratios": [0.1, 0.3]}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"recompute_ratio": 1.5},
+        {"recompute_ratio": -0.1},
+        {"mask": "fuzzy"},
+        {"selection": "best"},
+        {"filter_ratios": [0.1, 0.3]},
+    ],
+)
 def test_cacheblend_rejects_bad_parameters(bad):
     with pytest.raises(ConfigError):
         create_method({"name": "cacheblend", **bad})
@@ -278,8 +293,15 @@ def test_profile_deviation_measures_reuse_against_a_full_prefill(tiny_llama, ran
     ids = join_segments(segments)
 
     def deviation(name, **cfg):
-        out = generate(tiny_llama, create_method({"name": name, **cfg}), ids, max_new_tokens=2, segments=segments,
-                       budget=BudgetConfig(), profile=Profile(deviation=True))
+        out = generate(
+            tiny_llama,
+            create_method({"name": name, **cfg}),
+            ids,
+            max_new_tokens=2,
+            segments=segments,
+            budget=BudgetConfig(),
+            profile=Profile(deviation=True),
+        )
         return out.telemetry["prefill"]["deviation"]
 
     exact = deviation("cacheblend", recompute_ratio=1.0)

@@ -26,18 +26,37 @@ def no_model(monkeypatch):
     monkeypatch.setattr(kvbench.models.loading, "load_model", refuse)
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["method=cacheblend", "task=rag", "task.dataset=nq", f"task.data_dir={CB}"], "unknown task.dataset 'nq'"),
-    (["method=cacheblend", "task=rag", "task.dataset=musique"], "needs task.data_dir"),
-    (["method=cacheblend", "task=rag", "task.dataset=musique", "task.data_dir=/no/such/folder"], "is not a folder"),
-    (["method=cacheblend", "task=rag", "task.dataset=musique", f"task.data_dir={CB}", "method.recompute_ratio=1.5"],
-     "method.recompute_ratio=1.5 is out of range"),
-    (["method=cacheblend", "task=rag", "task.dataset=musique", f"task.data_dir={CB}", "method.recompute_ratio=-0.1"],
-     "method.recompute_ratio=-0.1 is out of range"),
-    (["method=cacheblend", "task=niah"], "task niah's prompts are not split into chunks"),
-    (["method=prefix_cache", "task=longbench"], "task longbench's prompts are not split into chunks"),
-    (["-m", "method=full,full_reuse", "task=pg19"], "(sweep point 2/2: method=full_reuse)"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["method=cacheblend", "task=rag", "task.dataset=nq", f"task.data_dir={CB}"], "unknown task.dataset 'nq'"),
+        (["method=cacheblend", "task=rag", "task.dataset=musique"], "needs task.data_dir"),
+        (["method=cacheblend", "task=rag", "task.dataset=musique", "task.data_dir=/no/such/folder"], "is not a folder"),
+        (
+            [
+                "method=cacheblend",
+                "task=rag",
+                "task.dataset=musique",
+                f"task.data_dir={CB}",
+                "method.recompute_ratio=1.5",
+            ],
+            "method.recompute_ratio=1.5 is out of range",
+        ),
+        (
+            [
+                "method=cacheblend",
+                "task=rag",
+                "task.dataset=musique",
+                f"task.data_dir={CB}",
+                "method.recompute_ratio=-0.1",
+            ],
+            "method.recompute_ratio=-0.1 is out of range",
+        ),
+        (["method=cacheblend", "task=niah"], "task niah's prompts are not split into chunks"),
+        (["method=prefix_cache", "task=longbench"], "task longbench's prompts are not split into chunks"),
+        (["-m", "method=full,full_reuse", "task=pg19"], "(sweep point 2/2: method=full_reuse)"),
+    ],
+)
 def test_bad_reuse_input_is_one_line_before_any_model(overrides, needle, tmp_path, capsys, no_model):
     out = tmp_path / "runs"
     assert cli.main(["run", "model=smollm2_135m", f"output_dir={out}", *overrides]) == 2
@@ -55,7 +74,8 @@ def test_the_fix_names_the_chunked_tasks(tmp_path, no_model):
     assert "task=rag or task=rag_stream or task=ruler" in error.value.fix and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("method, task", [("cacheblend", "rag"), ("full_reuse", "ruler"), ("full", "niah"),
-                                          ("snapkv", "longbench")])
+@pytest.mark.parametrize(
+    "method, task", [("cacheblend", "rag"), ("full_reuse", "ruler"), ("full", "niah"), ("snapkv", "longbench")]
+)
 def test_chunked_tasks_and_other_methods_pass(method, task):
     check_reuse_task({"method": {"name": method}, "task": {"name": task}})

@@ -71,8 +71,16 @@ def test_string_match_all_and_part_on_hand_written_cases():
 
 def test_aggregate_per_task_per_length_and_grid(essay_dir):
     task = ruler(essay_dir, subsets=["vt", "cwe"], lengths=[1024, 2048])
-    records = [{"score": s, "subset": t, "meta": {"task": t, "length": n}} for t, n, s in [
-        ("vt", 1024, 100.0), ("vt", 1024, 50.0), ("vt", 2048, 0.0), ("cwe", 1024, 20.0), ("cwe", 2048, 40.0)]]
+    records = [
+        {"score": s, "subset": t, "meta": {"task": t, "length": n}}
+        for t, n, s in [
+            ("vt", 1024, 100.0),
+            ("vt", 1024, 50.0),
+            ("vt", 2048, 0.0),
+            ("cwe", 1024, 20.0),
+            ("cwe", 2048, 40.0),
+        ]
+    ]
     metrics = task.aggregate(records)
     assert metrics["task_length"] == {"vt": {"1024": 75.0, "2048": 0.0}, "cwe": {"1024": 20.0, "2048": 40.0}}
     assert metrics["per_subset"] == {"vt": 37.5, "cwe": 30.0, "len1024": 47.5, "len2048": 20.0}
@@ -108,8 +116,10 @@ def test_needles_are_in_the_context_and_the_answer_is_what_is_asked(tiny_llama, 
         else:
             assert sum(map(len, found.values())) == num_keys * num_values
         if args["value_type"] == "uuids":
-            assert all(re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", v)
-                       for v in sample.reference)
+            assert all(
+                re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", v)
+                for v in sample.reference
+            )
         else:
             assert all(re.fullmatch(r"[1-9]\d{6}", v) for v in sample.reference)
         # RULER's wording: singular when one value is asked for, the answer prefix opening the reply
@@ -208,7 +218,7 @@ def test_freq_words_answer_by_counting(tiny_llama, essay_dir):
 
 
 def test_zeta():
-    assert zeta(2.0) == pytest.approx(math.pi ** 2 / 6, rel=1e-12)
+    assert zeta(2.0) == pytest.approx(math.pi**2 / 6, rel=1e-12)
     assert zeta(3.0) == pytest.approx(1.2020569031595942, rel=1e-12)
 
 
@@ -281,8 +291,12 @@ def test_golden_digests(tiny_llama, essay_dir):
     assert got == GOLDEN
 
 
-GOLDEN = {"niah_single_1": "c64393754c5eb1d1", "niah_multikey_3": "150f84125f6e0e8b", "vt": "6b925e55dcb82b7e",
-          "fwe": "f945aba3a1a57457"}
+GOLDEN = {
+    "niah_single_1": "c64393754c5eb1d1",
+    "niah_multikey_3": "150f84125f6e0e8b",
+    "vt": "6b925e55dcb82b7e",
+    "fwe": "f945aba3a1a57457",
+}
 
 
 def test_sample_ids_without_a_model(tiny_llama, essay_dir, capsys):
@@ -317,15 +331,32 @@ def test_config_errors(tiny_llama, essay_dir):
 # ------------------------------------------------------------------------------------------------- QA
 @pytest.fixture
 def qa_dir(tmp_path) -> Path:
-    paragraphs = [{"context": f"Paragraph {a}.{p} says the colour of item {a}{p} is shade{a}{p}.",
-                   "qas": [{"question": f"What colour is item {a}{p}?", "is_impossible": p == 0,
-                            "answers": [] if p == 0 else [{"text": f"shade{a}{p}"}]}]}
-                  for a in range(3) for p in range(3)]
-    squad = {"data": [{"paragraphs": paragraphs[3 * a:3 * a + 3]} for a in range(3)]}
+    paragraphs = [
+        {
+            "context": f"Paragraph {a}.{p} says the colour of item {a}{p} is shade{a}{p}.",
+            "qas": [
+                {
+                    "question": f"What colour is item {a}{p}?",
+                    "is_impossible": p == 0,
+                    "answers": [] if p == 0 else [{"text": f"shade{a}{p}"}],
+                }
+            ],
+        }
+        for a in range(3)
+        for p in range(3)
+    ]
+    squad = {"data": [{"paragraphs": paragraphs[3 * a : 3 * a + 3]} for a in range(3)]}
     (tmp_path / "squad.json").write_text(json.dumps(squad))
-    hotpot = [{"question": f"Which town hosts team {q}?", "answer": f"town{q}",
-               "context": [[f"Title {q}-{k}", [f"Team {q} plays in town{q}." if k == 0 else f"Filler {q} {k}."]]
-                           for k in range(10)]} for q in range(3)]
+    hotpot = [
+        {
+            "question": f"Which town hosts team {q}?",
+            "answer": f"town{q}",
+            "context": [
+                [f"Title {q}-{k}", [f"Team {q} plays in town{q}." if k == 0 else f"Filler {q} {k}."]] for k in range(10)
+            ],
+        }
+        for q in range(3)
+    ]
     (tmp_path / "hotpot_dev_distractor_v1.json").write_text(json.dumps(hotpot))
     return tmp_path
 

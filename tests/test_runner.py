@@ -17,9 +17,17 @@ KVBENCH = [sys.executable, "-m", "kvbench"]
 
 
 def cli_args(tmp_path, essays, *more):
-    return ["run", "model=tiny_llama", f"output_dir={tmp_path / 'runs'}", "progress=false",
-            "task.lengths=[600,700]", "task.depths=[0,0.25,0.5,0.75,1]", f"task.data_dir={essays}",
-            "task.max_new_tokens=4", *more]
+    return [
+        "run",
+        "model=tiny_llama",
+        f"output_dir={tmp_path / 'runs'}",
+        "progress=false",
+        "task.lengths=[600,700]",
+        "task.depths=[0,0.25,0.5,0.75,1]",
+        f"task.data_dir={essays}",
+        "task.max_new_tokens=4",
+        *more,
+    ]
 
 
 def test_a_run_writes_its_directory_and_resumes(tmp_path, niah_config):
@@ -81,9 +89,15 @@ def test_sigkill_loses_no_finished_sample(tmp_path, essays):
 
 
 def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
-    out = subprocess.run(KVBENCH + cli_args(tmp_path, essays, "-m", "method=full,oracle,streamingllm",
-                                                "budget.token_ratio=0.1", "task.depths=[0.5]"),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        KVBENCH
+        + cli_args(
+            tmp_path, essays, "-m", "method=full,oracle,streamingllm", "budget.token_ratio=0.1", "task.depths=[0.5]"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     runs = sorted(p.name.split("-")[1] for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
     assert runs == ["full", "oracle", "streamingllm"]
@@ -128,8 +142,13 @@ def test_report_pivots_one_metric_and_refuses_hidden_runs(tmp_path, niah_config)
     with pytest.raises(ConfigError, match="unknown report column"):
         pivot_table([tmp_path / "runs"], ["nope"], [], value="score")
     # any flattened key of a run works as a column or a filter
-    by_window = pivot_table([tmp_path / "runs"], ["config.method.name"], ["protocol.question_position"],
-                            value="kv_bytes_ratio", where={"config.method.name": "full"})
+    by_window = pivot_table(
+        [tmp_path / "runs"],
+        ["config.method.name"],
+        ["protocol.question_position"],
+        value="kv_bytes_ratio",
+        where={"config.method.name": "full"},
+    )
     assert by_window.splitlines()[2] == "| full | 1 | 1 |"
     dense = pivot_table([tmp_path / "runs"], ["method", "question"], [], where={"config.budget.token_ratio": "None"})
     assert [line.split(" | ")[0] for line in dense.splitlines()[2:]] == ["| full", "| full"]

@@ -39,7 +39,7 @@ def turn_end_ids(loaded) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": reply}], tokenize=False
     )
-    after = text[text.rindex(reply) + len(reply):]
+    after = text[text.rindex(reply) + len(reply) :]
     special = [t for t in tokenizer.get_vocab() if t.startswith("<|") and t.endswith("|>") and after.startswith(t)]
     assert special, f"no special token after the assistant message in {after!r}"
     return [tokenizer.get_vocab()[t] for t in special]

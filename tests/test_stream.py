@@ -42,8 +42,12 @@ def test_fifo_replay_golden():
 
 
 def record(i, ttft, decode=0.0, precompute=0.0, warmup=False):
-    return {"id": f"q{i}", "score": 50.0, "meta": {"stream_position": i, "warmup": warmup, "stream_seed": 0},
-            "telemetry": {"ttft_s": ttft, "decode_s": decode, "prepared": {"precompute_s": precompute}}}
+    return {
+        "id": f"q{i}",
+        "score": 50.0,
+        "meta": {"stream_position": i, "warmup": warmup, "stream_seed": 0},
+        "telemetry": {"ttft_s": ttft, "decode_s": decode, "prepared": {"precompute_s": precompute}},
+    }
 
 
 def test_service_times_count_chunk_misses_and_decode():
@@ -72,12 +76,18 @@ def test_rate_grid_spans_light_load_to_overload():
 
 # ---------------------------------------------------------------------- the rag_stream task
 def test_the_stream_repeats_questions_in_a_seeded_order_with_shuffled_chunks(tiny_llama, qa_dir):  # noqa: F811
-    task = create_task({"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "repeats": 3,
-                        "warmup": 2, "seed": 5})
+    task = create_task(
+        {"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "repeats": 3, "warmup": 2, "seed": 5}
+    )
     ids = task.sample_ids()
     assert sorted(ids) == sorted(f"musique-{q}~{k}" for q in range(2) for k in range(3))
-    assert ids != sorted(ids) and ids == create_task({"name": "rag_stream", "dataset": "musique",
-                                                      "data_dir": str(qa_dir), "repeats": 3, "seed": 5}).sample_ids()
+    assert (
+        ids != sorted(ids)
+        and ids
+        == create_task(
+            {"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "repeats": 3, "seed": 5}
+        ).sample_ids()
+    )
     samples = list(task.samples(tiny_llama))
     assert [s.id for s in samples] == ids
     assert [s.meta["warmup"] for s in samples] == [True, True, False, False, False, False]
@@ -93,9 +103,15 @@ def test_the_stream_repeats_questions_in_a_seeded_order_with_shuffled_chunks(tin
     assert sorted(limited.sample_ids()) == ["musique-0~0", "musique-0~1"]  # limit counts questions
 
 
-@pytest.mark.parametrize("cfg,needle", [({"repeats": 0}, "task.repeats"), ({"warmup": -1}, "task.warmup"),
-                                        ({"shuffle_chunks": "yes"}, "shuffle_chunks"),
-                                        ({"pipeline": "mapreduce"}, "single prompts")])
+@pytest.mark.parametrize(
+    "cfg,needle",
+    [
+        ({"repeats": 0}, "task.repeats"),
+        ({"warmup": -1}, "task.warmup"),
+        ({"shuffle_chunks": "yes"}, "shuffle_chunks"),
+        ({"pipeline": "mapreduce"}, "single prompts"),
+    ],
+)
 def test_bad_stream_settings_are_refused(cfg, needle, qa_dir):  # noqa: F811
     with pytest.raises(ConfigError, match=needle):
         create_task({"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), **cfg})
@@ -134,8 +150,22 @@ def test_a_stream_run_keeps_one_store_so_repeated_chunks_are_computed_once(tmp_p
         seen.add(q)
     assert all(c == 0 for c, e in zip(computed, expected) if e == 0) and sum(computed) > 0
     figure = tmp_path / "fig14.png"
-    shown = subprocess.run([sys.executable, "-m", "kvbench", "report", str(tmp_path / "runs"), "--figure", str(figure),
-                            "--where", "task=rag_stream"], capture_output=True, text=True, timeout=300)
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "report",
+            str(tmp_path / "runs"),
+            "--figure",
+            str(figure),
+            "--where",
+            "task=rag_stream",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shown.returncode == 0, shown.stderr
     assert figure.exists() and figure.with_suffix(".csv").exists()
     table = figure.with_suffix(".md").read_text()
@@ -185,8 +215,11 @@ def fake(method, scores, ttft, dataset="wikimqa", model="qwen25_05b", store=None
 
 
 def test_retrieval_figure_has_one_line_per_method_over_top_k():
-    runs = [fake(m, [s, s + 10], 1.0, task__top_k=k, task__chunk_tokens=128)
-            for m, base in (("full", 40), ("full_reuse", 20)) for k, s in ((8, base + 5), (2, base), (4, base + 8))]
+    runs = [
+        fake(m, [s, s + 10], 1.0, task__top_k=k, task__chunk_tokens=128)
+        for m, base in (("full", 40), ("full_reuse", 20))
+        for k, s in ((8, base + 5), (2, base), (4, base + 8))
+    ]
     (panel,), title, caption, _ = retrieval(run_infos(runs))
     lines = {s.label: s for s in panel.series}
     assert set(lines) == {"Full KV recompute", "Full KV reuse"}
@@ -199,8 +232,16 @@ def test_equal_quality_picks_the_smallest_ratio_within_the_bound():
     for k, full_f1 in ((2, 50.0), (4, 60.0)):
         runs.append(fake("full", [full_f1] * 2, 2.0 * k, task__top_k=k, task__chunk_tokens=512))
         for r, loss, t in ((0.05, 5.0, 0.3), (0.15, 1.4, 0.5), (0.3, 0.0, 0.8)):
-            runs.append(fake("cacheblend", [full_f1 - loss] * 2, t * k, method__recompute_ratio=r, task__top_k=k,
-                             task__chunk_tokens=512))
+            runs.append(
+                fake(
+                    "cacheblend",
+                    [full_f1 - loss] * 2,
+                    t * k,
+                    method__recompute_ratio=r,
+                    task__top_k=k,
+                    task__chunk_tokens=512,
+                )
+            )
     runs.append(fake("full", [70.0] * 2, 9.0, task__top_k=4, task__chunk_tokens=256))
     runs.append(fake("cacheblend", [60.0] * 2, 1.0, method__recompute_ratio=0.3, task__top_k=4, task__chunk_tokens=256))
     points = {(p["chunk_tokens"], p["top_k"]): p for p in equal_quality_points(run_infos(runs))}
@@ -214,9 +255,12 @@ def test_equal_quality_picks_the_smallest_ratio_within_the_bound():
 
 
 def test_pipelines_figure_places_pipelines_beside_stuff_methods():
-    runs = [fake("full", [50, 60], 4.0), fake("cacheblend", [48, 58], 1.0),
-            fake("full", [30, 40], 9.0, task__pipeline="mapreduce", pipeline_ttft=3.0),
-            fake("full", [20, 30], 3.0, task__pipeline="maprerank", pipeline_ttft=0.6)]
+    runs = [
+        fake("full", [50, 60], 4.0),
+        fake("cacheblend", [48, 58], 1.0),
+        fake("full", [30, 40], 9.0, task__pipeline="mapreduce", pipeline_ttft=3.0),
+        fake("full", [20, 30], 3.0, task__pipeline="maprerank", pipeline_ttft=0.6),
+    ]
     (panel,), *_ = pipelines(run_infos(runs))
     labels = {s.label: s for s in panel.series}
     assert labels["MapReduce"].x == [9.0] and labels["MapReduce, maps in parallel (ideal)"].x == [3.0]
@@ -227,15 +271,24 @@ def test_pipelines_figure_places_pipelines_beside_stuff_methods():
 
 def test_storage_figure_has_a_panel_per_device_with_full_in_each():
     disk = {"tier": "disk", "read_mbps": None}
-    runs = [fake("full", [50], 4.0),
-            fake("cacheblend", [48], 1.0, store={"tier": "ram", "read_mbps": None}),
-            fake("cacheblend", [48], 1.5, store=disk),
-            fake("cacheblend", [48], 3.0, store={"tier": "disk", "read_mbps": 50.0}),
-            fake("cacheblend", [48], 2.0, store={"tier": "disk", "read_mbps": 500.0}),
-            fake("full_reuse", [20], 1.2, store=disk)]
+    runs = [
+        fake("full", [50], 4.0),
+        fake("cacheblend", [48], 1.0, store={"tier": "ram", "read_mbps": None}),
+        fake("cacheblend", [48], 1.5, store=disk),
+        fake("cacheblend", [48], 3.0, store={"tier": "disk", "read_mbps": 50.0}),
+        fake("cacheblend", [48], 2.0, store={"tier": "disk", "read_mbps": 500.0}),
+        fake("full_reuse", [20], 1.2, store=disk),
+    ]
     panels, *_ = storage(run_infos(runs))
-    assert [p.title for p in panels] == ["RAM", "disk (cold reads)", "disk throttled to 500 MB/s",
-                                         "disk throttled to 50 MB/s"]
+    assert [p.title for p in panels] == [
+        "RAM",
+        "disk (cold reads)",
+        "disk throttled to 500 MB/s",
+        "disk throttled to 50 MB/s",
+    ]
     assert all("Full KV recompute" in {s.label for s in p.series} for p in panels)
-    assert {s.label: s.x for s in panels[1].series} == {"Full KV recompute": [4.0], "CacheBlend r=0.15": [1.5],
-                                                         "Full KV reuse": [1.2]}
+    assert {s.label: s.x for s in panels[1].series} == {
+        "Full KV recompute": [4.0],
+        "CacheBlend r=0.15": [1.5],
+        "Full KV reuse": [1.2],
+    }

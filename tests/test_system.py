@@ -26,8 +26,15 @@ from .test_reuse import segmented
 def blend(loaded, segments, store, n=4, **cfg):
     method = create_method({"name": "cacheblend", **cfg})
     method.attach_store(store)
-    return generate(loaded, method, join_segments(segments), max_new_tokens=n, min_new_tokens=n, segments=segments,
-                    budget=BudgetConfig())
+    return generate(
+        loaded,
+        method,
+        join_segments(segments),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        segments=segments,
+        budget=BudgetConfig(),
+    )
 
 
 # ---------------------------------------------------------------------- pipelined loading
@@ -130,8 +137,12 @@ def test_tensor_file_reads_what_safetensors_wrote(tmp_path):
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(3)
-    tensors = {"k.0": torch.randn(2, 7, 4, generator=g), "v.0": torch.randn(3, 5, generator=g).half(),
-               "k.10": torch.randn(2, 3, 8, generator=g).bfloat16(), "v.10": torch.arange(6.0).view(2, 3)}
+    tensors = {
+        "k.0": torch.randn(2, 7, 4, generator=g),
+        "v.0": torch.randn(3, 5, generator=g).half(),
+        "k.10": torch.randn(2, 3, 8, generator=g).bfloat16(),
+        "v.10": torch.arange(6.0).view(2, 3),
+    }
     path = tmp_path / "x.safetensors"
     save_file(tensors, str(path), metadata={"start": "1", "layers": "11"})
     mine = TensorFile(path)
@@ -144,8 +155,9 @@ def test_tensor_file_reads_what_safetensors_wrote(tmp_path):
 
 
 def test_measured_tier_throughput_respects_the_throttle(tmp_path):
-    slow = measure_tiers(StoreConfig(dir=str(tmp_path), read_mbps=4.0), kv_heads=2, tokens=256, head_dim=32, layers=2,
-                         repeats=1)
+    slow = measure_tiers(
+        StoreConfig(dir=str(tmp_path), read_mbps=4.0), kv_heads=2, tokens=256, head_dim=32, layers=2, repeats=1
+    )
     assert slow["disk"]["layer_bytes"] == 2 * 2 * 256 * 32 * 4
     assert 2.0 < slow["disk"]["mbps"] <= 4.0 * 1.02  # padded with sleep to 4 MB/s, never faster
     assert slow["disk"]["layer_s"] == pytest.approx(slow["disk"]["layer_bytes"] / (slow["disk"]["mbps"] * 1e6))
@@ -156,15 +168,17 @@ def test_measured_tier_throughput_respects_the_throttle(tmp_path):
 # ---------------------------------------------------------------------- loading controller
 def costs(**disk):
     # c = 2.4 s / (1000 tokens x 24 layers) = 1e-4 s per token per layer
-    return Costs(prefill_s=2.4, tokens=1000, n_layers=24, bytes_per_token_layer=1024,
-                 tier_mbps={"ram": 5000.0, **disk})
+    return Costs(prefill_s=2.4, tokens=1000, n_layers=24, bytes_per_token_layer=1024, tier_mbps={"ram": 5000.0, **disk})
 
 
-@pytest.mark.parametrize("disk_mbps,ratio,tier", [
-    (10.0, 1024 * 900 / 10e6 / 0.1, "ram"),  # disk load 92 ms/layer > 15 % recompute (15 ms): ratio rises, RAM
-    (100.0, 0.15, "disk"),                   # disk load 9.2 ms < 15 ms: r* holds and the disk adds no delay
-    (1.0, 1.0, "ram"),                       # disk slower than recomputing everything: capped at 1
-])
+@pytest.mark.parametrize(
+    "disk_mbps,ratio,tier",
+    [
+        (10.0, 1024 * 900 / 10e6 / 0.1, "ram"),  # disk load 92 ms/layer > 15 % recompute (15 ms): ratio rises, RAM
+        (100.0, 0.15, "disk"),  # disk load 9.2 ms < 15 ms: r* holds and the disk adds no delay
+        (1.0, 1.0, "ram"),  # disk slower than recomputing everything: capped at 1
+    ],
+)
 def test_controller_picks_max_of_r_load_and_r_star_and_the_cheapest_tier_without_delay(disk_mbps, ratio, tier):
     choice = LoadingController(costs(disk=disk_mbps), r_star=0.15).choose(n=1000, n_cached=900, served_from="disk")
     assert choice["ratio"] == pytest.approx(ratio)
@@ -192,8 +206,9 @@ def test_controller_applies_its_ratio_and_matches_the_measured_load(tiny_llama, 
     method.attach_store(store)
 
     def run():
-        return generate(tiny_llama, method, join_segments(segments), max_new_tokens=2, segments=segments,
-                        budget=BudgetConfig())
+        return generate(
+            tiny_llama, method, join_segments(segments), max_new_tokens=2, segments=segments, budget=BudgetConfig()
+        )
 
     out = run()
     choice = out.telemetry["prepared"]["controller"]
@@ -241,20 +256,24 @@ def test_follow_up_requests_are_built_from_earlier_outputs_and_run_in_order(tiny
     prompt = random_ids(20, seed=24)
     outputs = run_sample(Echo(), prompt, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
     assert [o.prompt_tokens for o in outputs] == [20, 23, 5]
-    direct = generate(tiny_llama, create_method({"name": "full"}), prompt + outputs[0].tokens, max_new_tokens=2,
-                      min_new_tokens=2)
+    direct = generate(
+        tiny_llama, create_method({"name": "full"}), prompt + outputs[0].tokens, max_new_tokens=2, min_new_tokens=2
+    )
     assert outputs[1].tokens == direct.tokens
 
 
 # ---------------------------------------------------------------------- RAG pipelines
-@pytest.mark.parametrize("text,parsed", [
-    ("Answer: Paris\nScore: 90", ("Paris", 90)),
-    (" London \n  Score: 7 and more", ("London", 7)),
-    ("the Analytical Engine\nScore: 100\nAnswer: x", ("the Analytical Engine", 100)),
-    ("Paris", ("Paris", None)),
-    ("Answer: Rome\nConfidence: high", ("Rome", None)),
-    ("", ("", None)),
-])
+@pytest.mark.parametrize(
+    "text,parsed",
+    [
+        ("Answer: Paris\nScore: 90", ("Paris", 90)),
+        (" London \n  Score: 7 and more", ("London", 7)),
+        ("the Analytical Engine\nScore: 100\nAnswer: x", ("the Analytical Engine", 100)),
+        ("Paris", ("Paris", None)),
+        ("Answer: Rome\nConfidence: high", ("Rome", None)),
+        ("", ("", None)),
+    ],
+)
 def test_map_rerank_outputs_parse_like_langchains_regex(text, parsed):
     assert parse_rerank(text) == parsed
 
@@ -267,8 +286,13 @@ def test_map_rerank_keeps_the_highest_score_ties_to_the_first_unparsed_last():
 
 
 def _out(text, ttft, decode, prompt=10):
-    return Output(text=text, tokens=[1], stop_reason="stop", prompt_tokens=prompt,
-                  telemetry={"ttft_s": ttft, "decode_s": decode, "tt2t_s": ttft + 0.01, "new_tokens": 2})
+    return Output(
+        text=text,
+        tokens=[1],
+        stop_reason="stop",
+        prompt_tokens=prompt,
+        telemetry={"ttft_s": ttft, "decode_s": decode, "tt2t_s": ttft + 0.01, "new_tokens": 2},
+    )
 
 
 def test_mapreduce_maps_every_chunk_then_reduces_the_summaries(tiny_llama, qa_dir):  # noqa: F811
@@ -315,8 +339,16 @@ def test_maprerank_answers_the_best_scored_chunk(tiny_llama, qa_dir):  # noqa: F
 
 
 def test_a_pipeline_runs_end_to_end_on_the_engine(tiny_llama, qa_dir):  # noqa: F811
-    task = create_task({"name": "rag", "dataset": "musique", "data_dir": str(qa_dir), "pipeline": "mapreduce",
-                        "map_tokens": 3, "limit": 2})
+    task = create_task(
+        {
+            "name": "rag",
+            "dataset": "musique",
+            "data_dir": str(qa_dir),
+            "pipeline": "mapreduce",
+            "map_tokens": 3,
+            "limit": 2,
+        }
+    )
     sample = list(task.samples(tiny_llama))[1]  # two passages
     result = run_sample(task, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
     steps = result.telemetry["pipeline"]["steps"]
@@ -327,9 +359,14 @@ def test_a_pipeline_runs_end_to_end_on_the_engine(tiny_llama, qa_dir):  # noqa: 
     assert 0 <= result.score <= 100
 
 
-@pytest.mark.parametrize("cfg,needle", [({"pipeline": "refine"}, "task.pipeline"),
-                                        ({"pipeline": "mapreduce", "map_tokens": 0}, "task.map_tokens"),
-                                        ({"pipeline": "maprerank", "dataset": "multi_news"}, "multi_news")])
+@pytest.mark.parametrize(
+    "cfg,needle",
+    [
+        ({"pipeline": "refine"}, "task.pipeline"),
+        ({"pipeline": "mapreduce", "map_tokens": 0}, "task.map_tokens"),
+        ({"pipeline": "maprerank", "dataset": "multi_news"}, "multi_news"),
+    ],
+)
 def test_bad_pipeline_settings_are_refused(cfg, needle, tmp_path):
     with pytest.raises(ConfigError, match=needle):
         create_task({"name": "rag", "dataset": "musique", "data_dir": str(tmp_path), **cfg})

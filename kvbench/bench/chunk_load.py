@@ -86,21 +86,37 @@ def chunk_load(options: BenchOptions) -> BenchResult:
     rows = []
     settings: list[tuple[str, float | None]] = [("ram", None), ("disk", None)] + [("disk", mbps) for mbps in THROTTLES]
     for tier, mbps in settings:
-        measured = measure_tiers(StoreConfig(read_mbps=mbps), kv_heads=spec.n_kv_heads, tokens=tokens,
-                                 head_dim=spec.head_dim, layers=min(4, spec.n_layers), dtype=dtype, device=spec.device,
-                                 repeats=max(1, options.repeats if not options.quick else 1))[tier]
+        measured = measure_tiers(
+            StoreConfig(read_mbps=mbps),
+            kv_heads=spec.n_kv_heads,
+            tokens=tokens,
+            head_dim=spec.head_dim,
+            layers=min(4, spec.n_layers),
+            dtype=dtype,
+            device=spec.device,
+            repeats=max(1, options.repeats if not options.quick else 1),
+        )[tier]
         recompute_layer_s = tokens * token_layer_s  # the whole chunk recomputed in one layer
-        rows.append({"model": spec.name, "tier": tier if mbps is None else f"disk@{mbps:g}MB/s",
-                     "MB/s": measured["mbps"], "layer_ms": 1e3 * measured["layer_s"],
-                     "layer_bytes": int(measured["layer_bytes"]), "recompute_layer_ms": 1e3 * recompute_layer_s,
-                     "r_load": measured["layer_s"] / recompute_layer_s})
-    notes = [f"one layer of a {tokens}-token chunk ({spec.n_kv_heads} KV heads x {spec.head_dim}, {dtype}); best of "
-             f"{max(1, options.repeats)} passes over {min(4, spec.n_layers)} layers",
-             "ram: copy into fresh memory on the device (CPU: memcpy); disk: cold read (page cache dropped), "
-             "disk@N: the same read padded with sleep to N MB/s (an emulation of a slower device)",
-             f"recompute_layer_ms: the chunk's tokens through one layer at the measured dense-prefill cost "
-             f"({1e6 * token_layer_s:.2f} us per token per layer, {len(ids)}-token prompt); r_load = load / recompute",
-             f"device {spec.device}; load average {_load_average()}"]
+        rows.append(
+            {
+                "model": spec.name,
+                "tier": tier if mbps is None else f"disk@{mbps:g}MB/s",
+                "MB/s": measured["mbps"],
+                "layer_ms": 1e3 * measured["layer_s"],
+                "layer_bytes": int(measured["layer_bytes"]),
+                "recompute_layer_ms": 1e3 * recompute_layer_s,
+                "r_load": measured["layer_s"] / recompute_layer_s,
+            }
+        )
+    notes = [
+        f"one layer of a {tokens}-token chunk ({spec.n_kv_heads} KV heads x {spec.head_dim}, {dtype}); best of "
+        f"{max(1, options.repeats)} passes over {min(4, spec.n_layers)} layers",
+        "ram: copy into fresh memory on the device (CPU: memcpy); disk: cold read (page cache dropped), "
+        "disk@N: the same read padded with sleep to N MB/s (an emulation of a slower device)",
+        f"recompute_layer_ms: the chunk's tokens through one layer at the measured dense-prefill cost "
+        f"({1e6 * token_layer_s:.2f} us per token per layer, {len(ids)}-token prompt); r_load = load / recompute",
+        f"device {spec.device}; load average {_load_average()}",
+    ]
     return BenchResult("chunk_load", "chunk KV load throughput per storage tier", rows, notes)
 
 
@@ -137,8 +153,10 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
                 order = (True, False) if index % 2 == 0 else (False, True)
                 for pipeline in order:
                     runs[pipeline].append(once(pipeline))
-            on = {k: statistics.median(r[k] for r in runs[True]) for k in ("ttft_s", "load_s", "load_wait_s",
-                                                                             "load_hidden_s", "recompute_s")}
+            on = {
+                k: statistics.median(r[k] for r in runs[True])
+                for k in ("ttft_s", "load_s", "load_wait_s", "load_hidden_s", "recompute_s")
+            }
             off = {k: statistics.median(r[k] for r in runs[False]) for k in ("ttft_s", "load_s", "recompute_s")}
             per_load = statistics.median(
                 statistics.median(x for x in r["load_per_layer_s"] if x > 0) for r in runs[True]
@@ -148,26 +166,46 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
             element = next(loaded.model.parameters()).element_size()
             n_cached = sum(len(s) for s in segments if s.role != "query")
             per_token = 2 * spec.n_kv_heads * spec.head_dim * element
-            costs = Costs(prefill_s=_prefill_s(loaded, ids, 1), tokens=len(ids), n_layers=spec.n_layers,
-                          bytes_per_token_layer=per_token, tier_mbps={"disk": per_token * n_cached / per_load / 1e6})
+            costs = Costs(
+                prefill_s=_prefill_s(loaded, ids, 1),
+                tokens=len(ids),
+                n_layers=spec.n_layers,
+                bytes_per_token_layer=per_token,
+                tier_mbps={"disk": per_token * n_cached / per_load / 1e6},
+            )
             choice = LoadingController(costs, 0.15).choose(len(ids), n_cached, "disk")
-            rows.append({
-                "model": spec.name, "tier": "disk" if mbps is None else f"disk@{mbps:g}MB/s", "prompt": len(ids),
-                "ttft_pipelined_s": on["ttft_s"], "ttft_serial_s": off["ttft_s"],
-                "pipelined/serial": on["ttft_s"] / off["ttft_s"],
-                "load_s": on["load_s"], "load_hidden_s": on["load_hidden_s"], "load_wait_s": on["load_wait_s"],
-                "serial_load_s": off["load_s"], "recompute_s": on["recompute_s"],
-                "load_layer_ms": 1e3 * per_load, "recompute_layer_ms": 1e3 * per_recompute,
-                "predicted_recompute_layer_ms": 1e3 * choice["recompute_layer_s"]["r_star"],
-                "controller_ratio": choice["ratio"],
-            })
-    notes.append(f"cacheblend r=0.15, chunk caches on disk (cold reads), medians of {rounds} alternated rounds per "
-                 "setting; TTFT excludes chunk precomputation")
-    notes.append("load_hidden_s = load time minus the main thread's wait for loads; recompute_layer_ms: median "
-                 "layer time after the check layer; predicted_recompute_layer_ms: r* x (dense prefill / layers), "
-                 "the controller's model; controller_ratio: max(r_load, 0.15) with the measured load rate")
-    notes.append(f"device {loaded.spec.device}; torch threads {torch.get_num_threads()}; on a CPU the loader "
-                 f"thread shares the cores with compute; load average {_load_average()} (at the end)")
+            rows.append(
+                {
+                    "model": spec.name,
+                    "tier": "disk" if mbps is None else f"disk@{mbps:g}MB/s",
+                    "prompt": len(ids),
+                    "ttft_pipelined_s": on["ttft_s"],
+                    "ttft_serial_s": off["ttft_s"],
+                    "pipelined/serial": on["ttft_s"] / off["ttft_s"],
+                    "load_s": on["load_s"],
+                    "load_hidden_s": on["load_hidden_s"],
+                    "load_wait_s": on["load_wait_s"],
+                    "serial_load_s": off["load_s"],
+                    "recompute_s": on["recompute_s"],
+                    "load_layer_ms": 1e3 * per_load,
+                    "recompute_layer_ms": 1e3 * per_recompute,
+                    "predicted_recompute_layer_ms": 1e3 * choice["recompute_layer_s"]["r_star"],
+                    "controller_ratio": choice["ratio"],
+                }
+            )
+    notes.append(
+        f"cacheblend r=0.15, chunk caches on disk (cold reads), medians of {rounds} alternated rounds per "
+        "setting; TTFT excludes chunk precomputation"
+    )
+    notes.append(
+        "load_hidden_s = load time minus the main thread's wait for loads; recompute_layer_ms: median "
+        "layer time after the check layer; predicted_recompute_layer_ms: r* x (dense prefill / layers), "
+        "the controller's model; controller_ratio: max(r_load, 0.15) with the measured load rate"
+    )
+    notes.append(
+        f"device {loaded.spec.device}; torch threads {torch.get_num_threads()}; on a CPU the loader "
+        f"thread shares the cores with compute; load average {_load_average()} (at the end)"
+    )
     return BenchResult("reuse_pipeline", "CacheBlend TTFT with pipelined vs serial chunk loading", rows, notes)
 
 
@@ -198,8 +236,16 @@ def recompute_cost(options: BenchOptions) -> BenchResult:
     lengths = sorted({max(16, n // 4), max(32, n // 2), n})
     for length in lengths:
         best = _prefill_s(loaded, ids[:length], rounds)
-        rows.append({"model": spec.name, "run": "dense", "tokens": length, "r": 1.0, "ttft_s": best,
-                     "us_per_token_layer": 1e6 * best / (length * spec.n_layers)})
+        rows.append(
+            {
+                "model": spec.name,
+                "run": "dense",
+                "tokens": length,
+                "r": 1.0,
+                "ttft_s": best,
+                "us_per_token_layer": 1e6 * best / (length * spec.n_layers),
+            }
+        )
     prefill = rows[-1]["ttft_s"]
     store = ChunkStore(StoreConfig(tier="ram"))
     ratios = (0.15, 0.5) if options.quick else (0.05, 0.15, 0.3, 0.5)
@@ -217,11 +263,25 @@ def recompute_cost(options: BenchOptions) -> BenchResult:
         share = (int((n - query) * r) + query) / n
         model_s = prefill * (check + (spec.n_layers - check) * share) / spec.n_layers
         measured = statistics.median(times[r])
-        rows.append({"model": spec.name, "run": "cacheblend", "tokens": n, "r": r, "ttft_s": measured,
-                     "us_per_token_layer": None, "model_s": model_s, "measured/model": measured / model_s,
-                     "ttft/full": measured / prefill})
-    notes = [f"dense: best of {rounds}; cacheblend: median of {rounds} alternated rounds, chunks in RAM, "
-             f"{spec.n_layers} layers; model_s: the controller's linear cost model from the dense prefill of "
-             f"{n} tokens", f"device {spec.device}; load average {_load_average()}"]
-    return BenchResult("recompute_cost", "recompute cost: the controller's model vs measured, per-token prefill cost",
-                       rows, notes)
+        rows.append(
+            {
+                "model": spec.name,
+                "run": "cacheblend",
+                "tokens": n,
+                "r": r,
+                "ttft_s": measured,
+                "us_per_token_layer": None,
+                "model_s": model_s,
+                "measured/model": measured / model_s,
+                "ttft/full": measured / prefill,
+            }
+        )
+    notes = [
+        f"dense: best of {rounds}; cacheblend: median of {rounds} alternated rounds, chunks in RAM, "
+        f"{spec.n_layers} layers; model_s: the controller's linear cost model from the dense prefill of "
+        f"{n} tokens",
+        f"device {spec.device}; load average {_load_average()}",
+    ]
+    return BenchResult(
+        "recompute_cost", "recompute cost: the controller's model vs measured, per-token prefill cost", rows, notes
+    )

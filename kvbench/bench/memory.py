@@ -79,10 +79,21 @@ def prefill_memory(options: BenchOptions) -> BenchResult:
     base = results["full"]["peak"] - results["full"]["before"]
     for method, r in results.items():
         extra = r["peak"] - r["before"]
-        rows.append({"model": model, "prompt": r["prompt"], "method": method, "prefill_peak_MiB": extra / 2**20,
-                     "process_peak_MiB": r["peak"] / 2**20, "vs_full": extra / base if base else None,
-                     "kv_after_prefill_MiB": r["kv_bytes"] / 2**20, "ttft_s": r["ttft_s"]})
-    notes = ["prefill_peak: peak memory during generate (1 token) above the memory just before it",
-             "fresh process per method; CPU figures sample VmRSS every 5 ms, CUDA ones use max_memory_allocated",
-             f"budget {budget} for the dropping methods"]
+        rows.append(
+            {
+                "model": model,
+                "prompt": r["prompt"],
+                "method": method,
+                "prefill_peak_MiB": extra / 2**20,
+                "process_peak_MiB": r["peak"] / 2**20,
+                "vs_full": extra / base if base else None,
+                "kv_after_prefill_MiB": r["kv_bytes"] / 2**20,
+                "ttft_s": r["ttft_s"],
+            }
+        )
+    notes = [
+        "prefill_peak: peak memory during generate (1 token) above the memory just before it",
+        "fresh process per method; CPU figures sample VmRSS every 5 ms, CUDA ones use max_memory_allocated",
+        f"budget {budget} for the dropping methods",
+    ]
     return BenchResult("prefill_memory", "peak prefill memory, H2O and SnapKV vs full", rows, notes)

@@ -51,10 +51,20 @@ def pq_search(options: BenchOptions) -> BenchResult:
 
             t_exact = time_call(exact, repeats=options.repeats, device=device)
             t_pq = time_call(approx, repeats=options.repeats, device=device)
-            rows.append({"m×b": f"{m}×{b}", "s": s, "exact_ms": 1e3 * t_exact, "pq_ms": 1e3 * t_pq,
-                         "pq/exact": t_pq / t_exact, "bytes pq/exact": m * b / 8 / (HEAD_DIM * 4)})
-    notes = [f"device {device}; one layer: {KV_HEADS} KV heads × {GROUP} query heads, d_h {HEAD_DIM}, fp32 keys",
-             "bytes pq/exact: code bytes read per token vs fp32 key bytes (what each method must have on the device)"]
+            rows.append(
+                {
+                    "m×b": f"{m}×{b}",
+                    "s": s,
+                    "exact_ms": 1e3 * t_exact,
+                    "pq_ms": 1e3 * t_pq,
+                    "pq/exact": t_pq / t_exact,
+                    "bytes pq/exact": m * b / 8 / (HEAD_DIM * 4),
+                }
+            )
+    notes = [
+        f"device {device}; one layer: {KV_HEADS} KV heads × {GROUP} query heads, d_h {HEAD_DIM}, fp32 keys",
+        "bytes pq/exact: code bytes read per token vs fp32 key bytes (what each method must have on the device)",
+    ]
     return BenchResult("pq_search", "PQ search + top-k vs exact scoring + top-k", rows, notes)
 
 
@@ -92,22 +102,40 @@ def kmeans_faiss(options: BenchOptions) -> BenchResult:
 
                     def theirs() -> None:
                         for array in arrays:
-                            km = faiss.Kmeans(sub, 2**b, niter=iters, seed=0, verbose=False, min_points_per_centroid=1,
-                                              max_points_per_centroid=10**9)
+                            km = faiss.Kmeans(
+                                sub,
+                                2**b,
+                                niter=iters,
+                                seed=0,
+                                verbose=False,
+                                min_points_per_centroid=1,
+                                max_points_per_centroid=10**9,
+                            )
                             km.train(array)
                             km.index.search(array, 1)  # the codes
 
                     t_ours = time_call(ours, repeats=max(1, options.repeats // 2), device=device)
                     t_faiss = time_call(theirs, repeats=max(1, options.repeats // 2), device=device)
-                    rows.append({"threads": count, "m×b": f"{m}×{b}", "s": s, "problems": KV_HEADS * m,
-                                 "iters": iters, "kvbench_s": t_ours, "faiss_s": t_faiss,
-                                 "kvbench/faiss": t_ours / t_faiss})
+                    rows.append(
+                        {
+                            "threads": count,
+                            "m×b": f"{m}×{b}",
+                            "s": s,
+                            "problems": KV_HEADS * m,
+                            "iters": iters,
+                            "kvbench_s": t_ours,
+                            "faiss_s": t_faiss,
+                            "kvbench/faiss": t_ours / t_faiss,
+                        }
+                    )
     finally:
         torch.set_num_threads(threads)
         faiss.omp_set_num_threads(faiss_threads)
-    notes = [f"CPU; threads: torch and faiss set alike per row (process default {threads})",
-             "both sides return centroids and codes (faiss: train, then search for the labels)",
-             "faiss clusters the problems one after another (its Kmeans has no batch dimension)"]
+    notes = [
+        f"CPU; threads: torch and faiss set alike per row (process default {threads})",
+        "both sides return centroids and codes (faiss: train, then search for the labels)",
+        "faiss clusters the problems one after another (its Kmeans has no batch dimension)",
+    ]
     return BenchResult("kmeans_faiss", "batched k-means vs faiss-cpu (one layer's PQ construction)", rows, notes)
 
 
@@ -135,14 +163,32 @@ def clusterkv_select(options: BenchOptions) -> BenchResult:
 
     t_exact = time_call(exact, repeats=options.repeats, device=device)
     t_cluster = time_call(clustered, repeats=options.repeats, device=device)
-    rows = [{"s": s, "clusters": clusters, "budget": budget, "exact_topk_ms": 1e3 * t_exact,
-             "clusterkv_ms": 1e3 * t_cluster, "clusterkv/exact": t_cluster / t_exact}]
-    return BenchResult("clusterkv_select", "ClusterKV selection vs exact top-k (per query head)", rows,
-                       [f"device {device}; {KV_HEADS * GROUP} query heads, d_h {HEAD_DIM}"])
+    rows = [
+        {
+            "s": s,
+            "clusters": clusters,
+            "budget": budget,
+            "exact_topk_ms": 1e3 * t_exact,
+            "clusterkv_ms": 1e3 * t_cluster,
+            "clusterkv/exact": t_cluster / t_exact,
+        }
+    ]
+    return BenchResult(
+        "clusterkv_select",
+        "ClusterKV selection vs exact top-k (per query head)",
+        rows,
+        [f"device {device}; {KV_HEADS * GROUP} query heads, d_h {HEAD_DIM}"],
+    )
 
 
-def _e2e(options: BenchOptions, methods: list[tuple[str, dict[str, Any]]], lengths: tuple[int, ...], title: str,
-         name: str, new_tokens: int = 32) -> BenchResult:
+def _e2e(
+    options: BenchOptions,
+    methods: list[tuple[str, dict[str, Any]]],
+    lengths: tuple[int, ...],
+    title: str,
+    name: str,
+    new_tokens: int = 32,
+) -> BenchResult:
     """TT2T and TPOT of methods vs full on a real model (SmolLM2; tiny_llama in quick mode; ``--model``,
     ``--lengths`` and ``--new-tokens`` override, e.g. ``llama31_8b_shape`` at 32k-128k on a GPU)."""
     from kvbench.budget import BudgetConfig
@@ -165,18 +211,34 @@ def _e2e(options: BenchOptions, methods: list[tuple[str, dict[str, Any]]], lengt
         for method, budget in [("full", {})] + methods:
             runs = []
             for _ in range(1 if options.quick else 2):
-                out = generate(loaded, create_method({"name": method}), ids, max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, budget=BudgetConfig(**budget))
+                out = generate(
+                    loaded,
+                    create_method({"name": method}),
+                    ids,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    budget=BudgetConfig(**budget),
+                )
                 runs.append(out.telemetry)
             best = min(runs, key=lambda t: t["tt2t_s"])
             results[method] = (best["tt2t_s"], min(t["tpot_s"] for t in runs))
         for method, _ in methods:
             tt2t, tpot = results[method]
-            rows.append({"model": model_name, "prompt": len(ids), "method": method, "tt2t_s": tt2t,
-                         "full_tt2t_s": results["full"][0], "tt2t ratio": tt2t / results["full"][0],
-                         "tpot_ms": 1e3 * tpot, "full_tpot_ms": 1e3 * results["full"][1],
-                         "tpot ratio": tpot / results["full"][1], "decode tok/s": 1 / tpot,
-                         "decode speedup": results["full"][1] / tpot})
+            rows.append(
+                {
+                    "model": model_name,
+                    "prompt": len(ids),
+                    "method": method,
+                    "tt2t_s": tt2t,
+                    "full_tt2t_s": results["full"][0],
+                    "tt2t ratio": tt2t / results["full"][0],
+                    "tpot_ms": 1e3 * tpot,
+                    "full_tpot_ms": 1e3 * results["full"][1],
+                    "tpot ratio": tpot / results["full"][1],
+                    "decode tok/s": 1 / tpot,
+                    "decode speedup": results["full"][1] / tpot,
+                }
+            )
     notes = [
         f"{new_tokens} new tokens, best of {1 if options.quick else 2} runs; "
         "TPOT = mean of decode steps after the first",
@@ -197,4 +259,3 @@ def clusterkv_e2e(options: BenchOptions) -> BenchResult:
     lengths = (1024,) if options.quick else (8000,)
     budget = {"tokens": 256 if options.quick else 1024}
     return _e2e(options, [("clusterkv", budget)], lengths, "decode step: clusterkv vs full", "clusterkv_e2e")
-

@@ -85,8 +85,10 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
     repeats = max(1, min(options.repeats, 3))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        stores = {"ram": ChunkStore(StoreConfig(tier="ram", ram_gb=8.0)),
-                  "disk": ChunkStore(StoreConfig(tier="disk", dir=scratch, disk_gb=64.0))}
+        stores = {
+            "ram": ChunkStore(StoreConfig(tier="ram", ram_gb=8.0)),
+            "disk": ChunkStore(StoreConfig(tier="disk", dir=scratch, disk_gb=64.0)),
+        }
         for index, segments in enumerate(prompts):
             ids = join_segments(segments)
             methods = []
@@ -105,9 +107,16 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
             full = times["full", None]
             for (label, tier), seconds in times.items():
                 ratios = [s / f for s, f in zip(seconds, full)]
-                rows.append({"prompt": index, "tokens": len(ids), "method": label, "chunks from": tier or "-",
-                             "ttft_s": round(statistics.median(seconds), 4),
-                             "ratio to full": round(statistics.median(ratios), 3)})
+                rows.append(
+                    {
+                        "prompt": index,
+                        "tokens": len(ids),
+                        "method": label,
+                        "chunks from": tier or "-",
+                        "ttft_s": round(statistics.median(seconds), 4),
+                        "ratio to full": round(statistics.median(ratios), 3),
+                    }
+                )
     notes = [
         f"model {loaded.spec.name} on {loaded.spec.device}; prompts: {source}",
         f"{repeats} interleaved rounds (every config once per round) after a warm-up round that also precomputes "

@@ -35,21 +35,45 @@ def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: Bud
             budget=budget,
             profile=profile,
         )
-        return Output(text=out.text, tokens=out.tokens, stop_reason=out.stop_reason, prompt_tokens=out.prompt_tokens,
-                      budget=out.budget.to_dict(), telemetry=out.telemetry)
+        return Output(
+            text=out.text,
+            tokens=out.tokens,
+            stop_reason=out.stop_reason,
+            prompt_tokens=out.prompt_tokens,
+            budget=out.budget.to_dict(),
+            telemetry=out.telemetry,
+        )
     if isinstance(request, ScoreRequest):
         scoring = teacher_force(
             loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile
         )
-        return Output(nll=scoring.nll, prompt_tokens=len(request.prefix_ids), budget=scoring.budget.to_dict(),
-                      telemetry=scoring.telemetry)
+        return Output(
+            nll=scoring.nll,
+            prompt_tokens=len(request.prefix_ids),
+            budget=scoring.budget.to_dict(),
+            telemetry=scoring.telemetry,
+        )
     if isinstance(request, MultiQueryRequest):
         from kvbench.engine.conversation import converse
 
         talk = converse(loaded, method, request, budget=budget, profile=profile)
-        turns = [Output(text=t.text, tokens=t.tokens, stop_reason=t.stop_reason, prompt_tokens=t.question_tokens,
-                        telemetry=t.telemetry) for t in talk.turns]
-        return Output(text=turns[0].text, tokens=turns[0].tokens, stop_reason=turns[0].stop_reason,
-                      prompt_tokens=talk.prompt_tokens, budget=talk.budget.to_dict(), telemetry=talk.telemetry,
-                      turns=turns)
+        turns = [
+            Output(
+                text=t.text,
+                tokens=t.tokens,
+                stop_reason=t.stop_reason,
+                prompt_tokens=t.question_tokens,
+                telemetry=t.telemetry,
+            )
+            for t in talk.turns
+        ]
+        return Output(
+            text=turns[0].text,
+            tokens=turns[0].tokens,
+            stop_reason=turns[0].stop_reason,
+            prompt_tokens=talk.prompt_tokens,
+            budget=talk.budget.to_dict(),
+            telemetry=talk.telemetry,
+            turns=turns,
+        )
     raise TypeError(f"unknown request type {type(request).__name__}")

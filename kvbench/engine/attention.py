@@ -127,8 +127,9 @@ def with_past(
         hidden = key_positions[None, :] > query_positions[:, None]
         mask = torch.zeros(1, 1, t, keys.shape[1], dtype=query.dtype, device=query.device)
         mask.masked_fill_(hidden.to(query.device)[None, None], float("-inf"))
-        out = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=mask, scale=scaling,
-                                             enable_gqa=n_heads != kv_heads)
+        out = F.scaled_dot_product_attention(
+            query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=n_heads != kv_heads
+        )
         return out.transpose(1, 2)
     group = n_heads // kv_heads
     q = query[0].reshape(kv_heads, group, t, d)
@@ -177,6 +178,11 @@ def _with_past_blocked(
         mask = torch.zeros(1, 1, end - begin, limit, dtype=query.dtype, device=query.device)
         mask.masked_fill_(hidden.to(query.device)[None, None], float("-inf"))
         out[:, :, rows] = F.scaled_dot_product_attention(
-            query[:, :, rows], keys[None, :, :limit], values[None, :, :limit], attn_mask=mask, scale=scaling,
-            enable_gqa=n_heads != kv_heads)
+            query[:, :, rows],
+            keys[None, :, :limit],
+            values[None, :, :limit],
+            attn_mask=mask,
+            scale=scaling,
+            enable_gqa=n_heads != kv_heads,
+        )
     return out.transpose(1, 2)

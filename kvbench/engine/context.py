@@ -90,8 +90,12 @@ class GenerationContext:
         self._positions = None
         return hidden
 
-    def prefill(self, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None,
-                check: Callable[[PrefillPlan], None] | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        segments: tuple[Segment, ...] | None,
+        check: Callable[[PrefillPlan], None] | None = None,
+    ) -> torch.Tensor:
         """Prefill the prompt ``input_ids`` ``[n]`` for the method (inside ``activate(self)``); returns the
         last token's logits ``[1, vocab]`` and records ``telemetry.prefill_s`` and ``prefill_shared``.
 
@@ -158,8 +162,10 @@ class GenerationContext:
                 raise RuntimeError(f"method {self.method.name} asked for {stat.label} without the prefill's queries")
             return stat.compute(query, key)
         if stat not in entry.stats:
-            raise RuntimeError(f"method {self.method.name} reads {stat.label} in on_prefill but its "
-                               "prefill_statistics() does not declare it, so a shared prefill lacks it")
+            raise RuntimeError(
+                f"method {self.method.name} reads {stat.label} in on_prefill but its "
+                "prefill_statistics() does not declare it, so a shared prefill lacks it"
+            )
         self._statistic_s += entry.stat_s[stat][layer]
         return entry.stats[stat][layer]
 

@@ -125,6 +125,7 @@ def converse(
     with torch.inference_mode():
         tele.prepared = method.prepare(ctx, ids, segments)
     with torch.inference_mode(), activate(ctx):
+
         def check(plan: PrefillPlan) -> None:
             if plan.positions.numel() == 0:
                 raise ConfigError(
@@ -257,8 +258,16 @@ class _Answer:
 
 
 def _turn(
-    ctx: GenerationContext, query: Query, tokens: list[int], stop_reason: str, question_tokens: int, ttft: float,
-    asked_at: float, steps_before: int, bytes_before: int, position: int,
+    ctx: GenerationContext,
+    query: Query,
+    tokens: list[int],
+    stop_reason: str,
+    question_tokens: int,
+    ttft: float,
+    asked_at: float,
+    steps_before: int,
+    bytes_before: int,
+    position: int,
 ) -> Turn:
     body = tokens[:-1] if stop_reason == "stop" else tokens
     text = ctx.loaded.tokenizer.decode(body, skip_special_tokens=True)

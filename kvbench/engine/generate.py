@@ -250,7 +250,11 @@ def prefill_kv(
         dense_attend = plan.attend
 
         def capture(
-            layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            layer: int,
+            module: torch.nn.Module,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
             scaling: float,
         ) -> torch.Tensor:
             queries.append(query[0][:, query_rows.to(query.device)].clone())

@@ -150,8 +150,12 @@ def model_key(loaded: LoadedModel) -> str:
     model = loaded.model
     if model not in _MODEL_KEYS:
         last = list(model.parameters())[-1].detach().float().flatten()[:4096].cpu().numpy().tobytes()
-        parts = [model_fingerprint(loaded), str(getattr(model.config, "_name_or_path", "")), loaded.spec.device,
-                 hashlib.sha256(last).hexdigest()[:8]]
+        parts = [
+            model_fingerprint(loaded),
+            str(getattr(model.config, "_name_or_path", "")),
+            loaded.spec.device,
+            hashlib.sha256(last).hexdigest()[:8],
+        ]
         _MODEL_KEYS[model] = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
     return _MODEL_KEYS[model]
 
@@ -198,8 +202,11 @@ class PrefillEntry:
             return _compact(t).to(device)
 
         return PrefillEntry(
-            keys=[move(t) for t in self.keys], values=[move(t) for t in self.values], logits=move(self.logits),
-            dense_s=self.dense_s, stats={s: [move(t) for t in ts] for s, ts in self.stats.items()},
+            keys=[move(t) for t in self.keys],
+            values=[move(t) for t in self.values],
+            logits=move(self.logits),
+            dense_s=self.dense_s,
+            stats={s: [move(t) for t in ts] for s, ts in self.stats.items()},
             stat_s={s: list(v) for s, v in self.stat_s.items()},
         )
 
@@ -272,8 +279,9 @@ def capture(ctx: GenerationContext, input_ids: torch.Tensor, stats: tuple[QueryS
     logits = ctx.run_prefill(plan)
     total = ctx.clock.now() - started
     dense_s = max(0.0, total - sum(sum(seconds) for seconds in plan.stat_s.values()))
-    return PrefillEntry(keys=plan.keys, values=plan.values, logits=logits, dense_s=dense_s,
-                        stats=plan.stat_values, stat_s=plan.stat_s)
+    return PrefillEntry(
+        keys=plan.keys, values=plan.values, logits=logits, dense_s=dense_s, stats=plan.stat_values, stat_s=plan.stat_s
+    )
 
 
 # ---------------------------------------------------------------------- the cache
@@ -343,8 +351,14 @@ class PrefillCache:
             held = old.entry if old.entry is not None else self._read(old)
             if old.path is not None:
                 old.path.unlink(missing_ok=True)
-            entry = PrefillEntry(entry.keys, entry.values, entry.logits, held.dense_s,
-                                 {**entry.stats, **held.stats}, {**entry.stat_s, **held.stat_s})
+            entry = PrefillEntry(
+                entry.keys,
+                entry.values,
+                entry.logits,
+                held.dense_s,
+                {**entry.stats, **held.stats},
+                {**entry.stat_s, **held.stat_s},
+            )
         if self._insert(key, entry.to("cpu")):
             self.counts.stored += 1
             return
@@ -438,8 +452,11 @@ class PrefillCache:
         slot.layout = {name: _order(t) for name, t in named.items()}
         path = self.folder() / f"{uuid.uuid4().hex}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file({name: t.permute(slot.layout[name]).contiguous() for name, t in named.items()}, str(tmp),
-                  metadata={"layout": json.dumps(slot.layout)})
+        save_file(
+            {name: t.permute(slot.layout[name]).contiguous() for name, t in named.items()},
+            str(tmp),
+            metadata={"layout": json.dumps(slot.layout)},
+        )
         os.replace(tmp, path)
         slot.path, slot.entry, slot.tier = path, None, "disk"
 
@@ -475,4 +492,3 @@ def _remove_orphans(root: Path) -> None:
             shutil.rmtree(child, ignore_errors=True)
         except PermissionError:
             pass
-

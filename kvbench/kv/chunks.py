@@ -283,8 +283,13 @@ class ChunkStore:
         path = self._path(key)
         tensors = {f"k.{i}": k.contiguous() for i, k in enumerate(entry.keys)}
         tensors.update({f"v.{i}": v.contiguous() for i, v in enumerate(entry.values)})
-        metadata = {"layers": str(entry.n_layers), "start": str(entry.start), "model": key.model, "mode": key.mode,
-                    "tokens": str(entry.n_tokens)}
+        metadata = {
+            "layers": str(entry.n_layers),
+            "start": str(entry.start),
+            "model": key.model,
+            "mode": key.mode,
+            "tokens": str(entry.n_tokens),
+        }
         # a name of this process and thread: runs sharing a store folder may write the same chunk at once;
         # each writes its own file and the last rename wins (the contents are identical)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -328,8 +333,12 @@ class ChunkStore:
     def summary(self) -> dict[str, Any]:
         """The store's configuration and cumulative per-tier figures (``<tier>_mbps``: the measured
         throughput of the loads so far, bytes over load time)."""
-        rates = {f"{tier}_mbps": (self.stats[tier].bytes_loaded / self.stats[tier].load_s / 1e6)
-                 if self.stats[tier].load_s > 0 else None for tier in TIERS}
+        rates = {
+            f"{tier}_mbps": (self.stats[tier].bytes_loaded / self.stats[tier].load_s / 1e6)
+            if self.stats[tier].load_s > 0
+            else None
+            for tier in TIERS
+        }
         return {
             "tier": self.config.tier,
             "read_mbps": self.config.read_mbps,
@@ -369,8 +378,17 @@ class ChunkReader:
     statistics as layers are read. Close the reader when done (or use ``with``).
     """
 
-    def __init__(self, store: ChunkStore, tier: str, start: int, tokens: int, layers: int, *,
-                 entry: ChunkKV | None = None, file: TensorFile | None = None) -> None:
+    def __init__(
+        self,
+        store: ChunkStore,
+        tier: str,
+        start: int,
+        tokens: int,
+        layers: int,
+        *,
+        entry: ChunkKV | None = None,
+        file: TensorFile | None = None,
+    ) -> None:
         self.store = store
         self.tier = tier
         self.start = start
@@ -467,8 +485,17 @@ class TensorFile:
         self.close()
 
 
-def measure_tiers(config: StoreConfig, *, kv_heads: int, tokens: int, head_dim: int, layers: int = 4,
-                  dtype: Any = None, device: Any = "cpu", repeats: int = 3) -> dict[str, dict[str, float]]:
+def measure_tiers(
+    config: StoreConfig,
+    *,
+    kv_heads: int,
+    tokens: int,
+    head_dim: int,
+    layers: int = 4,
+    dtype: Any = None,
+    device: Any = "cpu",
+    repeats: int = 3,
+) -> dict[str, dict[str, float]]:
     """What each tier delivers on this machine, for one chunk shaped like a model's (``layers`` layers of
     ``[kv_heads, tokens, head_dim]`` K and V): per tier, ``mbps`` (bytes loaded per second, the best of
     ``repeats`` passes) and ``layer_s`` (seconds to load one layer of this chunk at that rate).
@@ -507,8 +534,15 @@ def measure_tiers(config: StoreConfig, *, kv_heads: int, tokens: int, head_dim: 
     root = Path(config.dir).expanduser() if config.dir else kvbench_home() / "chunk_kv"
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="probe-", dir=root) as folder:
-        probe = ChunkStore(StoreConfig(tier="disk", dir=folder, disk_gb=max(1.0, 4 * layers * layer_bytes / 2**30),
-                                       read_mbps=config.read_mbps, cold_reads=True))
+        probe = ChunkStore(
+            StoreConfig(
+                tier="disk",
+                dir=folder,
+                disk_gb=max(1.0, 4 * layers * layer_bytes / 2**30),
+                read_mbps=config.read_mbps,
+                cold_reads=True,
+            )
+        )
         key = ChunkKey("probe", (0,), "alone")
         probe.put(key, ChunkKV(keys, values, 0))
         best = float("inf")

@@ -141,8 +141,10 @@ def _stop_ids(cfg: Any, model: Any, tokenizer: Any) -> tuple[int, ...]:
     vocab = tokenizer.get_vocab() if tokens else {}
     for token in tokens:
         if token not in vocab:
-            raise ConfigError(f"model {cfg.get('name')}: stop token {token!r} is not in its tokenizer's vocabulary",
-                              "fix model.stop_tokens (or give the id in model.stop_ids)")
+            raise ConfigError(
+                f"model {cfg.get('name')}: stop token {token!r} is not in its tokenizer's vocabulary",
+                "fix model.stop_tokens (or give the id in model.stop_ids)",
+            )
         ids.append(int(vocab[token]))
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if source is None:

@@ -40,5 +40,11 @@ class ModelSpec:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-            "float16": torch.float16, "fp16": torch.float16}[name]
+    return {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }[name]

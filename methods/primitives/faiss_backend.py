@@ -64,8 +64,10 @@ def kmeans(
     if stop_when_stable or tol:
         raise NotImplementedError("faiss k-means runs a fixed number of iterations; use stop_when_stable=False, tol=0")
     if empty is not None:
-        raise NotImplementedError(f"faiss splits the largest cluster into an empty one; empty={empty!r} is the "
-                                  "torch k-means' rule (kmeans.kmeans)")
+        raise NotImplementedError(
+            f"faiss splits the largest cluster into an empty one; empty={empty!r} is the "
+            "torch k-means' rule (kmeans.kmeans)"
+        )
     problems, n, d = x.shape
 
     if metric == "ip":
@@ -85,8 +87,9 @@ def kmeans(
     elif init == "faiss":
         start = None
     else:
-        rows = _torch_kmeans.initial_rows(x, k, init=init, metric=metric, seed=seed, shared_init=shared_init,
-                                          valid=valid, chunk=chunk)
+        rows = _torch_kmeans.initial_rows(
+            x, k, init=init, metric=metric, seed=seed, shared_init=shared_init, valid=valid, chunk=chunk
+        )
         start = torch.gather(train_points, 1, rows[..., None].expand(-1, -1, train_points.shape[-1]))
 
     host_points = train_points.detach().cpu().numpy()
@@ -102,8 +105,14 @@ def kmeans(
         if data.shape[0] < k:
             raise ValueError(f"faiss k-means needs at least k={k} points per problem, problem {p} has {data.shape[0]}")
         km = faiss.Kmeans(
-            data.shape[1], k, niter=iters, seed=seed, verbose=False, spherical=metric == "cosine",
-            min_points_per_centroid=1, max_points_per_centroid=max(1, -(-data.shape[0] // k)),
+            data.shape[1],
+            k,
+            niter=iters,
+            seed=seed,
+            verbose=False,
+            spherical=metric == "cosine",
+            min_points_per_centroid=1,
+            max_points_per_centroid=max(1, -(-data.shape[0] // k)),
         )
         km.train(data, init_centroids=None if start is None else np.ascontiguousarray(start[p].cpu().numpy()))
         found.append(km.centroids)
@@ -142,6 +151,18 @@ def pq_fit(
 ) -> PQCodebook:
     """``pq.pq_fit`` with every sub-space clustered by faiss."""
     return fit_with(
-        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid, init=init,
-        shared_init=shared_init, stop_when_stable=stop_when_stable, tol=tol, empty=empty, chunk=chunk,
+        kmeans,
+        keys,
+        m,
+        b,
+        iters=iters,
+        metric=metric,
+        seed=seed,
+        valid=valid,
+        init=init,
+        shared_init=shared_init,
+        stop_when_stable=stop_when_stable,
+        tol=tol,
+        empty=empty,
+        chunk=chunk,
     )

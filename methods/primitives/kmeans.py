@@ -541,16 +541,16 @@ def _check(x: Tensor, metric: str, valid: Tensor | None) -> None:
         raise ValueError(f"valid must be a bool tensor {tuple(x.shape[:2])}, got {valid.dtype} {tuple(valid.shape)}")
 
 
-def _label(x: Tensor, centroids: Tensor, metric: str, phi: Tensor | None, chunk: int | None,
-           valid: Tensor | None) -> tuple[Tensor, _Sweep]:
+def _label(
+    x: Tensor, centroids: Tensor, metric: str, phi: Tensor | None, chunk: int | None, valid: Tensor | None
+) -> tuple[Tensor, _Sweep]:
     """One assignment of every point to working-space ``centroids`` ``[P, k, D]`` (no update)."""
     problems, n, _ = x.shape
     step = chunk or default_chunk(problems, centroids.shape[1], n, x.device)
     inner = "l2" if metric == "ip" else metric
     labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
     points = _Points(x, inner, phi, step, group_size(problems, centroids.shape[1], step, x.device))
-    sweep = _sweep(points, _table(centroids, inner), None, labels, valid,
-                   accumulate=False, compare=False)
+    sweep = _sweep(points, _table(centroids, inner), None, labels, valid, accumulate=False, compare=False)
     return labels, sweep
 
 
@@ -627,8 +627,9 @@ def kmeans(
             raise ValueError(f"init='given' needs init_centroids of shape {(problems, k, d)}, got {shape}")
         centroids = init_centroids.to(device=device, dtype=torch.float32, copy=True)
     else:
-        index = initial_rows(x, k, init=init, metric=metric, seed=seed, shared_init=shared_init,
-                             valid=valid, chunk=step)
+        index = initial_rows(
+            x, k, init=init, metric=metric, seed=seed, shared_init=shared_init, valid=valid, chunk=step
+        )
         centroids = _gather_rows(x, index)
     if phi is not None:
         centroids = _augment_centroids(centroids, phi)  # for initial rows: the augmented points themselves
@@ -649,9 +650,17 @@ def kmeans(
         current = _pick(rows, centroids)
         final = _pick(rows, last)
         # On a fixed schedule only the final sweep's distances (the inertia) are needed.
-        sweep = _sweep(points, _table(current, inner), rows, labels, valid, accumulate=sweeps < iters,
-                       compare=stop_when_stable and sweeps > 0, measure=adaptive or sweeps >= iters,
-                       keep_distance=empty == "relocate" and sweeps < iters)
+        sweep = _sweep(
+            points,
+            _table(current, inner),
+            rows,
+            labels,
+            valid,
+            accumulate=sweeps < iters,
+            compare=stop_when_stable and sweeps > 0,
+            measure=adaptive or sweeps >= iters,
+            keep_distance=empty == "relocate" and sweeps < iters,
+        )
         sweeps += 1
         done = final if sweep.changed is None else final | ~sweep.changed
         if rows is None:
@@ -660,7 +669,7 @@ def kmeans(
         else:
             inertia[rows] = torch.where(done, sweep.inertia, inertia[rows])
             counts[rows] = torch.where(done[:, None], sweep.counts, counts[rows])
-        if (bool(done.all()) if adaptive else sweeps > iters):
+        if bool(done.all()) if adaptive else sweeps > iters:
             break
         if empty == "relocate":
             _relocate(sweep, points, rows, labels)

@@ -135,8 +135,20 @@ def pq_fit(
     ``**kmeans.SKLEARN`` (``stop_when_stable``, ``tol``, ``empty``) their scikit-learn stopping and
     empty-cluster rules. ``valid`` ``[G, n]`` excludes padded tokens from the fit (they still get codes)."""
     return fit_with(
-        kmeans, keys, m, b, iters=iters, metric=metric, seed=seed, valid=valid, init=init,
-        shared_init=shared_init, stop_when_stable=stop_when_stable, tol=tol, empty=empty, chunk=chunk,
+        kmeans,
+        keys,
+        m,
+        b,
+        iters=iters,
+        metric=metric,
+        seed=seed,
+        valid=valid,
+        init=init,
+        shared_init=shared_init,
+        stop_when_stable=stop_when_stable,
+        tol=tol,
+        empty=empty,
+        chunk=chunk,
     )
 
 
@@ -155,8 +167,9 @@ def pq_encode(
     groups, m, k, sub = centroids.shape
     flat_phi = None if phi is None else phi.reshape(groups * m)
     flat_extra = None if extra is None else extra.reshape(groups * m, k)
-    labels = assign(_subspaces(keys, m), centroids.reshape(groups * m, k, sub), metric, chunk,
-                    phi=flat_phi, extra=flat_extra)
+    labels = assign(
+        _subspaces(keys, m), centroids.reshape(groups * m, k, sub), metric, chunk, phi=flat_phi, extra=flat_extra
+    )
     return _codes(labels, groups, m, max(1, (k - 1).bit_length()))
 
 
