@@ -8,9 +8,16 @@ as a failed check in CI, which runs ``kvbench check`` after the tests.
 What a check compares (:data:`GOLDEN_KEYS`): the score and sample count, the recall, the attended
 tokens, the KV bytes kept and moved, the hit rate, the prompt and generated token counts (from
 ``metrics.json``), the tokens a reuse method took from its chunk caches and the share it recomputed
-(the prefill plan's telemetry), and a digest of every sample's prediction (``predictions``: any changed token
-changes it). Numbers are compared within the check's ``tolerance`` (default 0), the digest exactly.
-Timings are never compared.
+(the prefill plan's telemetry), a digest of every sample's prediction (``predictions``: any changed token
+changes it) and a digest of the positions every layer keeps after prefill and attends at every decode
+step (``selection``, :mod:`kvbench.profile`'s ``selection_digest``, which the checks turn on): a smoke
+prompt's few generated tokens can survive a changed method default, the tokens it keeps cannot.
+Numbers are compared within the check's ``tolerance`` (absolute, default 0) or :data:`REL_TOL` of the
+expected value, whichever is larger: the same code on two CPUs differs in the last bits of a float
+(recall 0.6071322 on one machine, 0.6071331 on another; the selection digest still pins down every
+kept and attended position exactly). The digests are compared exactly; floats inside a prediction (the
+per-token NLLs of a perplexity task) are left out of its digest for the same reason (the score
+carries them). Timings are never compared.
 
 ``kvbench check --update`` re-runs the selected checks and rewrites their expected values with what
 they produce now, printing each change: the deliberate way to accept a change of behaviour (say why
@@ -49,7 +56,12 @@ GOLDEN_KEYS = (
     "reused_tokens",
     "recompute_ratio",
     "predictions",
+    "selection",
 )
+#: relative tolerance on every number (float noise across CPUs is ~1e-5 of the value)
+REL_TOL = 1e-4
+#: what every check adds to its overrides (the selection digest; progress bars off)
+CHECK_OVERRIDES = ("progress=false", "+profile.selection_digest=true")
 #: the per-layer prefill plan's counts (reuse methods), averaged over samples like metrics.json's means
 PLAN_KEYS = ("reused_tokens", "recompute_ratio")
 #: a golden file's entry: required and optional keys
@@ -85,18 +97,41 @@ def load_checks(path: Path) -> list[dict[str, Any]]:
 def predictions_digest(records: list[dict[str, Any]]) -> str:
     """A short digest of every sample's id and prediction (order-independent): any changed token of
     any answer changes it."""
-    pairs = sorted((str(r["id"]), json.dumps(r.get("prediction"), sort_keys=True)) for r in records)
+    pairs = sorted((str(r["id"]), json.dumps(_without_floats(r.get("prediction")), sort_keys=True)) for r in records)
     return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+
+
+def _without_floats(value: Any) -> Any:
+    """``value`` with every float replaced by ``None`` (the structure, strings and ints kept)."""
+    if isinstance(value, float):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_floats(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_floats(item) for item in value]
+    return value
+
+
+def selection_digest(records: list[dict[str, Any]]) -> str | None:
+    """A short digest of every sample's ``selection_digest`` (order-independent); ``None`` when the
+    run recorded none."""
+    pairs = sorted(
+        (str(r["id"]), str((r.get("telemetry") or {}).get("selection_digest")))
+        for r in records
+        if (r.get("telemetry") or {}).get("selection_digest") is not None
+    )
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16] if pairs else None
 
 
 def observed(metrics: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
     """The golden values of a finished run: :data:`GOLDEN_KEYS` its metrics report (nulls left out)."""
-    values = {key: metrics.get(key) for key in GOLDEN_KEYS if key != "predictions" and key not in PLAN_KEYS}
+    values = {key: metrics.get(key) for key in GOLDEN_KEYS if key not in ("predictions", "selection", *PLAN_KEYS)}
     for key in PLAN_KEYS:  # which tokens a reuse method took from its caches and how many it recomputed
         plan = [(r.get("telemetry") or {}).get("prefill", {}).get(key) for r in records]
         plan = [float(v) for v in plan if v is not None]
         values[key] = sum(plan) / len(plan) if plan else None
     values["predictions"] = predictions_digest(records)
+    values["selection"] = selection_digest(records)
     return {key: _plain(value) for key, value in values.items() if value is not None}
 
 
@@ -116,9 +151,10 @@ def compare(metrics: dict[str, Any], expect: dict[str, Any], tolerance: float) -
     for key, want in expect.items():
         got = metrics.get(key)
         if isinstance(want, (int, float)) and not isinstance(want, bool):
-            bad = got is None or not isinstance(got, (int, float)) or abs(float(got) - float(want)) > tolerance
+            allowed = max(tolerance, REL_TOL * abs(float(want)))
+            bad = got is None or not isinstance(got, (int, float)) or abs(float(got) - float(want)) > allowed
             if bad:
-                failures.append(f"{key}: got {got}, expected {want} ± {tolerance}")
+                failures.append(f"{key}: got {got}, expected {want} ± {allowed:.3g}")
         elif got != want:
             failures.append(f"{key}: got {got!r}, expected {want!r}")
     return failures
@@ -179,7 +215,7 @@ def run_checks(
             f"golden check(s) {', '.join(missing)} have no expected values yet",
             f"record them with kvbench check --update {' '.join(missing)}",
         )
-    configs = [compose(list(c["overrides"]) + ["progress=false"]) for c in selected]  # every one valid first
+    configs = [compose(list(c["overrides"]) + list(CHECK_OVERRIDES)) for c in selected]  # every one valid first
     scratch = None if output_dir else Path(tempfile.mkdtemp(prefix="kvbench-check-"))
     out = str(output_dir or scratch)
     failed = skipped = updated = 0

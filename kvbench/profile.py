@@ -12,6 +12,14 @@
   selection shape and budget split, so they do not compare across methods.
 
 The rule is part of the run's config (``config.yaml``), hence of its run id.
+
+``selection_digest`` records, per sample, a digest of the prompt positions every layer holds right
+after prefill and of the positions every selecting layer attends at every decode step (sorted per head,
+so a reordering of store slots leaves it unchanged; a different kept or attended token changes it).
+``kvbench check`` turns it on so that a change in *what a method keeps or selects* fails a golden check
+even when the few generated tokens of a smoke-scale prompt happen to stay the same. It is not in
+``conf/config.yaml`` (adding a key there would change the run id of every existing run); pass
+``+profile.selection_digest=true`` to record it in a run of your own.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ class Profile:
     recall: bool = False  # recall of the exact top-B (an exact scoring pass per decode step)
     recall_rule: str = "attended"  # one of RECALL_RULES
     deviation: bool = False  # reuse methods: KV and attention deviation from a full prefill (costs one, untimed)
+    selection_digest: bool = False  # a digest of the positions kept after prefill and attended per step
 
     def __post_init__(self) -> None:
         if self.recall_rule not in RECALL_RULES:

@@ -37,6 +37,8 @@ Definitions (shared by every method so that tables compare like with like):
   (index search, e.g. PQ scoring), the store's gather of the selected K/V (host→device fetch) and the
   rest (the model's layers and attention). Host-side clocks: on CUDA, asynchronous kernels are
   counted where they are waited for.
+* ``selection_digest`` — with ``profile.selection_digest=true``: a 16-hex digest of the positions each
+  layer holds after prefill and attends at each decode step (see :mod:`kvbench.profile`).
 * ``bytes_h2d_index_per_step`` / ``bytes_h2d_kv_per_step`` — host→device bytes per decode step of the
   index data (PQ codes, key slices, block representatives) and of K/V (fetches and cache fills).
 
@@ -45,6 +47,7 @@ On CUDA the clock synchronises the device before reading ``perf_counter``; on CP
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -87,6 +90,16 @@ class Telemetry:
         self.fetch_s = 0.0  # decode time in the store's gather()
         self.prepared: dict[str, Any] = {}  # work before the clock (reuse: chunk precomputation)
         self.prefill_plan: dict[str, Any] = {}  # the prefill plan's own figures (reuse: recompute, loads)
+        self._digest: Any = None  # hashlib state of the selection digest (profile.selection_digest)
+
+    def digest_positions(self, tag: str, layer: int, positions: torch.Tensor) -> None:
+        """Fold ``positions`` (``[rows, k]``, one row per head) into the selection digest, each row
+        sorted so that only the *set* of positions a head holds or attends counts."""
+        if self._digest is None:
+            self._digest = hashlib.sha256()
+        rows = positions.detach().to("cpu", torch.int64).sort(dim=-1).values
+        self._digest.update(f"{tag}:{layer}:{tuple(rows.shape)};".encode())
+        self._digest.update(rows.numpy().tobytes())
 
     def record_decode(self, layer: int, attended: int, available: int, recall: float | None = None) -> None:
         self.attended[layer].append(int(attended))
@@ -120,6 +133,7 @@ class Telemetry:
             "recall": _mean(recall_all),
             "recall_per_layer": recall_layers if recall_all else None,
             **({"recall_b": self.recall_b} if self.recall_b is not None else {}),
+            **({"selection_digest": self._digest.hexdigest()[:16]} if self._digest is not None else {}),
             **({"prepared": self.prepared} if self.prepared else {}),
             **({"prefill": self.prefill_plan} if self.prefill_plan else {}),
         }

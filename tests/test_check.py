@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from kvbench.check import compare, run_checks
@@ -11,6 +12,20 @@ def test_compare():
     assert compare({"score": 50.0}, {"score": 50.2}, 0.5) == []
     assert compare({"score": 50.0}, {"score": 51}, 0.5) == ["score: got 50.0, expected 51 ± 0.5"]
     assert compare({}, {"recall": 1.0}, 0.0)
+    # last-bit float noise across CPUs passes (1e-4 of the value), a real change does not
+    assert compare({"recall": 0.607133059}, {"recall": 0.6071322017}, 0.0) == []
+    assert compare({"recall": 0.6072}, {"recall": 0.6071322017}, 0.0)
+
+
+def test_predictions_digest_ignores_float_noise_not_text():
+    from kvbench.check import predictions_digest
+
+    ppl = [{"id": "a", "prediction": {"ppl": 87.4536, "nll": [3.32461, 10.12236], "tokens": 2}}]
+    noisy = [{"id": "a", "prediction": {"ppl": 87.4541, "nll": [3.32462, 10.12236], "tokens": 2}}]
+    assert predictions_digest(ppl) == predictions_digest(noisy)
+    assert predictions_digest([{"id": "a", "prediction": "eat a sandwich"}]) != predictions_digest(
+        [{"id": "a", "prediction": "eat a sandwich."}]
+    )
 
 
 def test_checks_pass_and_fail(tmp_path, capsys):
@@ -149,3 +164,44 @@ def test_needs_skips_and_bad_entries(tmp_path, capsys):
     golden.write_text(yaml.safe_dump([{"name": "x", "overrides": [], "expected": {}}]))
     with pytest.raises(ConfigError, match="unknown key"):
         run_checks(str(golden))
+
+
+def test_selection_digest_catches_a_changed_selection(tmp_path, capsys):
+    """The checks record which positions every layer keeps and attends: SnapKV's observation window
+    16 instead of 32 keeps other tokens, and the check names ``selection`` among what moved."""
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    (essays / "e.txt").write_text("Some essay text about work and life. " * 200)
+    overrides = [
+        "model=tiny_llama",
+        "method=snapkv",
+        "task=niah",
+        "task.lengths=[400]",
+        "task.depths=[0.5]",
+        "task.max_new_tokens=4",
+        f"task.data_dir={essays}",
+        "budget.tokens=64",
+    ]
+    golden = tmp_path / "checks.yaml"
+    golden.write_text(yaml.safe_dump([{"name": "snap", "overrides": overrides}]))
+    assert run_checks(str(golden), update=True) == 0
+    expect = yaml.safe_load(golden.read_text())[0]["expect"]
+    assert len(expect["selection"]) == 16
+    assert run_checks(str(golden)) == 0
+    capsys.readouterr()
+    golden.write_text(golden.read_text().replace("budget.tokens=64", "budget.tokens=64, method.window=16"))
+    assert run_checks(str(golden)) == 1
+    assert "selection: got" in capsys.readouterr().out
+
+
+def test_selection_digest_counts_sets_not_slot_order():
+    from kvbench.telemetry import Clock, Telemetry
+
+    def digest(rows):
+        t = Telemetry(1, Clock(torch.device("cpu")))
+        t.digest_positions("kept", 0, torch.tensor(rows))
+        return t.summary()["selection_digest"]
+
+    assert digest([[3, 1, 2], [5, 4, 0]]) == digest([[1, 2, 3], [0, 4, 5]])
+    assert digest([[3, 1, 2], [5, 4, 0]]) != digest([[3, 1, 2], [5, 4, 6]])
+    assert digest([[3, 1, 2], [5, 4, 0]]) != digest([[5, 4, 0], [3, 1, 2]])  # heads stay apart

@@ -238,8 +238,23 @@ class GenerationContext:
         probs = attention.probabilities(query, keys, scaling) if self.method.needs_attention_probs else None
         self.method.after_attention(layer, query, selection, kv, probs)
         recall = self._recall(layer, query, selection, kv, scaling) if self.profile.recall else None
+        if self.profile.selection_digest:
+            self._digest_step(layer, selection, kv)
         self.telemetry.record_decode(layer, attended, kv.seen, recall)
         return out
+
+    def _digest_step(self, layer: int, selection: Selection | None, kv) -> None:
+        """Fold the positions this step attends into the selection digest (``profile.selection_digest``;
+        untimed). A dense step (nothing left out) folds every held position."""
+        start = self.clock.now()
+        held = kv.positions  # [kv_heads or query heads, n]
+        if selection is None or selection.attended == kv.n:
+            attended = held
+        else:
+            rows = held if held.shape[0] == selection.rows else held.repeat_interleave(self.spec.group, dim=0)
+            attended = rows.gather(1, selection.slots.to(rows.device))
+        self.telemetry.digest_positions("step", layer, attended)
+        self.telemetry.excluded_s += self.clock.now() - start
 
     def _recall(self, layer: int, query: torch.Tensor, selection: Selection | None, kv, scaling: float) -> float | None:
         """Recall of this step under ``profile.recall_rule`` (definitions: :mod:`kvbench.telemetry`).
@@ -289,6 +304,9 @@ class GenerationContext:
     def check_after_prefill(self) -> None:
         self.telemetry.kept_after_prefill = self.store.held_tokens()
         self.telemetry.kv_bytes_after_prefill = self.store.nbytes()
+        if self.profile.selection_digest:
+            for layer in range(self.spec.n_layers):
+                self.telemetry.digest_positions("kept", layer, self.store[layer].positions)
         self.method.check_after_prefill(self)
 
     def check_after_first_step(self) -> None:
