@@ -38,20 +38,43 @@ def blend(loaded, segments, store, n=4, **cfg):
 
 
 # ---------------------------------------------------------------------- pipelined loading
+class EventLog(list):
+    """(what, layer, thread) in the order they happened: chunk-layer reads and finished layers.
+
+    With ``hold_until_next_read`` set to the model's layer count, a finished layer does not log
+    "computed" until a read of the next layer has begun on some thread (10 s at most): a pipelined
+    loader's worker starts that read while the main thread is held, a serial loader cannot (it reads on
+    the main thread), so the order the test checks does not depend on how a busy machine schedules the
+    worker thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = threading.Condition()
+        self.hold_until_next_read = 0
+
+    def add(self, event: tuple) -> None:
+        with self.changed:
+            self.append(event)
+            self.changed.notify_all()
+
+    def hold(self, index: int) -> None:
+        if index + 1 < self.hold_until_next_read:
+            with self.changed:
+                self.changed.wait_for(lambda: ("read", index + 1) in {e[:2] for e in self}, timeout=10.0)
+
+
 @pytest.fixture
 def events(monkeypatch):
-    """(what, layer, thread) in the order they happened: chunk-layer reads and finished layers."""
-    log, lock = [], threading.Lock()
+    log = EventLog()
     read, done = ChunkReader.layer, ReusePrefill.after_layer
 
     def layer(self, index, **kw):
-        with lock:
-            log.append(("read", index, threading.current_thread().name))
+        log.add(("read", index, threading.current_thread().name))
         return read(self, index, **kw)
 
     def after_layer(self, index):
-        with lock:
-            log.append(("computed", index, threading.current_thread().name))
+        log.hold(index)
+        log.add(("computed", index, threading.current_thread().name))
         return done(self, index)
 
     monkeypatch.setattr(ChunkReader, "layer", layer)
@@ -69,6 +92,7 @@ def test_pipelined_loading_reads_the_next_layer_while_this_one_computes(tiny_lla
     for pipeline in (True, False):
         store.config.pipeline = pipeline
         events.clear()
+        events.hold_until_next_read = layers if pipeline else 0
         out = blend(tiny_llama, segments, store)
         runs[pipeline] = (out, list(events))
 
