@@ -161,6 +161,20 @@ def test_default_chunk_bounds_the_distance_block():
     assert default_chunk(1, 1, 50) == 50 and default_chunk(10**6, 10**6) >= 1
 
 
+@pytest.mark.skipif(kmeans_module._onednn_linear() is None, reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_onednn_steps_give_the_mkl_result(monkeypatch: pytest.MonkeyPatch, metric: str):
+    """CPU steps of at least ONEDNN_MIN_PRODUCTS multiply-adds score the points with oneDNN, one call
+    per problem, instead of one batched MKL ``bmm``: same labels, same centroids (to rounding)."""
+    x = torch.randn(3, 3000, 32, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(kmeans_module, "ONEDNN_MIN_PRODUCTS", 0)
+    onednn = kmeans(x, 48, iters=5, metric=metric, chunk=1024)
+    monkeypatch.setattr(kmeans_module, "ONEDNN_MIN_PRODUCTS", 1 << 62)
+    mkl = kmeans(x, 48, iters=5, metric=metric, chunk=1024)
+    assert torch.equal(onednn.labels, mkl.labels) and torch.equal(onednn.counts, mkl.counts)
+    torch.testing.assert_close(onednn.centroids, mkl.centroids, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -94,6 +94,8 @@ per problem per iteration, ``empty="relocate"`` the number of empty clusters.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +123,9 @@ CPU_DISTANCE_BUDGET = 1 << 20
 CPU_CHUNK = 4096
 CPU_PARALLEL_SCALE = 4
 MIN_CHUNK = 128
+# Products (k × points × (D + 1) multiply-adds) from which a CPU step uses oneDNN, one call per
+# problem (~10 µs of overhead per call; below this, one batched MKL ``bmm``).
+ONEDNN_MIN_PRODUCTS = 1 << 21
 # The working copy of the points (float32, with the bias column) is built once when it is at most this
 # large, instead of being refilled chunk by chunk in every sweep.
 WORK_CACHE_BYTES = 1 << 28
@@ -333,6 +338,37 @@ def _best(scores: Tensor) -> tuple[Tensor, Tensor]:
     return value.permute(0, 2, 3, 1).reshape(problems, c), index if w == 1 else index // w
 
 
+@functools.cache
+def _onednn_linear() -> Callable[..., Tensor] | None:
+    """oneDNN's fp32 ``linear`` (``mkldnn._linear_pointwise``, the op inductor emits), when this torch
+    build has it: it uses the CPU's AVX-512 units where MKL's SGEMM (what ``bmm`` calls) runs its
+    AVX2 kernels, e.g. on AMD Zen 5 (see "Speed (CPU)" in the module notes)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        probe = torch.ones(2, 3)
+        if not torch.equal(op(probe, probe, None, "none", [], ""), probe @ probe.T):
+            return None
+    except (AttributeError, RuntimeError):
+        return None
+    return op
+
+
+def _assign_block(table: Tensor, block: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """Best score and centroid ``[g, c]`` of every point of ``block`` ``[g, c, D + 1]`` against
+    ``table`` ``[g, k, D + 1]``, with the scores ``[g, k, c]`` written into ``out`` (or, with oneDNN,
+    one problem at a time: it has no batched fp32 product that keeps fp32 precision)."""
+    problems, k, width = table.shape
+    linear = _onednn_linear() if table.device.type == "cpu" else None
+    if linear is None or k * block.shape[1] * width < ONEDNN_MIN_PRODUCTS:
+        return _best(torch.bmm(table, block.transpose(1, 2), out=out))
+    parts = [_best(linear(table[p], block[p], None, "none", [], "")[None]) for p in range(problems)]
+    if problems == 1:
+        return parts[0]
+    return torch.cat([value for value, _ in parts]), torch.cat([index for _, index in parts])
+
+
 @dataclass
 class _Sweep:
     inertia: Tensor  # [A]
@@ -382,7 +418,7 @@ def _sweep(
             stop = min(n, start + step)
             block = points.chunk(problems, start, stop)
             out = scores[: size * k * (stop - start)].view(size, k, stop - start)
-            score, index = _best(torch.bmm(block_table, block.transpose(1, 2), out=out))
+            score, index = _assign_block(block_table, block, out)
             dist = points.distance(score, problems, start, stop) if measure or keep_distance else None
             keep = None if keep_all is None else keep_all[:, start:stop]
             if changed is not None:  # (compare)
