@@ -59,10 +59,11 @@ faiss as the CPU default? No user's semantics allow it, so this implementation i
   empty centroids; ClusterKV keeps empty centroids and stops once no label changes. faiss has no
   early stop and splits the largest cluster into an empty one: neither rule. Speed does not call for
   it either: with oneDNN scoring, one thread, the bench's problems (one Llama-3.1-8B layer's PQ
-  construction, 10 iterations, the codes included) ran at 0.86-0.90x faiss-cpu's time for m×b = 2×6
-  and 1.01-1.09x for 4×8 (d = 32, k = 256, where faiss uses its fused distance + argmin kernel), on
-  the shared 2-core machine; with 2 threads, faiss's OpenMP barriers made it 5-35x slower than its
-  own single-threaded run while the shares below stayed near theirs.
+  construction, 10 iterations, the codes included) ran at 0.81-0.95x faiss-cpu's time for m×b = 2×6
+  and 0.94-1.11x for 4×8 (d = 32, k = 256, where faiss uses its fused distance + argmin kernel) over
+  three runs on the shared, loaded 2-core machine (before oneDNN and shares: 1.09-1.12x and
+  1.54-1.56x); with 2 threads, faiss's OpenMP barriers made it 3-48x slower than its own
+  single-threaded run while the shares took 0.8-1.8x of theirs.
 
 Speed (CPU)
   An assignment step is one GEMM: the points carry a trailing 1 and the centroids ``[c, −‖c‖²/2]``,
