@@ -161,6 +161,51 @@ def test_default_chunk_bounds_the_distance_block():
     assert default_chunk(1, 1, 50) == 50 and default_chunk(10**6, 10**6) >= 1
 
 
+@pytest.mark.skipif(kmeans_module._onednn_linear() is None, reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_onednn_steps_give_the_mkl_result(monkeypatch: pytest.MonkeyPatch, metric: str):
+    """CPU steps of at least ONEDNN_MIN_PRODUCTS multiply-adds score the points with oneDNN, one call
+    per problem, instead of one batched MKL ``bmm``: same labels, same centroids (to rounding)."""
+    x = torch.randn(3, 3000, 32, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(kmeans_module, "ONEDNN_MIN_PRODUCTS", 0)
+    onednn = kmeans(x, 48, iters=5, metric=metric, chunk=1024)
+    monkeypatch.setattr(kmeans_module, "ONEDNN_MIN_PRODUCTS", 1 << 62)
+    mkl = kmeans(x, 48, iters=5, metric=metric, chunk=1024)
+    assert torch.equal(onednn.labels, mkl.labels) and torch.equal(onednn.counts, mkl.counts)
+    torch.testing.assert_close(onednn.centroids, mkl.centroids, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"iters": 6, "init": "random"},
+        {"iters": 20, "init": "random", "shared_init": False, **SKLEARN},
+        {"iters": 20, "metric": "cosine", "init": "kmeans++", "stop_when_stable": True},
+        {"iters": 8, "metric": "ip", "init": "kmeans++", "shared_init": False, "empty": "relocate"},
+    ],
+)
+def test_several_threads_cluster_shares_to_the_single_threaded_result(options: dict):
+    """With several CPU threads the problems are split into shares, one single-threaded call per
+    thread: the result is the single-threaded one bit for bit (3 problems on 2 threads: uneven
+    shares, ragged valid points, problems that stop at different updates), and the caller's thread
+    count is unchanged afterwards."""
+    x, _ = blobs(problems=3, per=30, k=5, d=6, spread=0.6, seed=4)
+    valid = torch.rand(3, x.shape[1], generator=torch.Generator().manual_seed(1)) > 0.2
+    alone = kmeans(x, 9, seed=2, valid=valid, **options)
+    torch.set_num_threads(2)
+    try:
+        shared = kmeans(x, 9, seed=2, valid=valid, **options)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    for field in ("centroids", "labels", "inertia", "counts", "phi", "extra", "updates"):
+        a, b = getattr(alone, field), getattr(shared, field)
+        assert (a is None and b is None) or torch.equal(a, b), field
+    assert shared.iterations == alone.iterations
+    if options.get("stop_when_stable") or options.get("tol"):
+        assert alone.updates is not None and len(set(alone.updates.tolist())) > 1  # they stop apart
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("problems, k, c", [(1, 5, 64), (1, 7, 13), (3, 64, 40)])
 def test_best_is_the_first_maximum_over_centroids(threads: int, problems: int, k: int, c: int):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvbench.bench import BenchOptions, BenchResult, bench_device, benchmark, time_call
+from kvbench.methods.primitives import kmeans as kmeans_module
 from kvbench.methods.primitives.kmeans import kmeans
 from kvbench.methods.primitives.pq import pq_fit, pq_scores
 from kvbench.methods.selection import topk_sorted
@@ -135,6 +136,13 @@ def kmeans_faiss(options: BenchOptions) -> BenchResult:
         f"CPU; threads: torch and faiss set alike per row (process default {threads})",
         "both sides return centroids and codes (faiss: train, then search for the labels)",
         "faiss clusters the problems one after another (its Kmeans has no batch dimension)",
+        "kvbench with several threads: contiguous shares of the problems, one single-threaded call per thread "
+        "(faiss: OpenMP inside each problem, a barrier per block; on a CPU shared with busy processes "
+        "the single-threaded rows are the steadier figure)",
+        "kvbench scores with oneDNN's fp32 linear: "
+        + ("yes" if kmeans_module._onednn_linear() is not None else "no (MKL bmm)"),
+        "faiss is not kvbench's CPU default: it splits the largest cluster into an empty one and never stops "
+        "early, neither PQCache's scikit-learn rules nor ClusterKV's kept empty centroids (kmeans.py notes)",
     ]
     return BenchResult("kmeans_faiss", "batched k-means vs faiss-cpu (one layer's PQ construction)", rows, notes)
 

@@ -52,6 +52,19 @@ Empty clusters (``empty``)
   one iteration more than ``updates`` when it stops on unchanged labels (it runs the no-op update).
   faiss (``faiss_backend``) instead splits the largest cluster into an empty one and never stops early.
 
+faiss as the CPU default? No user's semantics allow it, so this implementation is the default on
+  CPU and CUDA and ``faiss_backend`` stays an oracle and a yardstick (``kvbench bench kmeans_faiss``).
+  PQCache clusters with scikit-learn's rules (``SKLEARN``: tolerance stop, relocation of empty
+  clusters onto the farthest points) or, with ``kmeans_rules`` otherwise, a fixed schedule that keeps
+  empty centroids; ClusterKV keeps empty centroids and stops once no label changes. faiss has no
+  early stop and splits the largest cluster into an empty one: neither rule. Speed does not call for
+  it either: with oneDNN scoring, one thread, the bench's problems (one Llama-3.1-8B layer's PQ
+  construction, 10 iterations, the codes included) ran at 0.81-0.95x faiss-cpu's time for m×b = 2×6
+  and 0.94-1.11x for 4×8 (d = 32, k = 256, where faiss uses its fused distance + argmin kernel) over
+  three runs on the shared, loaded 2-core machine (before oneDNN and shares: 1.09-1.12x and
+  1.54-1.56x); with 2 threads, faiss's OpenMP barriers made it 3-48x slower than its own
+  single-threaded run while the shares took 0.8-1.8x of theirs.
+
 Speed (CPU)
   An assignment step is one GEMM: the points carry a trailing 1 and the centroids ``[c, −‖c‖²/2]``,
   so the product is ``x·c − ‖c‖²/2`` (largest = nearest) without a separate bias pass. The scores
@@ -68,9 +81,25 @@ Speed (CPU)
   ``min`` 30 %, the broadcast copy of ``‖c‖²`` into the block 25-40 %, ``baddbmm`` 20 %,
   ``scatter_add_`` 7-25 %. Now the GEMM is 55-65 % of the time. On CUDA the reduction is
   ``Tensor.max(dim=1)`` and a step covers all problems with up to ``DISTANCE_BUDGET`` scores.
-  Threads: every op follows ``torch.get_num_threads()`` except the sums (``index_put_`` with
-  accumulation is serial). On a CPU shared with other busy processes one thread is often faster
-  than two: every parallel op waits for its slowest thread.
+  The GEMM: ``bmm`` calls MKL's SGEMM, which on AMD CPUs runs its AVX2 kernels; oneDNN's fp32
+  ``linear`` (``mkldnn._linear_pointwise``) uses AVX-512 where the CPU has it. On the AMD Zen 5 test
+  machine one [256, 33]×[33, 4096] product took 0.28 ms with oneDNN, 0.61 ms with ``bmm`` (same
+  bits), so a step of at least ``ONEDNN_MIN_PRODUCTS`` multiply-adds calls oneDNN once per problem
+  (it has no batched fp32 product that keeps fp32 precision). Profile after that, one thread, 32
+  problems of 8192 points into 256 clusters (d = 32): GEMM 55-67 %, ``max_pool2d`` 8-13 %,
+  ``index_put_`` 8-20 %.
+  Threads: with ``t = torch.get_num_threads() > 1`` and several problems, the problems are split into
+  ``min(t, P)`` contiguous shares, each clustered by a single-threaded call on its own thread (torch
+  releases the GIL in its kernels), from the initial centroids the whole batch drew; every rule is
+  per problem, so the result is the single-threaded one bit for bit. The problems are independent, so
+  a thread never waits for another until the end, where intra-op threading (OpenMP, MKL) puts a
+  barrier in every op, a few hundred per call: on the 2-core machine shared with other busy
+  processes, 16 problems of 8192 points into 64 clusters took 1.66 s with 2 OpenMP threads, 0.40 s
+  in 2 shares and 0.21 s on one thread (faiss with 2 threads: 2.4 s). A single problem (or CUDA)
+  runs as one batched call over all intra-op threads, whose steps are then ``CPU_PARALLEL_SCALE``
+  times larger (fewer barriers). Side effect: ``torch.set_num_threads(1)`` in a share's thread also
+  sets the process-wide count that threads starting their first parallel op read; it is put back
+  when the call returns (threads already running keep their own count).
 
 Memory: the input is read in chunks of ``chunk`` points (default ``default_chunk``); at most
 ``g × chunk × k`` float32 scores and one float32 copy of a chunk exist at a time (or the whole
@@ -85,7 +114,11 @@ per problem per iteration, ``empty="relocate"`` the number of empty clusters.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +143,9 @@ CPU_DISTANCE_BUDGET = 1 << 20
 CPU_CHUNK = 4096
 CPU_PARALLEL_SCALE = 4
 MIN_CHUNK = 128
+# Products (k × points × (D + 1) multiply-adds) from which a CPU step uses oneDNN, one call per
+# problem (~10 µs of overhead per call; below this, one batched MKL ``bmm``).
+ONEDNN_MIN_PRODUCTS = 1 << 21
 # The working copy of the points (float32, with the bias column) is built once when it is at most this
 # large, instead of being refilled chunk by chunk in every sweep.
 WORK_CACHE_BYTES = 1 << 28
@@ -322,6 +358,37 @@ def _best(scores: Tensor) -> tuple[Tensor, Tensor]:
     return value.permute(0, 2, 3, 1).reshape(problems, c), index if w == 1 else index // w
 
 
+@functools.cache
+def _onednn_linear() -> Callable[..., Tensor] | None:
+    """oneDNN's fp32 ``linear`` (``mkldnn._linear_pointwise``, the op inductor emits), when this torch
+    build has it: it uses the CPU's AVX-512 units where MKL's SGEMM (what ``bmm`` calls) runs its
+    AVX2 kernels, e.g. on AMD Zen 5 (see "Speed (CPU)" in the module notes)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        probe = torch.ones(2, 3)
+        if not torch.equal(op(probe, probe, None, "none", [], ""), probe @ probe.T):
+            return None
+    except (AttributeError, RuntimeError):
+        return None
+    return op
+
+
+def _assign_block(table: Tensor, block: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """Best score and centroid ``[g, c]`` of every point of ``block`` ``[g, c, D + 1]`` against
+    ``table`` ``[g, k, D + 1]``, with the scores ``[g, k, c]`` written into ``out`` (or, with oneDNN,
+    one problem at a time: it has no batched fp32 product that keeps fp32 precision)."""
+    problems, k, width = table.shape
+    linear = _onednn_linear() if table.device.type == "cpu" else None
+    if linear is None or k * block.shape[1] * width < ONEDNN_MIN_PRODUCTS:
+        return _best(torch.bmm(table, block.transpose(1, 2), out=out))
+    parts = [_best(linear(table[p], block[p], None, "none", [], "")[None]) for p in range(problems)]
+    if problems == 1:
+        return parts[0]
+    return torch.cat([value for value, _ in parts]), torch.cat([index for _, index in parts])
+
+
 @dataclass
 class _Sweep:
     inertia: Tensor  # [A]
@@ -371,7 +438,7 @@ def _sweep(
             stop = min(n, start + step)
             block = points.chunk(problems, start, stop)
             out = scores[: size * k * (stop - start)].view(size, k, stop - start)
-            score, index = _best(torch.bmm(block_table, block.transpose(1, 2), out=out))
+            score, index = _assign_block(block_table, block, out)
             dist = points.distance(score, problems, start, stop) if measure or keep_distance else None
             keep = None if keep_all is None else keep_all[:, start:stop]
             if changed is not None:  # (compare)
@@ -618,8 +685,6 @@ def kmeans(
     problems, n, d = x.shape
     device = x.device
     step = chunk or default_chunk(problems, k, n, device)
-    phi = _phi(x, valid, step) if metric == "ip" else None
-    inner = "l2" if metric == "ip" else metric
 
     if init == "given":
         if init_centroids is None or init_centroids.shape != (problems, k, d):
@@ -631,6 +696,12 @@ def kmeans(
             x, k, init=init, metric=metric, seed=seed, shared_init=shared_init, valid=valid, chunk=step
         )
         centroids = _gather_rows(x, index)
+    workers = _share_workers(problems, device)
+    if workers > 1:
+        options = {"iters": iters, "metric": metric, "stop_when_stable": stop_when_stable, "tol": tol, "empty": empty}
+        return _kmeans_shares(x, centroids, valid, chunk, workers, options)
+    phi = _phi(x, valid, step) if metric == "ip" else None
+    inner = "l2" if metric == "ip" else metric
     if phi is not None:
         centroids = _augment_centroids(centroids, phi)  # for initial rows: the augmented points themselves
 
@@ -698,6 +769,62 @@ def kmeans(
         phi=phi,
         extra=None if phi is None else centroids[..., d].contiguous(),
         updates=updates,
+    )
+
+
+def _share_workers(problems: int, device: torch.device) -> int:
+    """Threads that cluster contiguous shares of the problems at once (1: one batched call on the
+    calling thread): on CPU, ``torch.get_num_threads()`` of them, at most one per problem."""
+    if device.type != "cpu" or problems < 2:
+        return 1
+    return min(problems, torch.get_num_threads())
+
+
+def _kmeans_shares(
+    x: Tensor, centroids: Tensor, valid: Tensor | None, chunk: int | None, workers: int, options: dict[str, Any]
+) -> KMeansResult:
+    """``kmeans`` on CPU with several threads: the problems are split into ``workers`` contiguous
+    shares, each clustered by a single-threaded ``kmeans`` call (from the initial ``centroids`` the
+    whole batch drew) on its own thread, and the results are concatenated. Every rule is per problem,
+    so the result is the single-threaded result, bit for bit. See "Threads" in the module notes."""
+    problems = x.shape[0]
+    bounds = [problems * w // workers for w in range(workers + 1)]
+    shares = [slice(bounds[w], bounds[w + 1]) for w in range(workers)]
+    caller_threads = torch.get_num_threads()
+
+    def run(share: slice) -> KMeansResult:
+        torch.set_num_threads(1)  # this worker thread's intra-op pool (and MKL's)
+        return kmeans(
+            x[share],
+            centroids.shape[1],
+            init="given",
+            init_centroids=centroids[share],
+            chunk=chunk,
+            valid=None if valid is None else valid[share],
+            **options,
+        )
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbench-kmeans-share") as pool:
+            parts = list(pool.map(run, shares))
+    finally:
+        # torch.set_num_threads also sets the process-wide count that threads not yet started read;
+        # put back the caller's (the caller's own setting is per thread and was never changed).
+        torch.set_num_threads(caller_threads)
+
+    def cat(field: str) -> Tensor | None:
+        values = [getattr(part, field) for part in parts]
+        return None if values[0] is None else torch.cat(values)
+
+    return KMeansResult(
+        centroids=torch.cat([part.centroids for part in parts]),
+        labels=torch.cat([part.labels for part in parts]),
+        iterations=max(part.iterations for part in parts),
+        inertia=torch.cat([part.inertia for part in parts]),
+        counts=torch.cat([part.counts for part in parts]),
+        phi=cat("phi"),
+        extra=cat("extra"),
+        updates=cat("updates"),
     )
 
 
