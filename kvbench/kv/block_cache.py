@@ -68,11 +68,12 @@ class BlockCache:
         """Admit the ``update_blocks`` most requested blocks of this step; return how many were new."""
         if self.capacity == 0 or requested_blocks.numel() == 0:
             return 0
-        ids, counts = torch.unique(requested_blocks.flatten(), return_counts=True)
-        # Most requested first; among equals the lower block id first (deterministic).
-        order = sorted(zip(counts.tolist(), ids.tolist()), key=lambda pair: (-pair[0], pair[1]))
+        ids, counts = torch.unique(requested_blocks.flatten(), return_counts=True)  # ids ascending
+        # Most requested first; among equals the lower block id first (deterministic): a stable sort
+        # of the counts keeps the ascending ids of equal counts in order.
+        order = torch.sort(counts, descending=True, stable=True).indices[: self.update_blocks]
         admitted = 0
-        for _, block in order[: self.update_blocks]:
+        for block in ids[order].tolist():
             if block in self._order:
                 continue
             if len(self._order) >= self.capacity:
