@@ -341,11 +341,9 @@ class LayerKV:
         if wanted == 0:
             return
         self.stats.cache_lookups += wanted
-        blocks = self.cache.block_of(slot)
-        hits = int(self.cache.lookup(blocks).sum())
+        hits, admitted = self.cache.serve(self.cache.block_of(slot))  # = lookup, then update
         self.stats.cache_hits += hits
         self.stats.bytes_h2d_fetch += (wanted - hits) * self.token_bytes()
-        admitted = self.cache.update(blocks)
         self.stats.bytes_h2d_cache_fill += admitted * self.cache.block_size * self.n_kv_heads * self.token_bytes()
 
     def count_index_bytes(self, nbytes: int) -> None:
