@@ -26,7 +26,7 @@ accuracy code counts the sinks inside B: their ``B = 256`` is ``budget.tokens=24
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +51,6 @@ class ClusterIndex:
     labels: torch.Tensor  # [kv_heads, n] cluster of each clustered token, in token order
     slots: torch.Tensor  # [n] the clustered slots, ascending
     clustered_end: int  # slots below this are clustered (or sinks)
-    _per_row: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def build(slots: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor) -> ClusterIndex:
@@ -78,15 +77,14 @@ class ClusterIndex:
 
     def per_row(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``labels`` and ``sizes`` repeated for ``group`` query heads per KV head (row ``h`` reads KV
-        head ``h // group``), made once per index rather than at every decode step."""
+        head ``h // group``), made once per index rather than at every decode step (a cache outside the
+        dataclass fields: derived data, not part of the index's state)."""
         if group == 1:
             return self.labels, self.sizes
-        if group not in self._per_row:
-            self._per_row[group] = (
-                self.labels.repeat_interleave(group, dim=0),
-                self.sizes.repeat_interleave(group, dim=0),
-            )
-        return self._per_row[group]
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault("_per_row", {})
+        if group not in cache:
+            cache[group] = (self.labels.repeat_interleave(group, dim=0), self.sizes.repeat_interleave(group, dim=0))
+        return cache[group]
 
 
 def cluster_take(

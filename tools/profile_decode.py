@@ -87,6 +87,11 @@ def main() -> None:
             f"{method:10} {1e3 * t['tpot_s']:8.2f} {t['tpot_s'] / full:6.3f} {1e3 * t['select_s'] / steps:9.2f} "
             f"{1e3 * t['fetch_s'] / steps:8.2f} {1e3 * t['compute_s'] / steps:10.2f}"
         )
+    for method in methods:  # a method's own timers (pqcache: pq_search_s, encode_s, ...), per step
+        timers = {k: v for k, v in (best[method].get("method") or {}).items() if k.endswith("_s") and v}
+        if timers:
+            steps = best[method]["decode_steps"]
+            print(f"  {method}: " + ", ".join(f"{k[:-2]} {1e3 * v / steps:.2f} ms/step" for k, v in timers.items()))
 
     if not (args.cprofile or args.torch_profile):
         return
