@@ -43,9 +43,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--methods", default="oracle,pqcache,clusterkv")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--cprofile", type=int, default=0, help="profile decode with cProfile; print top N")
     parser.add_argument("--torch-profile", type=int, default=0, help="profile decode with torch.profiler; top N")
     args = parser.parse_args()
+    if args.threads:  # one thread: steadier ratios on a loaded machine (no spinning thread pool)
+        torch.set_num_threads(args.threads)
 
     from kvbench.budget import BudgetConfig
     from kvbench.compose import compose
@@ -78,7 +81,10 @@ def main() -> None:
             if method not in best or tele["tpot_s"] < best[method]["tpot_s"]:
                 best[method] = tele
     full = best["full"]["tpot_s"]
-    print(f"prompt {len(ids)} tokens, {args.new_tokens} new, best of {args.rounds} alternating rounds")
+    print(
+        f"prompt {len(ids)} tokens, {args.new_tokens} new, best of {args.rounds} alternating rounds, "
+        f"{torch.get_num_threads()} torch threads"
+    )
     print(f"{'method':10} {'tpot_ms':>8} {'ratio':>6} {'select_ms':>9} {'fetch_ms':>8} {'compute_ms':>10}  (per step)")
     for method in methods:
         t = best[method]
