@@ -75,6 +75,50 @@ class ClusterIndex:
         merged_labels = torch.cat([self.labels, shifted], dim=1)
         return ClusterIndex.build(merged_slots, merged_labels, torch.cat([self.centroids, centroids], dim=1))
 
+    def per_row(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``labels`` and ``sizes`` repeated for ``group`` query heads per KV head (row ``h`` reads KV
+        head ``h // group``), made once per index rather than at every decode step (a cache outside the
+        dataclass fields: derived data, not part of the index's state)."""
+        if group == 1:
+            return self.labels, self.sizes
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault("_per_row", {})
+        if group not in cache:
+            cache[group] = (self.labels.repeat_interleave(group, dim=0), self.sizes.repeat_interleave(group, dim=0))
+        return cache[group]
+
+
+def cluster_take(
+    scores: torch.Tensor, labels: torch.Tensor, budget: int, sizes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_by_clusters` on token indices: ``[rows, budget]`` indices into the clustered tokens
+    (ascending) and the ``[rows, C]`` clusters that contributed. ``sizes`` ``[rows, C]``: tokens per
+    cluster and row (counted from ``labels`` when not given). ``budget`` < the tokens per row.
+
+    Clusters in score order are taken whole while they fit (ranks below ``cut``); the cluster ranked
+    ``cut`` gives its ``room`` lowest tokens. That is the ``budget`` smallest ``(rank, position)`` keys,
+    found with prefix sums over ``[rows, C]`` and masks over ``[rows, n]`` instead of a top-k and a sort.
+    """
+    rows, clusters = scores.shape
+    n = labels.shape[1]
+    device = scores.device
+    if sizes is None:
+        sizes = torch.zeros(rows, clusters, dtype=torch.long, device=device)
+        sizes.scatter_add_(1, labels, torch.ones_like(labels))
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(clusters, device=device).expand(rows, -1))
+    filled = torch.cumsum(torch.gather(sizes, 1, order), dim=1)  # tokens in the clusters ranked <= r
+    cut = (filled <= budget).sum(dim=1, keepdim=True)  # clusters ranked below cut are taken whole
+    whole = torch.gather(filled, 1, (cut - 1).clamp_min(0)).masked_fill_(cut == 0, 0)
+    room = budget - whole  # tokens taken from the cluster ranked cut (its lowest positions)
+    token_rank = torch.gather(rank, 1, labels)  # [rows, n]
+    partial = token_rank == cut
+    take = (token_rank < cut) | (partial & (partial.cumsum(dim=1) <= room))
+    slot = torch.where(take, take.cumsum(dim=1) - 1, budget)  # column budget collects the rest
+    index = torch.zeros(rows, budget + 1, dtype=torch.long, device=device)
+    index.scatter_(1, slot, torch.arange(n, device=device).expand(rows, -1))
+    chosen = ((rank < cut) & (sizes > 0)) | ((rank == cut) & (room > 0))
+    return index[:, :budget], chosen
+
 
 def select_by_clusters(
     scores: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, budget: int
@@ -82,23 +126,15 @@ def select_by_clusters(
     """Take whole clusters in score order until ``budget`` tokens, trimming the last one.
 
     ``scores`` ``[rows, C]``, ``labels`` ``[rows, n]`` (cluster of each clustered token, per row),
-    ``slots`` ``[n]``. Returns the selected slots ``[rows, budget]`` (ascending) and a boolean
+    ``slots`` ``[n]`` (ascending). Returns the selected slots ``[rows, budget]`` (ascending) and a boolean
     ``[rows, C]`` of the clusters that contributed. Within the cut cluster the lowest positions stay.
     """
-    rows, clusters = scores.shape
-    n = slots.numel()
-    rank = torch.empty_like(scores, dtype=torch.long)
-    rank.scatter_(
-        1,
-        torch.argsort(scores, dim=1, descending=True, stable=True),
-        torch.arange(clusters, device=scores.device).expand(rows, -1),
-    )
-    token_rank = torch.gather(rank, 1, labels)  # [rows, n]
-    key = token_rank * n + torch.arange(n, device=scores.device)  # cluster order first, then position
-    take = torch.topk(key, budget, dim=1, largest=False, sorted=False).indices
-    chosen_clusters = torch.zeros(rows, clusters, dtype=torch.bool, device=scores.device)
-    chosen_clusters.scatter_(1, torch.gather(labels, 1, take), True)
-    return torch.sort(slots[take], dim=1).values, chosen_clusters
+    if budget >= labels.shape[1]:  # everything (the walk never cuts a cluster)
+        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        chosen.scatter_(1, labels, True)
+        return slots.expand(scores.shape[0], -1), chosen
+    take, chosen = cluster_take(scores, labels, budget)
+    return slots[take], chosen
 
 
 @register
@@ -111,7 +147,7 @@ class ClusterKV(RetrievalMethod):
         super().start(ctx)
         self.index: dict[int, ClusterIndex] = {}
         self.history: dict[int, deque] = {}
-        self.hits: list[float] = []
+        self.hits: list[torch.Tensor] = []  # per step and layer: mean cluster hit rate (0-d)
         self.iterations: list[int] = []
 
     def _cluster(self, keys: torch.Tensor, clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,22 +209,24 @@ class ClusterKV(RetrievalMethod):
         scores = torch.einsum("hgd,hcd->hgc", q, index.centroids.float())  # inner product q·μ
         if per_head:
             scores = scores.reshape(rows, -1)
-            labels = index.labels.repeat_interleave(spec.group, dim=0)
+            labels, sizes = index.per_row(spec.group)
         else:
-            scores, labels = scores.sum(dim=1), index.labels
-        selected, clusters = select_by_clusters(scores, labels, index.slots, budget.select)
-        cached = self._cache_step(layer, clusters, labels, selected, index)
-        slots = torch.sort(torch.cat([fixed.expand(rows, -1), selected], dim=1), dim=1).values
+            scores, labels, sizes = scores.sum(dim=1), index.labels, index.sizes
+        take, clusters = cluster_take(scores, labels, budget.select, sizes)  # ascending token indices
+        selected = index.slots[take]
+        cached = self._cache_step(layer, clusters, labels, take)
+        # sinks < clustered slots < recent ones, and each part is ascending: the slots need no sort
+        slots = torch.cat([sinks.expand(rows, -1), selected, recent.expand(rows, -1)], dim=1)
         cached_full = torch.zeros_like(slots, dtype=torch.bool)
         if cached is not None:
-            position = torch.searchsorted(slots, selected)
-            cached_full.scatter_(1, position, cached)
+            cached_full[:, sinks.numel() : sinks.numel() + selected.shape[1]] = cached
         return Selection(slots=slots, selected=selected, candidates=index.slots, cached=cached_full)
 
     def _cache_step(
-        self, layer: int, clusters: torch.Tensor, labels: torch.Tensor, selected: torch.Tensor, index: ClusterIndex
+        self, layer: int, clusters: torch.Tensor, labels: torch.Tensor, take: torch.Tensor
     ) -> torch.Tensor | None:
-        """Hit rate of this step's clusters against the last R steps; which selected tokens were cached."""
+        """Hit rate of this step's clusters against the last R steps; which selected tokens (``take``:
+        indices into the clustered tokens) were cached."""
         history = self.history[layer]
         cached = None
         if history:
@@ -196,9 +234,8 @@ class ClusterKV(RetrievalMethod):
             for past in history:  # clusters appended since then were not selected then
                 previous[:, : past.shape[1]] |= past
             hit = (clusters & previous).sum(dim=1).float() / clusters.sum(dim=1).clamp_min(1)
-            self.hits.append(float(hit.mean()))
-            token_cluster = torch.gather(labels, 1, torch.searchsorted(index.slots, selected))
-            cached = torch.gather(previous, 1, token_cluster)
+            self.hits.append(hit.mean())  # a tensor: read once, in telemetry() (no sync per step)
+            cached = torch.gather(previous, 1, torch.gather(labels, 1, take))
         history.appendleft(clusters)
         return cached
 
@@ -214,7 +251,7 @@ class ClusterKV(RetrievalMethod):
 
     def telemetry(self) -> dict[str, Any]:
         return {
-            "cluster_hit_rate": float(sum(self.hits) / len(self.hits)) if self.hits else None,
+            "cluster_hit_rate": float(sum(float(h) for h in self.hits) / len(self.hits)) if self.hits else None,
             "clusters": {str(k): int(v.centroids.shape[1]) for k, v in list(self.index.items())[:1]},
             "kmeans_iters_mean": float(sum(self.iterations) / len(self.iterations)) if self.iterations else None,
         }

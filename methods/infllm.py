@@ -80,7 +80,7 @@ class InfLLM(RetrievalMethod):
         reps = self.params.reps
         self.reps = max(1, min(self.block, reps if reps is not None else round(ctx.budget.comm_ratio * self.block)))
         self._block_keys: dict[int, torch.Tensor] = {}  # layer -> [H, blocks, d]
-        self._received: dict[int, torch.Tensor] = {}  # layer -> [H, n] local attention received
+        self._received: dict[int, torch.Tensor] = {}  # layer -> [H, >= n] local attention received
 
     def cache_offset(self, ctx: Any) -> int:
         return ctx.budget.sink
@@ -152,8 +152,10 @@ class InfLLM(RetrievalMethod):
         if layer not in self._received or probs is None:
             return
         received = self._received[layer]
-        if received.shape[1] < kv.n:
-            grow = torch.zeros(received.shape[0], kv.n - received.shape[1], device=received.device)
+        if received.shape[1] < kv.n:  # room for this token and the next ones (amortised doubling, not a
+            # copy of the whole row at every step); the spare columns are zeros, which no block reads
+            extra = max(kv.n, 2 * received.shape[1]) - received.shape[1]
+            grow = torch.zeros(received.shape[0], extra, device=received.device)
             received = self._received[layer] = torch.cat([received, grow], dim=1)
         slots = (
             selection.slots if selection is not None else torch.arange(kv.n, device=kv.home).expand(kv.n_kv_heads, -1)

@@ -32,19 +32,18 @@ class Oracle(RetrievalMethod):
         budget = self.ctx.budget
         spec = self.ctx.spec
         lay = self.layout(kv)
-        candidates = lay.candidates(kv.home)
         per_query_head = self.params.per_query_head
         if budget.select >= lay.middle:
             rows = spec.n_heads if per_query_head else spec.n_kv_heads
-            return compose(lay, candidates.expand(rows, -1))
+            return compose(lay, lay.candidates(kv.home).expand(rows, -1), ascending=True)
         chosen = exact_topk(
             query,
             kv.keys,
-            candidates,
+            slice(lay.sink_end, lay.middle_end),  # the middle: a view of the logits, not a gather
             budget.select,
             group=spec.group,
             per_query_head=per_query_head,
             rule=self.params.gqa,
             scale=spec.head_dim**-0.5,
         )
-        return compose(lay, chosen)
+        return compose(lay, chosen, ascending=True)  # exact_topk's rows are ascending

@@ -352,7 +352,7 @@ class PQCache(RetrievalMethod):
         lay = self.layout(kv)
         candidates = lay.candidates(kv.home)
         if budget.select >= lay.middle:
-            return compose(lay, candidates.expand(spec.n_kv_heads, -1))
+            return compose(lay, candidates.expand(spec.n_kv_heads, -1), ascending=True)
         state = self._codebook(layer)
         book, buffer = state.book, state.buffer
         assert book is not None and buffer is not None  # (_codebook waits for it)
@@ -374,7 +374,7 @@ class PQCache(RetrievalMethod):
         rule = self.params.gqa
         chosen = gqa_topk(scores, budget.select, rule, spec.head_dim**-0.5).to(kv.home) + lay.sink_end
         self.timers["pq_search_s"] += time.perf_counter() - start
-        return compose(lay, chosen)
+        return compose(lay, chosen, ascending=True)  # gqa_topk: ascending per row
 
     def snapshot(self) -> dict[int, int]:
         """Where each layer's codes end (decode appends nearest-centroid codes of the tokens that leave

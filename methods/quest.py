@@ -94,16 +94,17 @@ class Quest(RetrievalMethod):
         tail = torch.arange(start + full * page, end, device=kv.home)  # the newest, partial page
         budget_pages = max(p.min_pages, select // page) if select > 0 else 0
         if end - start <= max(select, budget_pages * page):  # the budget covers every candidate
-            return compose(lay, lay.candidates(kv.home).expand(rows, -1))
+            return compose(lay, lay.candidates(kv.home).expand(rows, -1), ascending=True)
         if budget_pages == 0:
             return Selection(slots=lay.fixed(kv.home).expand(rows, -1))
         take = min(budget_pages - (1 if tail.numel() else 0), full)
         if take <= 0:
-            return compose(lay, tail.expand(rows, -1))
+            return compose(lay, tail.expand(rows, -1), ascending=True)
         low, high = self._page_bounds(layer, kv, start, full, page)
         q = query[0, :, 0, :].to(kv.home).float().view(spec.n_kv_heads, spec.group, -1)
         scores = upper_bound_scores(q, low, high)  # [kv_heads, group, pages]
         scores = scores.reshape(rows, full) if per_head else scores.sum(dim=1)
         chosen = topk_sorted(scores, take)  # page indices from ``start``
         pages = (start + chosen[:, :, None] * page + torch.arange(page, device=kv.home)).reshape(rows, -1)
-        return compose(lay, torch.cat([pages, tail.expand(rows, -1)], dim=1))
+        # pages in ascending order (topk_sorted), then the newest page after them: ascending rows
+        return compose(lay, torch.cat([pages, tail.expand(rows, -1)], dim=1), ascending=True)

@@ -61,12 +61,22 @@ def layout(kv: LayerKV, sink: int, local: int) -> Layout:
     return Layout(n=n, sink_end=sink_end, middle_end=middle_end)
 
 
-def compose(lay: Layout, selected: torch.Tensor) -> Selection:
-    """Final selection: fixed slots plus ``selected`` (``[rows, k]`` middle slots), sorted per row."""
+def compose(lay: Layout, selected: torch.Tensor, *, ascending: bool = False) -> Selection:
+    """Final selection: fixed slots plus ``selected`` (``[rows, k]`` middle slots), sorted per row.
+
+    ``ascending``: every row of ``selected`` is already in ascending order (``topk_sorted``'s output,
+    offset or not). Sinks lie below the middle and the local window above it, so the sorted slots are
+    then sinks, ``selected``, local, concatenated as they are: no sort."""
     rows = selected.shape[0]
-    fixed = lay.fixed(selected.device).expand(rows, -1)
-    slots, _ = torch.sort(torch.cat([fixed, selected], dim=1), dim=1)
-    return Selection(slots=slots, selected=selected, candidates=lay.candidates(selected.device))
+    device = selected.device
+    if ascending:
+        sinks = torch.arange(0, lay.sink_end, device=device).expand(rows, -1)
+        local = torch.arange(lay.middle_end, lay.n, device=device).expand(rows, -1)
+        slots = torch.cat([sinks, selected, local], dim=1)
+    else:
+        fixed = lay.fixed(device).expand(rows, -1)
+        slots, _ = torch.sort(torch.cat([fixed, selected], dim=1), dim=1)
+    return Selection(slots=slots, selected=selected, candidates=lay.candidates(device))
 
 
 def group_logits(query: torch.Tensor, keys: torch.Tensor, group: int) -> torch.Tensor:
@@ -77,8 +87,12 @@ def group_logits(query: torch.Tensor, keys: torch.Tensor, group: int) -> torch.T
     return torch.einsum("hgd,hnd->hgn", q, keys.to(torch.float32))
 
 
-def aggregate(logits: torch.Tensor, rule: str, scale: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate(
+    logits: torch.Tensor, rule: str, scale: float, candidates: torch.Tensor | slice | None = None
+) -> torch.Tensor:
     """Per-KV-head token scores ``[kv_heads, n_candidates]`` from ``[kv_heads, group, n]`` exact logits.
+
+    ``candidates``: slots (a tensor), or a ``slice`` for a contiguous range (a view: no gather).
 
     ``softmax_sum`` is the PQCache authors' Oracle: per query head softmax over *all* held tokens, then
     sliced to the candidates and summed over the group (their approximate path normalises over the
@@ -93,7 +107,7 @@ def aggregate(logits: torch.Tensor, rule: str, scale: float, candidates: torch.T
 def exact_topk(
     query: torch.Tensor,
     keys: torch.Tensor,
-    candidates: torch.Tensor,
+    candidates: torch.Tensor | slice,
     k: int,
     *,
     group: int,
@@ -102,8 +116,15 @@ def exact_topk(
     scale: float,
 ) -> torch.Tensor:
     """The exact top-``k`` candidate slots: ``[kv_heads, k]`` under a GQA rule, or ``[q_heads, k]``
-    by each query head's own logits. This is the Oracle's pick and the recall reference."""
+    by each query head's own logits, ascending per row. This is the Oracle's pick and the recall
+    reference. ``candidates``: slots, or a ``slice(start, stop)`` of consecutive slots (the middle of a
+    :class:`Layout`), which reads the logits through a view instead of a gather."""
     logits = group_logits(query, keys, group)
+    if isinstance(candidates, slice):
+        start = candidates.start or 0
+        picked = logits[..., candidates]
+        scores = picked.reshape(-1, picked.shape[-1]) if per_query_head else aggregate(logits, rule, scale, candidates)
+        return topk_sorted(scores, k) + start
     cand = candidates.to(keys.device)
     if per_query_head:
         scores = logits[..., cand].reshape(-1, cand.numel())

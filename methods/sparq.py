@@ -59,14 +59,14 @@ class SparQ(RetrievalMethod):
         lay = self.layout(kv)
         candidates = lay.candidates(kv.home)
         if budget.select >= lay.middle:
-            return compose(lay, candidates.expand(spec.n_kv_heads, -1))
+            return compose(lay, candidates.expand(spec.n_kv_heads, -1), ascending=True)
         r = self.rank()
         q = query[0, :, 0, :].to(kv.home).float().view(spec.n_kv_heads, spec.group, -1)
         keys = kv.keys[:, lay.sink_end : lay.middle_end].float()
         scores, _ = sparq_scores(q, keys, r)
         if kv.offload:
             kv.count_index_bytes(spec.n_kv_heads * lay.middle * r * kv.element_bytes)
-        return compose(lay, candidates[topk_sorted(scores, budget.select)])
+        return compose(lay, candidates[topk_sorted(scores, budget.select)], ascending=True)
 
     def telemetry(self) -> dict[str, Any]:
         if not self.started:

@@ -4,7 +4,7 @@ import sys
 
 
 def test_quick_benchmarks_run_and_report_ratios():
-    names = ["pq_search", "kmeans_faiss", "clusterkv_select", "pqcache_e2e", "clusterkv_e2e"]
+    names = ["pq_search", "kmeans_faiss", "clusterkv_select", "pqcache_e2e", "clusterkv_e2e", "oracle_e2e"]
     out = subprocess.run(
         [sys.executable, "-m", "kvbench", "bench", "--quick", "--repeats", "1", "--json", *names],
         capture_output=True,
@@ -18,9 +18,11 @@ def test_quick_benchmarks_run_and_report_ratios():
     assert all(row["pq/exact"] > 0 for row in by_name["pq_search"]["rows"])
     assert all(row["kvbench/faiss"] > 0 for row in by_name["kmeans_faiss"]["rows"])
     assert by_name["clusterkv_select"]["rows"][0]["clusterkv/exact"] > 0
-    for name in ("pqcache_e2e", "clusterkv_e2e"):
+    for name in ("pqcache_e2e", "clusterkv_e2e", "oracle_e2e"):
         row = by_name[name]["rows"][0]
         assert row["tt2t_s"] > 0 and row["tpot ratio"] > 0
+        assert row["select_ms"] > 0 and row["fetch_ms"] > 0 and row["compute_ms"] > 0  # the step's split
+        assert row["select_ms"] + row["fetch_ms"] + row["compute_ms"] >= row["tpot_ms"] * 0.5
 
 
 def test_unknown_benchmark_is_one_error_line():

@@ -102,3 +102,31 @@ def test_method_cached_slots_count_as_hits():
     kv.gather(slots, cached=cached)
     assert kv.stats.cache_lookups == 6 and kv.stats.cache_hits == 2
     assert kv.stats.bytes_h2d_fetch == 4 * 2 * 4 * 4
+
+
+def test_block_cache_serve_equals_lookup_then_update():
+    """serve() (the decode path: one bincount) makes the decisions lookup() + update() make."""
+    generator = torch.Generator().manual_seed(0)
+    for policy in ("lru", "lfu"):
+        for capacity, update in ((4, 2), (3, 3), (0, 0), (6, 1)):
+            served = BlockCache(capacity, block_size=8, policy=policy, update_blocks=update, offset=3)
+            stepped = BlockCache(capacity, block_size=8, policy=policy, update_blocks=update, offset=3)
+            for _ in range(40):
+                count = int(torch.randint(0, 30, (1,), generator=generator))
+                blocks = served.block_of(torch.randint(3, 90, (count,), generator=generator))
+                hits, admitted = served.serve(blocks)
+                assert hits == int(stepped.lookup(blocks).sum())
+                assert admitted == stepped.update(blocks)
+                assert list(served._order.items()) == list(stepped._order.items())
+                assert served._freq == stepped._freq
+
+
+def test_gather_matches_advanced_indexing_per_query_head_rows():
+    """Rows per query head (row h reads KV head h // group) gather the right rows and count each
+    (KV head, slot) once however many query heads ask for it."""
+    kv, keys = filled(n=50, heads=2, offload=True)
+    slots = torch.tensor([[1, 20, 30], [1, 20, 31], [2, 3, 40], [2, 5, 41]])  # 4 rows: group 2
+    k, v = kv.gather(slots)
+    heads = torch.tensor([0, 0, 1, 1])[:, None]
+    assert torch.equal(k, keys[heads, slots]) and torch.equal(v, -keys[heads, slots])
+    assert kv.stats.cache_lookups == 4 + 5  # head 0: {1, 20, 30, 31}; head 1: {2, 3, 5, 40, 41}

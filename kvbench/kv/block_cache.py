@@ -68,11 +68,12 @@ class BlockCache:
         """Admit the ``update_blocks`` most requested blocks of this step; return how many were new."""
         if self.capacity == 0 or requested_blocks.numel() == 0:
             return 0
-        ids, counts = torch.unique(requested_blocks.flatten(), return_counts=True)
-        # Most requested first; among equals the lower block id first (deterministic).
-        order = sorted(zip(counts.tolist(), ids.tolist()), key=lambda pair: (-pair[0], pair[1]))
+        ids, counts = torch.unique(requested_blocks.flatten(), return_counts=True)  # ids ascending
+        # Most requested first; among equals the lower block id first (deterministic): a stable sort
+        # of the counts keeps the ascending ids of equal counts in order.
+        order = torch.sort(counts, descending=True, stable=True).indices[: self.update_blocks]
         admitted = 0
-        for _, block in order[: self.update_blocks]:
+        for block in ids[order].tolist():
             if block in self._order:
                 continue
             if len(self._order) >= self.capacity:
@@ -81,6 +82,40 @@ class BlockCache:
             self._freq[block] = 1
             admitted += 1
         return admitted
+
+    def serve(self, blocks: torch.Tensor) -> tuple[int, int]:
+        """One decode step's requests (``blocks``, 1-D, one entry per requested token and head):
+        :meth:`lookup` then :meth:`update`, from a single count per block. Returns ``(hits, admitted)``:
+        requests the resident blocks served, blocks newly admitted.
+
+        The same decisions as the two calls (hits touched in ascending block order, then the most
+        requested blocks admitted, lower id first among equals), from one ``bincount`` read back to the
+        host instead of a membership test, a ``unique`` and a ``unique`` with counts over the requests."""
+        if blocks.numel() == 0:
+            return 0, 0
+        low = int(blocks.min())
+        counts = torch.bincount(blocks - low).tolist()  # counts[i]: requests of block low + i
+        hits = 0
+        touched = []
+        for block in sorted(self._order):
+            i = block - low
+            if 0 <= i < len(counts) and counts[i]:
+                hits += counts[i]
+                touched.append(block)
+        self._touch(touched)
+        if self.capacity == 0:
+            return hits, 0
+        requested = sorted((-c, low + i) for i, c in enumerate(counts) if c)  # most requested, lower id first
+        admitted = 0
+        for _, block in requested[: self.update_blocks]:
+            if block in self._order:
+                continue
+            if len(self._order) >= self.capacity:
+                self._evict()
+            self._order[block] = next(self._tick)
+            self._freq[block] = 1
+            admitted += 1
+        return hits, admitted
 
     def _touch(self, blocks: list[int]) -> None:
         for block in blocks:

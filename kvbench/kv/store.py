@@ -96,6 +96,7 @@ class LayerKV:
         self._k = self._alloc(capacity, head_dim, dtype)
         self._v = self._alloc(capacity, head_dim, dtype)
         self._pos = self._alloc(capacity, None, torch.long)
+        self._bases: dict[tuple[int, int, int], torch.Tensor] = {}  # see _row_base
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, capacity: int, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -284,42 +285,65 @@ class LayerKV:
         if rows % self.n_kv_heads:
             raise ValueError(f"cannot map {rows} selection rows onto {self.n_kv_heads} KV heads")
         group = rows // self.n_kv_heads
-        heads = torch.arange(rows, device=self.home) // group
         home_slots = slots.to(self.home)
-        k = self._k[heads[:, None], home_slots]
-        v = self._v[heads[:, None], home_slots]
+        # one row gather per tensor: row (head h, slot s) of the [kv_heads * capacity, d] view is
+        # h * capacity + s (index_select copies whole rows, 3x faster than K[heads, slots] on a CPU)
+        flat = (home_slots + self._row_base(rows, group, self.capacity)).view(-1)
+        k = self._k.view(-1, self.head_dim).index_select(0, flat).view(rows, -1, self.head_dim)
+        v = self._v.view(-1, self.head_dim).index_select(0, flat).view(rows, -1, self.head_dim)
         if self.offload:
-            self._account_fetch(heads, home_slots, None if cached is None else cached.to(self.home))
+            pairs = home_slots + self._row_base(rows, group, self.n)  # (kv head, slot) as h * n + s
+            self._account_fetch(pairs, None if cached is None else cached.to(self.home))
         if k.device != self.device:
             k = k.to(self.device, non_blocking=True)
             v = v.to(self.device, non_blocking=True)
         return k, v
 
-    def _account_fetch(self, heads: torch.Tensor, slots: torch.Tensor, cached: torch.Tensor | None) -> None:
+    def _row_base(self, rows: int, group: int, stride: int) -> torch.Tensor:
+        """``[rows, 1]``: ``(row // group) * stride``, the offset of each selection row's KV head in a
+        flattened ``[kv_heads, stride]`` layout (kept while the shape holds: decode asks every step)."""
+        key = (rows, group, stride)
+        cached = self._bases.get(key)
+        if cached is None:
+            if len(self._bases) > 8:  # n grows every step: keep the few in use
+                self._bases.clear()
+            cached = self._bases[key] = (torch.arange(rows, device=self.home) // group * stride)[:, None]
+        return cached
+
+    def _distinct(self, pairs: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+        """``[kv_heads, n]`` bool: the (kv head, slot) pairs in ``pairs`` (``h * n + s``, any shape), those
+        flagged by ``where`` only. Several query heads reading one KV head's token count it once; a
+        mask instead of ``unique`` (a sort) and no compaction (entries left out go to a spare cell)."""
+        size = self.n_kv_heads * self.n
+        mask = torch.zeros(size + 1, dtype=torch.bool, device=self.home)
+        index = pairs if where is None else torch.where(where, pairs, size)
+        mask.index_fill_(0, index.reshape(-1), True)
+        return mask[:size].view(self.n_kv_heads, self.n)
+
+    def _account_fetch(self, pairs: torch.Tensor, cached: torch.Tensor | None) -> None:
         """Count bytes for the non-resident (kv head, slot) pairs; several query heads share a fetch."""
-        n = max(self.n, 1)
-        pairs = heads[:, None] * n + slots
+        low = min(self.resident_sink, self.n)  # resident: slots below low and from high on
+        high = max(low, self.n - self.resident_recent)
         if cached is not None:
-            held = torch.unique(pairs[cached]) % n
-            held = held[(held >= self.resident_sink) & (held < self.n - self.resident_recent)]
-            self.stats.cache_lookups += int(held.numel())
-            self.stats.cache_hits += int(held.numel())
-            pairs = pairs[~cached]
-        slot = torch.unique(pairs) % n
-        middle = (slot >= self.resident_sink) & (slot < self.n - self.resident_recent)
-        slot = slot[middle]
+            held = int(self._distinct(pairs, cached)[:, low:high].sum())
+            self.stats.cache_lookups += held
+            self.stats.cache_hits += held
+            middle = self._distinct(pairs, ~cached)[:, low:high]
+        else:
+            middle = self._distinct(pairs)[:, low:high]
+        if self.cache is None:
+            wanted = int(middle.sum())
+            self.stats.cache_lookups += wanted
+            self.stats.bytes_h2d_fetch += wanted * self.token_bytes()
+            return
+        slot = torch.nonzero(middle)[:, 1] + low  # every wanted (kv head, slot) pair, by head then slot
         wanted = int(slot.numel())
         if wanted == 0:
             return
         self.stats.cache_lookups += wanted
-        if self.cache is None:
-            self.stats.bytes_h2d_fetch += wanted * self.token_bytes()
-            return
-        blocks = self.cache.block_of(slot)
-        hits = int(self.cache.lookup(blocks).sum())
+        hits, admitted = self.cache.serve(self.cache.block_of(slot))  # = lookup, then update
         self.stats.cache_hits += hits
         self.stats.bytes_h2d_fetch += (wanted - hits) * self.token_bytes()
-        admitted = self.cache.update(blocks)
         self.stats.bytes_h2d_cache_fill += admitted * self.cache.block_size * self.n_kv_heads * self.token_bytes()
 
     def count_index_bytes(self, nbytes: int) -> None:
