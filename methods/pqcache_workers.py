@@ -15,8 +15,10 @@ Why threads, not processes: the keys are already in this process's (pinned) host
 thread reads them without a copy or a shared-memory protocol. The cost: every share's ops use torch's
 intra-op thread pool of the whole process (``torch.get_num_threads()``, set with ``OMP_NUM_THREADS``),
 where the authors pin each process to its own cores (3-4 per process) and leave the main process a
-core of its own. ``workers=1`` (the default) clusters a layer's problems as one batch over all
-intra-op threads; more workers run shares at once, which only pays off with cores to spare.
+core of its own. ``workers=1`` (the default) hands a layer's problems to one ``kmeans`` call, which
+on CPU itself splits them into ``torch.get_num_threads()`` single-threaded shares (see "Threads" in
+:mod:`kvbench.methods.primitives.kmeans`); more workers run several such calls at once (workers ×
+threads threads in all), which only pays off with cores to spare.
 
 Where the keys live (``device``):
 
