@@ -211,6 +211,7 @@ def _run_loop(options: BenchOptions, model: str, length: int, depths: Sequence[f
                 f"task.depths=[{','.join(str(d) for d in depths)}]",
                 f"output_dir={scratch}",
                 "progress=false",
+                *(["task.max_new_tokens=8"] if options.quick else []),
             ]
         )
         with (
@@ -239,9 +240,10 @@ def _run_loop(options: BenchOptions, model: str, length: int, depths: Sequence[f
         _row("sample wall s (median)", round(statistics.median(walls), 3), "-", None),
         _row("run s outside the samples (model load, metrics, artifacts)", round(total - sum(walls), 3), "-", None),
     ]
+    new_tokens = "8 new tokens" if options.quick else "the task's max_new_tokens"
     notes = [
         f"run loop: kvbench.runner.run, model {model}, method full, niah at {length} tokens, depths "
-        f"{list(depths)} ({len(depths)} samples, task's max_new_tokens), fresh output folder; per-sample "
+        f"{list(depths)} ({len(depths)} samples, {new_tokens}), fresh output folder; per-sample "
         f"overheads {[round(x, 4) for x in overhead]} (the first sample also creates the run directory)",
     ]
     return rows, notes
