@@ -169,6 +169,7 @@ def _engine_vs_hf(options: BenchOptions, loaded: Any, ids: list[int], new_tokens
         "warm-up on a 128-token prefix; ratios: median of the per-round ratios",
         "HF side: model(prompt, logits_to_keep=1), then model(token, past_key_values=DynamicCache) per token, "
         "same model object; TTFT/prefill include the first argmax, TPOT is the mean of the steps after the first",
+        f"per-round ratios: prefill {[round(a / b, 3) for a, b in prefill]}, TPOT {[round(a / b, 3) for a, b in tpot]}",
     ]
     return rows, notes
 
@@ -397,21 +398,25 @@ def cost_figure(rows: list[dict[str, Any]], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     from kvbench.plots import _save
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, layout="constrained")
     methods = list(dict.fromkeys(row["method"] for row in rows))
-    for name in methods:
+    for index, name in enumerate(methods):
+        style = {"marker": "o", "label": name, "color": f"C{index % 10}"}  # one colour per method in both panels
         mine = [row for row in rows if row["method"] == name]
-        contexts = [row["context"] for row in mine]
-        axes[0].plot(contexts, [row["tpot_ms"] for row in mine], marker="o", label=name)
+        axes[0].plot([row["context"] for row in mine], [row["tpot_ms"] for row in mine], **style)
         select = [(row["context"], row["select_ms"]) for row in mine if row["select_ms"] > 0]
         if select and mine[0]["family"] == "retrieval":
-            axes[1].plot(*zip(*select), marker="o", label=name)
-    for ax, label in zip(axes, ("TPOT (ms)", "selection per step (ms)")):
+            axes[1].plot(*zip(*select), **style)
+    contexts = sorted({row["context"] for row in rows})
+    for ax, label in zip(axes, ("TPOT (ms)", "selection per step (ms), retrieval methods")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(n) for n in contexts])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)
