@@ -290,6 +290,7 @@ COST_METHODS: dict[str, dict[str, Any]] = {
     "h2o": {},
 }
 QUICK_METHODS = ("full", "quest", "streamingllm")
+PHASES = ("select", "fetch", "compute")  # the decode split the engine records (kvbench.telemetry)
 
 
 def growth_exponent(lengths: Sequence[int], values: Sequence[float | None]) -> float | None:
@@ -327,41 +328,48 @@ def cost_vs_length(options: BenchOptions) -> BenchResult:
     budget_tokens = 64 if options.quick else 512
     budget = BudgetConfig(tokens=budget_tokens)
     loaded = load_model(compose([f"model={model}"])["model"])
-    measured: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
+    rounds = 1 if options.quick else max(1, min(options.repeats, 3))
+    # per method, per length: the figures of each round (seconds per decode step)
+    measured: dict[str, list[dict[str, list[float]]]] = {name: [] for name in methods}
     family: dict[str, str] = {}
     prompts: list[int] = []
     with prefill_cache.scope(True, prefill_cache.PrefillCache(ram_bytes=2 * 1024**3, disk_bytes=0)):
         for length in lengths:
             ids = _niah_ids(loaded, length)
             prompts.append(len(ids))
+            runs: dict[str, dict[str, list[float]]] = {name: {} for name in methods}
+            for _ in range(rounds):  # interleaved: a load change hits every method of a round alike
+                for name in methods:
+                    method = create_method({**method_node(name), **COST_METHODS[name]})
+                    out = generate(
+                        loaded,
+                        method,
+                        ids,
+                        max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens,
+                        budget=budget if method.needs_budget else BudgetConfig(),
+                    )
+                    family[name] = method.family
+                    tele = out.telemetry
+                    figures = {"tpot": tele["tpot_p50_s"], **{k: _per_step(tele, f"{k}_s") for k in PHASES}}
+                    for key, value in figures.items():
+                        runs[name].setdefault(key, []).append(float(value or 0.0))
             for name in methods:
-                method = create_method({**method_node(name), **COST_METHODS[name]})
-                out = generate(
-                    loaded,
-                    method,
-                    ids,
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    budget=budget if method.needs_budget else BudgetConfig(),
-                )
-                measured[name].append(out.telemetry)
-                family[name] = method.family
+                measured[name].append(runs[name])
     rows = []
     for name in methods:
-        teles = measured[name]
-        tpot = [t["tpot_s"] for t in teles]
-        select = [_per_step(t, "select_s") for t in teles]
+        per_length = [{key: statistics.median(values) for key, values in run.items()} for run in measured[name]]
+        tpot = [m["tpot"] for m in per_length]
+        select = [m["select"] for m in per_length]
         selects = family[name] == "retrieval"  # others' select() is bookkeeping (dense: none; eviction: at prefill)
-        for length, tele, step_tpot, step_select in zip(prompts, teles, tpot, select):
+        for length, figures in zip(prompts, per_length):
             rows.append(
                 {
                     "method": name,
                     "family": family[name],
                     "context": length,
-                    "tpot_ms": round(1e3 * step_tpot, 3),
-                    "select_ms": round(1e3 * (step_select or 0.0), 3),
-                    "fetch_ms": round(1e3 * (_per_step(tele, "fetch_s") or 0.0), 3),
-                    "compute_ms": round(1e3 * (_per_step(tele, "compute_s") or 0.0), 3),
+                    "tpot_ms": round(1e3 * figures["tpot"], 3),
+                    **{f"{key}_ms": round(1e3 * figures[key], 3) for key in PHASES},
                     "tpot exponent": growth_exponent(prompts, tpot),
                     "select exponent": growth_exponent(prompts, select) if selects else None,
                 }
@@ -370,8 +378,9 @@ def cost_vs_length(options: BenchOptions) -> BenchResult:
         f"model {loaded.spec.name} ({loaded.spec.device}, {loaded.spec.dtype}); NIAH prompts (depth 0.5); "
         f"{new_tokens} decode steps (stop ids masked); budget.tokens={budget_tokens} for every compressing method "
         "(sinks and each method's window rules as its defaults)",
-        "tpot_ms: mean decode step after the first; select/fetch/compute_ms: the engine's select_s, fetch_s, "
-        "compute_s over all decode steps, per step (one run per method and length)",
+        "tpot_ms: median decode step after the first (tpot_p50_s: robust to a busy machine's spikes); "
+        "select/fetch/compute_ms: the engine's select_s, fetch_s, compute_s over all decode steps, per step; "
+        f"each the median over {rounds} interleaved round(s) (every method once per round)",
         "exponent: least-squares slope of log(time) vs log(context) over the lengths (1 = linear); the select "
         "exponent only for retrieval methods (a dense or eviction method's select() picks nothing per step)",
         "methods: " + ", ".join(f"{n} {COST_METHODS[n]}" if COST_METHODS[n] else n for n in methods),
