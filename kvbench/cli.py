@@ -446,6 +446,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model,
         lengths=lengths,
         new_tokens=args.new_tokens,
+        save=args.save,
     )
     results = [benches[name](options) for name in names]
     from kvbench.runner import device_name

@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 
@@ -101,3 +102,48 @@ def test_reuse_ttft_reports_every_config_against_full():
         ("full_reuse", "disk"),
     ]
     assert rows[0]["ratio to full"] == 1 and all(r["ttft_s"] > 0 and r["ratio to full"] > 0 for r in rows)
+
+
+def test_overhead_compares_full_with_transformers_and_times_the_run_loop():
+    """overhead --quick on tiny_llama: kvbench's full is token-identical to transformers' greedy
+    decoding, both ratios are measured, and the run loop's shares are fractions of a sample's wall."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "bench", "overhead", "--quick", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["metric"]: r for r in json.loads(out.stdout)["results"][0]["rows"]}
+    assert rows["tokens_identical (HF greedy loop)"]["value"] is True
+    assert rows["tokens_identical (model.generate)"]["value"] is True
+    for metric in ("prefill ratio (kvbench TTFT / HF prefill)", "decode ratio (kvbench TPOT / HF TPOT)"):
+        assert rows[metric]["value"] > 0 and rows[metric]["met"] == (rows[metric]["value"] <= 1.03)
+    loop = rows["run-loop overhead / sample wall (median)"]["value"]
+    outside = rows["  of which outside run_sample (sample building, record, log)"]["value"]
+    inside = rows["  of which inside run_sample, outside prefill+decode"]["value"]
+    assert 0 <= outside <= 1 and 0 <= inside <= 1 and 0 < loop < 1
+    assert rows["run-loop overhead / sample wall (max)"]["value"] >= loop
+
+
+def test_cost_vs_length_fits_exponents_and_saves_a_figure(tmp_path):
+    """cost_vs_length --quick: a row per method and length, finite TPOT exponents, a select exponent
+    for the retrieval method only, and the log-log figure beside the saved record."""
+    saved = tmp_path / "cost.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "bench", "cost_vs_length", "--quick", "--save", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(saved.read_text())["results"][0]["rows"]
+    assert [(r["method"], r["context"]) for r in rows] == [
+        (m, n) for m in ("full", "quest", "streamingllm") for n in (rows[0]["context"], rows[1]["context"])
+    ]
+    assert rows[0]["context"] < rows[1]["context"]
+    assert all(r["tpot_ms"] > 0 and math.isfinite(r["tpot exponent"]) for r in rows)
+    assert all((r["select exponent"] is not None) == (r["method"] == "quest") for r in rows)
+    assert all(math.isfinite(r["select exponent"]) and r["select_ms"] > 0 for r in rows if r["method"] == "quest")
+    figure = tmp_path / "cost.cost_vs_length.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -34,6 +34,7 @@ class BenchOptions:
     model: str | None = None  # end-to-end benchmarks: a model config name (e.g. llama31_8b_shape on a GPU)
     lengths: tuple[int, ...] | None = None  # end-to-end benchmarks: prompt lengths in tokens
     new_tokens: int | None = None  # end-to-end benchmarks: tokens generated per run
+    save: str | None = None  # --save FILE.json: a benchmark that draws a figure writes it beside FILE
 
     def e2e(self, model: str, lengths: tuple[int, ...], new_tokens: int = 32) -> tuple[str, tuple[int, ...], int]:
         """The end-to-end settings: the user's where given, else the benchmark's defaults."""
