@@ -171,7 +171,15 @@ def test_ctrl_c_saves_samples_and_prints_the_resume_command(tmp_path, essays):
         "task.max_new_tokens=16",
     ]
     total = 30  # enough work (seconds) that the interrupt lands mid-run even on a busy 2-core machine
-    proc = subprocess.Popen(KVBENCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a shell's background job (nohup ... &) starts with SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler, so the run would ignore Ctrl-C.
+    proc = subprocess.Popen(
+        KVBENCH + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 180
     while time.time() < deadline:
         found = list((tmp_path / "runs").glob("*/samples.jsonl"))
