@@ -219,7 +219,7 @@ def run_checks(
     scratch = None if output_dir else Path(tempfile.mkdtemp(prefix="kvbench-check-"))
     out = str(output_dir or scratch)
     failed = skipped = updated = 0
-    with sweep():
+    with sweep(points=configs):
         for check, resolved in zip(selected, configs):
             need = [p for p in check.get("needs", []) if not Path(p).exists()]
             if need:

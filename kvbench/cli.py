@@ -275,7 +275,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     from kvbench.engine.prefill_cache import sweep
 
     try:
-        with sweep(flags["multirun"]):  # the sweep's methods share dense prefills (prefill_cache: null)
+        with sweep(flags["multirun"], configs):  # the sweep's methods share dense prefills (prefill_cache: null)
             main()
     except KeyboardInterrupt:  # between runs of a sweep, or inside Hydra: every finished sample is saved
         done = f"{len(_SWEEP_RUNS)} of {len(points)} runs finished" if len(points) > 1 else "nothing was lost"

@@ -135,7 +135,7 @@ def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Poi
         return
     from kvbench.engine.prefill_cache import sweep
 
-    with sweep():  # the points share dense prefills (prefill_cache: null)
+    with sweep(points=[point.config for point in todo]):  # the points share dense prefills (prefill_cache: null)
         for index, point in enumerate(todo, 1):
             command = f"kvbench reproduce {exp.ref} scale={scale} {shlex.join(extra)}".strip()
             print(f"[{index}/{len(todo)}] {point.label or point.run_dir.name}", flush=True)

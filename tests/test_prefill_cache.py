@@ -131,6 +131,40 @@ def test_statistics_are_computed_once_and_added_to_the_entry(tiny_llama, prefill
     assert {stat.function.__name__ for stat in slot.stat_s} == {"window_votes", "accumulated_attention"}
 
 
+def test_a_sweep_anticipates_its_later_methods_statistics(niah_config, tmp_path, prefills):
+    """Given the sweep's points, the first method's capture also computes the statistics the later
+    methods read (SnapKV's votes, H2O's accumulated attention, InfLLM's local attention received): they
+    hit on every prompt, predict what they predict alone, and the first method's ``prefill_s`` counts
+    none of those statistics (each is timed apart in the entry)."""
+    from kvbench.results import RunDir
+    from kvbench.runner import run
+
+    prefill_cache.shared_cache().clear()  # (other tests' sweeps leave entries in the process's cache)
+    names = ("full", "snapkv", "h2o", "infllm")
+    configs = {m: {**niah_config(m, budget__token_ratio=0.1), "output_dir": str(tmp_path / "swept")} for m in names}
+    with prefill_cache.sweep(points=list(configs.values())):
+        swept = {m: run(configs[m]) for m in names}
+    assert prefills == ["CapturePrefill"] * 4  # full's four prompts, once each
+    for m in names[1:]:
+        assert swept[m].metrics["prefill_shared"] == 1.0, m
+    cache = prefill_cache.shared_cache()
+    entries = [slot.entry for slot in cache._slots.values() if slot.entry is not None]
+    assert len(entries) == 4  # in RAM
+    for entry in entries:  # every statistic of the sweep, each timed apart from the dense prefill
+        assert {stat.function.__name__ for stat in entry.stat_s} == {
+            "window_votes",
+            "accumulated_attention",
+            "received_from_kv_heads",
+        }
+        assert entry.dense_s > 0
+    prefills.clear()
+    for m in names[1:]:  # each alone: its own dense prefill, the same predictions
+        alone = run({**configs[m], "prefill_cache": False, "output_dir": str(tmp_path / "alone")})
+        got = [sorted((r["id"], r["prediction"]) for r in RunDir(x.run_dir).records()) for x in (alone, swept[m])]
+        assert got[0] == got[1] and len(got[0]) == 4, m
+    cache.clear()
+
+
 class OwnPlan(KVMethod):
     """A method with its own prefill plan (the dense one, subclassed to record that it ran)."""
 

@@ -50,6 +50,7 @@ class GenerationContext:
         self.method = method
         self.budget = budget
         self.profile = profile
+        self.capacity = capacity  # tokens the store holds: prompt plus generation
         device = torch.device(self.spec.device)
         self.clock = Clock(device)
         self.telemetry = Telemetry(self.spec.n_layers, self.clock)
@@ -124,8 +125,9 @@ class GenerationContext:
         key = cache.key(self.loaded, input_ids)
         entry = cache.get(key, stats, torch.device(self.spec.device))
         tele.prefill_shared = entry is not None
-        if entry is None:
-            entry = prefill_cache.capture(self, input_ids, stats)
+        if entry is None:  # also compute what the sweep's later methods will read of this prompt
+            later = prefill_cache.anticipated(self, input_ids.numel())
+            entry = prefill_cache.capture(self, input_ids, stats + tuple(s for s in later if s not in stats))
             cache.put(key, entry)
         start = clock.now()
         logits = self.replay_prefill(entry)

@@ -15,7 +15,10 @@ What is cached (:class:`PrefillEntry`), keyed by the model (:func:`model_key`) a
   SnapKV's observation-window votes, H2O's accumulated attention, InfLLM's local attention received).
   The queries themselves are not kept (they are larger than the K/V); a statistic is computed while
   they exist. An entry holding K/V but not a statistic a method asks for is a miss: the method runs a
-  dense prefill that computes it, and the statistic is added to the entry for the next methods;
+  dense prefill that computes it, and the statistic is added to the entry for the next methods.
+  A sweep that knows its points (``kvbench run -m``, ``kvbench reproduce``, ``kvbench check``:
+  :func:`sweep` with ``points``) avoids that miss: a new entry also computes the statistics the
+  sweep's methods on this model will read (:func:`anticipated`), each timed apart;
 * the measured seconds of the dense prefill (``dense_s``, the statistics' time excluded) and of
   every statistic per layer.
 
@@ -61,11 +64,11 @@ import shutil
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -86,16 +89,67 @@ DEFAULT_DISK_GB = 16.0
 _SWEEPS = [0]  # depth of sweep() scopes
 _ACTIVE: list[PrefillCache | None] = [None]
 _SHARED: list[PrefillCache | None] = [None]
+_POINTS: list[list[dict[str, Any]]] = [[]]  # the configs of the running sweep's points (sweep(points=...))
 
 
 @contextmanager
-def sweep(on: bool = True) -> Iterator[None]:
-    """Within this block runs are points of a sweep: ``prefill_cache: null`` turns the cache on."""
+def sweep(on: bool = True, points: Sequence[Mapping[str, Any]] = ()) -> Iterator[None]:
+    """Within this block runs are points of a sweep: ``prefill_cache: null`` turns the cache on.
+
+    ``points``: the resolved configs of the sweep's points, when known. A new entry then also computes
+    the query statistics that the sweep's *later* methods will ask of the same prompt
+    (:func:`anticipated`), so an eviction method or InfLLM that runs after ``full`` hits the entry
+    instead of paying for a second dense prefill. Without them such a method misses on every prompt.
+    """
     _SWEEPS[0] += int(on)
+    previous = _POINTS[0]
+    if on and points:
+        _POINTS[0] = [dict(p) for p in points]
     try:
         yield
     finally:
         _SWEEPS[0] -= int(on)
+        _POINTS[0] = previous
+
+
+def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic, ...]:
+    """The query statistics that the sweep's points on this model will ask of a ``prompt_len``-token
+    prompt: each point's method, built from its config, given the point's budget resolved for this
+    prompt and this model's spec, says what it reads (:meth:`~kvbench.methods.base.KVMethod.prefill_statistics`).
+
+    Timing stays honest: a capture times every statistic on its own (``stat_s``) and a method's
+    ``prefill_s`` counts only the statistics it reads, so computing others' costs no method anything
+    but the sweep's wall time. A point whose method cannot be built or whose budget does not fit this
+    prompt is skipped: it would only miss, as it does without anticipation.
+    """
+    from types import SimpleNamespace
+
+    from kvbench.budget import BudgetConfig
+    from kvbench.errors import KvbenchError
+    from kvbench.methods import create_method
+
+    spec, capacity = ctx.spec, ctx.capacity
+    wanted: list[QueryStatistic] = []
+    seen: set[str] = set()
+    for point in _POINTS[0]:
+        if (point.get("model") or {}).get("name") != spec.name:
+            continue
+        node = json.dumps([point.get("method"), point.get("budget")], sort_keys=True, default=str)
+        if node in seen:
+            continue
+        seen.add(node)
+        try:
+            method = create_method(point["method"])
+            if not method.shares_prefill:
+                continue
+            budget = BudgetConfig.from_mapping(point.get("budget"))
+            resolved = method.resolve_budget(budget, prompt_len, capacity, spec.n_layers)
+            method.ctx = cast("GenerationContext", SimpleNamespace(spec=spec, budget=resolved))
+            stats = method.prefill_statistics()
+        except (KvbenchError, AttributeError):  # (a method reading more of its context than spec/budget)
+            continue
+        wanted += [stat for stat in stats if stat not in wanted]
+    return tuple(wanted)
 
 
 def enabled(resolved: dict[str, Any]) -> bool:
