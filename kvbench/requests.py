@@ -135,8 +135,10 @@ class MultiQueryRequest:
       compressed context (kvpress's query-agnostic evaluation).
 
     ``keep_answers``: false (default) rolls the cache back to the post-context state after every
-    answer, so each question sees the context alone; true keeps the conversation (SCBench's multi-turn
-    mode): every later question follows the earlier questions and answers.
+    answer, so each question sees the context alone (``question_aware``: the context, the first question
+    and its answer — that turn is part of the compressed prompt and must close); true keeps the
+    conversation (SCBench's multi-turn mode): every later question follows the earlier questions and
+    answers.
     """
 
     context_ids: list[int]

@@ -14,7 +14,8 @@ and its ``queries`` (:class:`SampleQuery`, first question first) and declares th
 :data:`MULTI_QUERY_OPTIONS`: ``task.queries_per_context=N`` asks the first N questions about a context
 compressed once (a :class:`~kvbench.requests.MultiQueryRequest`), ``task.compression=question_aware |
 question_agnostic`` decides whether the first question is in view when the method compresses, and
-``task.keep_answers`` keeps the conversation instead of dropping every answer. One question, question
+``task.keep_answers`` keeps the conversation instead of dropping every answer (question-aware: every
+answer after the first, whose turn is part of the compressed prompt). One question, question
 aware, is exactly today's single prompt (``context + first question``, one generation). Each question
 scores apart; the record keeps them in ``queries`` and :meth:`Task.aggregate` reports ``score_first``,
 ``score_followup`` and ``score_by_query``.
