@@ -50,17 +50,15 @@ def main() -> None:
     if args.threads:  # one thread: steadier ratios on a loaded machine (no spinning thread pool)
         torch.set_num_threads(args.threads)
 
+    from kvbench.bench import niah_ids
     from kvbench.budget import BudgetConfig
     from kvbench.compose import compose
     from kvbench.engine import generate as gen
     from kvbench.methods import create_method
     from kvbench.models.loading import load_model
-    from kvbench.tasks import create_task
 
     loaded = load_model(compose([f"model={args.model}"])["model"])
-    task = create_task({"name": "niah", "lengths": [args.length], "depths": [0.5]})
-    ids = next(iter(task.samples(loaded))).input_ids
-    assert ids is not None
+    ids = niah_ids(loaded, args.length)
     methods = ["full"] + [m for m in args.methods.split(",") if m and m != "full"]
 
     def run(method: str) -> dict[str, Any]:

@@ -88,6 +88,17 @@ def time_call(fn: Callable[[], Any], *, repeats: int, device: torch.device, warm
     return times[len(times) // 2]
 
 
+def niah_ids(loaded: Any, length: int) -> list[int]:
+    """The token ids of the NIAH prompt of ``length`` tokens with its needle at depth 0.5 (the prompt the
+    end-to-end benches and tools/profile_decode.py time)."""
+    from kvbench.tasks import create_task
+
+    task = create_task({"name": "niah", "lengths": [length], "depths": [0.5]})
+    ids = next(iter(task.samples(loaded))).input_ids
+    assert ids is not None  # (niah samples are token ids)
+    return list(ids)
+
+
 def render(result: BenchResult) -> str:
     import pandas as pd
 

@@ -40,7 +40,7 @@ from unittest import mock
 
 import torch
 
-from kvbench.bench import BenchOptions, BenchResult, benchmark
+from kvbench.bench import BenchOptions, BenchResult, benchmark, niah_ids
 
 GOAL_RATIO = 1.03  # kvbench / transformers, prefill and per decode token
 GOAL_LOOP = 0.02  # the run loop's share of a sample's wall time
@@ -48,15 +48,6 @@ GOAL_LOOP = 0.02  # the run loop's share of a sample's wall time
 
 def _row(metric: str, value: Any, goal: str, met: bool | None) -> dict[str, Any]:
     return {"metric": metric, "value": value, "goal": goal, "met": met}
-
-
-def _niah_ids(loaded: Any, length: int) -> list[int]:
-    from kvbench.tasks import create_task
-
-    task = create_task({"name": "niah", "lengths": [length], "depths": [0.5]})
-    ids = next(iter(task.samples(loaded))).input_ids
-    assert ids is not None  # (niah samples are token ids)
-    return list(ids)
 
 
 def hf_greedy(loaded: Any, ids: Sequence[int], new_tokens: int) -> tuple[list[int], float, list[float]]:
@@ -262,7 +253,7 @@ def overhead(options: BenchOptions) -> BenchResult:
         8 if options.quick else 32,
     )
     loaded = load_model(compose([f"model={model}"])["model"])
-    ids = _niah_ids(loaded, lengths[0])
+    ids = niah_ids(loaded, lengths[0])
     rows, notes = _engine_vs_hf(options, loaded, ids, new_tokens)
     depths = (0.25, 0.75) if options.quick else (0.25, 0.5, 0.75)
     loop_rows, loop_notes = _run_loop(options, model, lengths[0], depths)
@@ -335,7 +326,7 @@ def cost_vs_length(options: BenchOptions) -> BenchResult:
     prompts: list[int] = []
     with prefill_cache.scope(True, prefill_cache.PrefillCache(ram_bytes=2 * 1024**3, disk_bytes=0)):
         for length in lengths:
-            ids = _niah_ids(loaded, length)
+            ids = niah_ids(loaded, length)
             prompts.append(len(ids))
             runs: dict[str, dict[str, list[float]]] = {name: {} for name in methods}
             for _ in range(rounds):  # interleaved: a load change hits every method of a round alike

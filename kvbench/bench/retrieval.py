@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvbench.bench import BenchOptions, BenchResult, bench_device, benchmark, time_call
+from kvbench.bench import BenchOptions, BenchResult, bench_device, benchmark, niah_ids, time_call
 from kvbench.methods.primitives import kmeans as kmeans_module
 from kvbench.methods.primitives.kmeans import kmeans
 from kvbench.methods.primitives.pq import pq_fit, pq_scores
@@ -210,7 +210,6 @@ def _e2e(
     from kvbench.engine.generate import generate
     from kvbench.methods import create_method
     from kvbench.models.loading import load_model
-    from kvbench.tasks import create_task
 
     model_name, lengths, new_tokens = options.e2e(
         "tiny_llama" if options.quick else "smollm2_135m", lengths, new_tokens
@@ -218,9 +217,7 @@ def _e2e(
     loaded = load_model(compose([f"model={model_name}"])["model"])
     rows = []
     for length in lengths:
-        task = create_task({"name": "niah", "lengths": [length], "depths": [0.5]})
-        ids = next(iter(task.samples(loaded))).input_ids
-        assert ids is not None  # (niah samples are token ids)
+        ids = niah_ids(loaded, length)
         runs: dict[str, list[dict[str, Any]]] = {}
         for _ in range(1 if options.quick else 2):
             for method, budget in [("full", {})] + methods:

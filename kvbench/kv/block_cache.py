@@ -12,6 +12,7 @@ The cache only decides *what* is resident; :class:`~kvbench.kv.store.LayerKV` do
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from itertools import count
 
 import torch
@@ -72,16 +73,7 @@ class BlockCache:
         # Most requested first; among equals the lower block id first (deterministic): a stable sort
         # of the counts keeps the ascending ids of equal counts in order.
         order = torch.sort(counts, descending=True, stable=True).indices[: self.update_blocks]
-        admitted = 0
-        for block in ids[order].tolist():
-            if block in self._order:
-                continue
-            if len(self._order) >= self.capacity:
-                self._evict()
-            self._order[block] = next(self._tick)
-            self._freq[block] = 1
-            admitted += 1
-        return admitted
+        return self._admit(ids[order].tolist())
 
     def serve(self, blocks: torch.Tensor) -> tuple[int, int]:
         """One decode step's requests (``blocks``, 1-D, one entry per requested token and head):
@@ -106,8 +98,13 @@ class BlockCache:
         if self.capacity == 0:
             return hits, 0
         requested = sorted((-c, low + i) for i, c in enumerate(counts) if c)  # most requested, lower id first
+        return hits, self._admit(block for _, block in requested[: self.update_blocks])
+
+    def _admit(self, blocks: Iterable[int]) -> int:
+        """Admit ``blocks`` in order (evicting by the policy when full), skipping resident ones; returns
+        how many were new."""
         admitted = 0
-        for _, block in requested[: self.update_blocks]:
+        for block in blocks:
             if block in self._order:
                 continue
             if len(self._order) >= self.capacity:
@@ -115,7 +112,7 @@ class BlockCache:
             self._order[block] = next(self._tick)
             self._freq[block] = 1
             admitted += 1
-        return hits, admitted
+        return admitted
 
     def _touch(self, blocks: list[int]) -> None:
         for block in blocks:
