@@ -130,3 +130,22 @@ def test_gather_matches_advanced_indexing_per_query_head_rows():
     heads = torch.tensor([0, 0, 1, 1])[:, None]
     assert torch.equal(k, keys[heads, slots]) and torch.equal(v, -keys[heads, slots])
     assert kv.stats.cache_lookups == 4 + 5  # head 0: {1, 20, 30, 31}; head 1: {2, 3, 5, 40, 41}
+
+
+def test_a_methods_dense_layers_stay_resident_when_the_store_offloads(tiny_llama):
+    """Dense layers attend every token at every step: they live on the device, not in the host tier
+    (on a GPU, the host tier would hand SDPA host keys); held() is the attended K/V of any layer."""
+    from kvbench.budget import BudgetConfig
+    from kvbench.engine.generate import _new_context
+    from kvbench.methods import create_method
+
+    method = create_method({"name": "clusterkv"})
+    assert method.offload and method.dense_layers == (0, 1)
+    ctx = _new_context(tiny_llama, method, BudgetConfig(tokens=64), 200, 4, None)
+    assert [layer.offload for layer in ctx.store.layers] == [i not in (0, 1) for i in range(tiny_llama.spec.n_layers)]
+    store = KVStore(3, 2, 4, dtype=torch.float32, device=torch.device("cpu"), offload=True, resident=(1,))
+    assert [layer.offload for layer in store.layers] == [True, False, True]
+    layer = store[0]
+    layer.append(torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+    keys, values = layer.held()
+    assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)

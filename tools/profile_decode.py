@@ -126,7 +126,8 @@ def main() -> None:
         if args.torch_profile:
             from torch.profiler import ProfilerActivity, profile
 
-            prof = profile(activities=[ProfilerActivity.CPU])
+            cuda = torch.cuda.is_available()
+            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             started_at: list[bool] = []
 
             def forward(self, *a, _p=prof, _s=started_at, **k):
@@ -141,6 +142,8 @@ def main() -> None:
             prof.stop()
             print(f"==== torch.profiler {method} ====")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
+            if cuda:
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.torch_profile))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class GenerationContext:
             device=device,
             offload=method.offload,
             capacity=capacity,
+            resident=method.dense_layers,
         )
         self.driver = ModelDriver(self.model)
         self.plan: PrefillPlan | None = None
@@ -215,7 +216,8 @@ class GenerationContext:
                     "feed extra prompt tokens one at a time (decode steps)",
                 )
             assert positions is not None  # (set by _layers, which runs the model's layers)
-            return attention.with_past(query, kv.keys, kv.values, kv.positions, positions, scaling)
+            keys, values = kv.held()
+            return attention.with_past(query, keys, values, kv.positions, positions, scaling)
         return self._decode(module, layer, query, kv, scaling)
 
     def _decode(self, module: torch.nn.Module, layer: int, query: torch.Tensor, kv, scaling: float) -> torch.Tensor:
@@ -226,7 +228,7 @@ class GenerationContext:
         self.telemetry.select_s += selected_at - started
         if selection is None or selection.attended == kv.n:
             # Nothing left out (slots are unique): the dense path, bit-identical to ``full``.
-            keys, values = kv.keys, kv.values
+            keys, values = kv.held()  # (an offloaded layer's budget covers it: all of it crosses)
             if kv.repeat > 1:  # one stored row per query head (per-query-head eviction): no GQA repeat
                 out = attention.selected(query, keys, values, scaling)
             else:

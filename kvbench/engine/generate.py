@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 import torch
+from torch.profiler import record_function
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
@@ -96,7 +97,8 @@ def generate(
     with torch.inference_mode():
         tele.prepared = method.prepare(ctx, ids, tuple(segments) if segments is not None else None)
     with torch.inference_mode(), activate(ctx):
-        logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
+        with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
+            logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
         picked_at = clock.now()
         token = pick(logits, 0)
         assert tele.prefill_s is not None  # (measured by the prefill)
@@ -111,7 +113,8 @@ def generate(
                 break
             tele.excluded_s = 0.0
             step_start = clock.now()
-            logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
+            with record_function("kvbench.decode_step"):
+                logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
             token = pick(logits, len(tokens))
             tele.step_s.append(clock.now() - step_start - tele.excluded_s)
             if len(tele.step_s) == 1:

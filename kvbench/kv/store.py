@@ -28,6 +28,7 @@ and answer are dropped before the next question; see :mod:`kvbench.engine.conver
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import torch
@@ -274,6 +275,13 @@ class LayerKV:
     def attach_cache(self, cache: BlockCache | None) -> None:
         self.cache = cache
 
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every held K and V on the compute device: views of the home tier when it is the device, else
+        a :meth:`gather` of every slot (counted: all of it crosses the link)."""
+        if self.home == self.device:
+            return self.keys, self.values
+        return self.gather(torch.arange(self.n, device=self.home).expand(self._k.shape[0], -1))
+
     def gather(self, slots: torch.Tensor, cached: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` on the compute device, counting what crosses the host→device link.
 
@@ -421,10 +429,20 @@ class KVStore:
         device: torch.device,
         offload: bool = False,
         capacity: int = 0,
+        resident: Collection[int] = (),
     ) -> None:
+        """``offload``: middle tokens live in the host tier; ``resident`` layers stay on the device even
+        then (a method's dense layers attend every token at every step, as the papers' code keeps them)."""
         self.layers = [
-            LayerKV(n_kv_heads, head_dim, dtype=dtype, device=device, offload=offload, capacity=capacity)
-            for _ in range(n_layers)
+            LayerKV(
+                n_kv_heads,
+                head_dim,
+                dtype=dtype,
+                device=device,
+                offload=offload and layer not in resident,
+                capacity=capacity,
+            )
+            for layer in range(n_layers)
         ]
         self.offload = offload
 

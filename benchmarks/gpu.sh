@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU measurements of benchmarks/RESULTS.md §9, step by step, on a CUDA machine:
+#
+#   bash benchmarks/gpu.sh tests smoke        # the suite on CUDA; every e2e bench once, small
+#   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
+#   bash benchmarks/gpu.sh clusterkv reuse profile decode
+#   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill)
+#
+# Records land in $OUT (default benchmarks/gpu-out/). On a machine without hydra-core & co. (a bare
+# CUDA image with torch and transformers), put their wheels in .whl/ (see DEVELOPERS.md, "A GPU,
+# sometimes"): they are installed into /tmp/site and the source tree runs as the package (its
+# subpackages linked as pyproject.toml lays them out). KVBENCH_HOME defaults to .gpu/home, where the
+# essays asset can be placed for machines without PyPI access.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KVBENCH_HOME=${KVBENCH_HOME:-$PWD/.gpu/home}
+PY=${PY:-python3}
+if [ -d .whl ] && ! $PY -c "import hydra, kvbench.methods" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=$PWD:/tmp/site
+  # run the source tree itself (the tests start `python -m kvbench` from here): the installed layout's
+  # subpackages, linked where pyproject.toml's package-dir puts them
+  for pair in methods:methods tasks:tasks conf:conf papers_data:results/papers; do
+    [ -e "kvbench/${pair%%:*}" ] || ln -s "../${pair#*:}" "kvbench/${pair%%:*}"
+  done
+fi
+KV="$PY -m kvbench.cli"
+
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case $step in
+    info)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+      git log -1 --format='commit %H' 2>/dev/null || true ;;
+    tests)
+      timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log"
+      # the packaged models (SmolLM2, Qwen2.5) come from PyPI: integration tests need them fetched
+      timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -p no:cacheprovider --maxfail=40 --timeout=180 -n "${WORKERS:-8}" -m "${MARK:-not integration}" 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
+    smoke)
+      timeout 200 $KV bench pqcache_e2e clusterkv_e2e --quick --device cuda --model llama31_8b_shape \
+        --lengths 4096 --new-tokens 8 --save "$OUT/smoke.json" 2>&1 | tee "$OUT/smoke.log" ;;
+    pqcache|clusterkv)  # one process per length: a length that runs out of time keeps the others
+      for length in ${LENGTHS:-32768 65536 131072}; do
+        $KV bench ${step}_e2e --device cuda --model llama31_8b_shape --lengths "$length" --new-tokens "${NEW_TOKENS:-256}" \
+          --save "$OUT/bench-gpu-$step-$length.json" 2>&1 | tee -a "$OUT/$step.log"
+      done ;;
+    reuse)
+      $KV bench reuse_ttft --device cuda --model llama31_8b_shape --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;
+    decode)  # where a decode step's time goes (torch.profiler, CPU and CUDA)
+      timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_decode.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-8192}" \
+        --new-tokens 12 --rounds 1 --methods pqcache,clusterkv --torch-profile 25 2>&1 | tee "$OUT/decode-profile.log" ;;
+    profile)
+      timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_overlap.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-32768}" --out "$OUT/overlap" 2>&1 \
+        | tail -60 | tee "$OUT/overlap.log"
+      cp "$OUT/overlap/summary.json" "$OUT/overlap-summary.json" 2>/dev/null
+      cp "$OUT/overlap/trace.json.gz" "$OUT/overlap-trace.json.gz" 2>/dev/null ;;
+    *) echo "unknown step $step (info tests smoke pqcache clusterkv reuse decode profile)"; exit 2 ;;
+  esac
+done
