@@ -52,3 +52,18 @@ def test_offloading_methods_run_on_cuda_with_pinned_host_tier(cuda_llama, random
         budget=BudgetConfig(token_ratio=0.2, comm_ratio=1 / 64),
     )
     assert small.telemetry["bytes_h2d_fetch"] > 0
+
+
+def test_host_tier_gathers_are_pinned_and_exact():
+    """A gather out of the pinned host tier lands in pinned memory (an asynchronous copy to the GPU),
+    and what reaches the device is the rows asked for."""
+    from kvbench.kv.store import LayerKV
+
+    kv = LayerKV(2, 8, dtype=torch.float32, device=torch.device("cuda"), offload=True)
+    keys = torch.randn(2, 50, 8, device="cuda")
+    kv.append(keys, -keys)
+    slots = torch.tensor([[0, 7, 49], [3, 4, 5]])
+    assert kv._rows(kv._k, slots.view(-1)).is_pinned()
+    k, v = kv.gather(slots)
+    assert k.is_cuda and torch.equal(k, torch.stack([keys[0, [0, 7, 49]], keys[1, [3, 4, 5]]]))
+    assert torch.equal(v, -k)
