@@ -157,7 +157,7 @@ def test_teacher_forced_full_matches_the_model_loss(tiny_llama, random_ids):
     ids = random_ids(160, seed=8)
     nll = teacher_force(tiny_llama, create_method({"name": "full"}), ids[:100], ids[100:]).nll
     with torch.no_grad():
-        logits = tiny_llama.model(torch.tensor([ids])).logits[0, 99:-1].float()
+        logits = tiny_llama.model(torch.tensor([ids], device=tiny_llama.model.device)).logits[0, 99:-1].float().cpu()
     expected = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[100:]), reduction="none")
     assert torch.allclose(torch.tensor(nll), expected, atol=1e-4)
 

@@ -22,7 +22,7 @@ def books(tmp_path):
 
 def model_nll(loaded, ids, start):
     with torch.no_grad():
-        logits = loaded.model(torch.tensor([ids])).logits[0].float()
+        logits = loaded.model(torch.tensor([ids], device=loaded.model.device)).logits[0].float().cpu()
     return torch.nn.functional.cross_entropy(logits[start - 1 : -1], torch.tensor(ids[start:]), reduction="none")
 
 

@@ -18,7 +18,7 @@ def first_step_selection(loaded, cfg, ids, budget, layer=1):
     def spy(index, query, kv):
         sel = original(index, query, kv)
         if index == layer and not captured:
-            captured.append(sel.selected.clone())
+            captured.append(sel.selected.cpu().clone())  # (host tier or device)
         return sel
 
     method.select = spy
@@ -112,7 +112,8 @@ def test_adaptive_iterations_follow_the_cost_model(tiny_llama, random_ids, tmp_p
     )
     used = out.telemetry["method"]["kmeans_iters"]
     assert 3 <= used <= 300
-    assert list((tmp_path / "cost_models").glob("tiny_llama-cpu-*.json"))
+    device = tiny_llama.spec.device.replace(":", "")  # (the model's device: cpu here, cuda on a GPU)
+    assert list((tmp_path / "cost_models").glob(f"tiny_llama-{device}-*.json"))
 
 
 def test_new_token_codes_are_written_in_place(tiny_llama, random_ids):

@@ -136,7 +136,8 @@ def test_adaptive_is_the_protocol_default_and_fitted_on_the_cpu_workers(tiny_lla
     assert {id(s[0]) for s in timed} == {id(s[0]) for s in run} == {id(method.workers)}
     assert {s[1] for s in timed} == {"cpu"}
     files = list((tmp_path / "cost_models").glob("*.json"))
-    assert [f.name for f in files] == [f"tiny_llama-cpu-float32-m2b4-kmeans-cpu-w2-t{torch.get_num_threads()}-l2.json"]
+    model = f"tiny_llama-{tiny_llama.spec.device.replace(':', '')}-{tiny_llama.spec.dtype}"  # (cpu-float32 on a CPU)
+    assert [f.name for f in files] == [f"{model}-m2b4-kmeans-cpu-w2-t{torch.get_num_threads()}-l2.json"]
     fitted = json.loads(files[0].read_text())
     assert fitted["kmeans"] == {"device": "cpu", "workers": 2, "threads": torch.get_num_threads(), "metric": "l2"}
     assert tele["cost_model"]["kmeans"] == fitted["kmeans"]

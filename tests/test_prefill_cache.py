@@ -254,7 +254,7 @@ def test_disk_tier_reloads_bit_exact_with_strides(tiny_llama, tmp_path, prefills
     ctx = _new_context(tiny_llama, ctx_method, BUDGET, len(ids), 0, Profile())
     with torch.inference_mode(), activate(ctx):
         fresh = prefill_cache.capture(ctx, torch.tensor(ids), ctx_method.prefill_statistics())
-    loaded = cache.get(key, ctx_method.prefill_statistics(), torch.device("cpu"))
+    loaded = cache.get(key, ctx_method.prefill_statistics(), torch.device(tiny_llama.spec.device))
     pairs = list(zip(fresh.tensors(), loaded.tensors()))
     assert len(pairs) == 2 * 4 + 1 + 4
     assert any(not t.is_contiguous() for t, _ in pairs), "the model's K/V layout should be exercised"
