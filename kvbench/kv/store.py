@@ -8,6 +8,10 @@ One :class:`LayerKV` per transformer layer holds that layer's keys and values (b
 * **host** (CPU memory, pinned on CUDA) for offloading methods: the *middle* tokens live there and
   every decode step fetches the selected ones. Sink tokens and the recent window are *resident*
   (kept on the device), and a :class:`~kvbench.kv.block_cache.BlockCache` keeps popular blocks.
+  A method's dense layers (``dense_layers``: Quest and ClusterKV keep layers 0-1 whole) stay in the
+  device tier altogether (``KVStore(resident=...)``): they attend every token at every step.
+  Whatever attends a whole offloaded layer (a budget that covers it, a multi-token extension) reads
+  it through :meth:`LayerKV.held`, which counts the transfer like any fetch.
 
 Methods never move bytes themselves: they ask :meth:`LayerKV.gather` for slots, and the store counts
 every byte that crosses host→device and every cache hit. On a CPU-only machine both tiers are host
