@@ -253,6 +253,10 @@ class KVMethod:
     def after_request(self, ctx: GenerationContext, segments: tuple[Segment, ...] | None) -> None:
         """After the request is answered, outside any measured time (prefix caching may store the prompt)."""
 
+    def release(self) -> None:
+        """Free what this request holds (PQCache's k-means threads). The engine calls it after every
+        request — generation, teacher forcing, a conversation — answered or failed; idempotent."""
+
     def on_prefill(
         self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
     ) -> None:

@@ -48,8 +48,8 @@ reference's cache indexes its offloaded middle buffer (``cache_manager.py``: blo
 buffer that starts at the sink): block ``i`` holds slots ``[sink + 128·i, sink + 128·(i + 1))``.
 
 The pool belongs to the instance and lives for one request: ``start`` opens it with this instance's
-``workers``, ``after_request`` shuts it down (queued shares of layers no decode step asked for are
-dropped; running ones finish outside the measured time).
+``workers``, ``release`` shuts it down after the request, answered or failed (queued shares of layers
+no decode step asked for are dropped; running ones finish outside the measured time).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class PQCache(RetrievalMethod):
     name = "pqcache"
     Params = PQCacheParams
     params: PQCacheParams
-    workers: KMeansWorkers | None = None  # this instance's pool, open from start to after_request
+    workers: KMeansWorkers | None = None  # this instance's pool, open from start to release
 
     @property
     def shares_prefill(self) -> bool:
@@ -171,7 +171,7 @@ class PQCache(RetrievalMethod):
         self.layers: dict[int, _Layer] = {}
         self.iters_setting = self.schedule()
         self.kmeans_options = dict(SKLEARN) if self.params.kmeans_rules == "sklearn" else {}
-        if self.workers is not None:  # a request that failed before after_request
+        if self.workers is not None:  # (release normally closed it already)
             self.workers.shutdown()
         device = ctx.spec.device if self.params.kmeans_device == "model" else "cpu"
         self.workers = KMeansWorkers(self.params.workers, device)
@@ -185,8 +185,8 @@ class PQCache(RetrievalMethod):
 
     @property
     def pool(self) -> KMeansWorkers:
-        """This instance's k-means workers (open from :meth:`start` to :meth:`after_request`)."""
-        assert self.workers is not None, "pqcache's k-means workers run from start() to after_request()"
+        """This instance's k-means workers (open from :meth:`start` to :meth:`release`)."""
+        assert self.workers is not None, "pqcache's k-means workers run from start() to release()"
         return self.workers
 
     def schedule(self) -> int | str:
@@ -228,8 +228,9 @@ class PQCache(RetrievalMethod):
     def cache_offset(self, ctx: Any) -> int:
         return ctx.budget.sink  # blocks index the middle tokens, as the reference's offloaded buffer
 
-    def after_request(self, ctx: Any, segments: Any) -> None:
-        """The request is answered: close this instance's k-means pool (see the module docstring)."""
+    def release(self) -> None:
+        """The request is over (answered or failed): close this instance's k-means pool (see the
+        module docstring). A failed request must not leave its queued shares running."""
         if self.workers is not None:
             self.workers.shutdown()
 

@@ -32,7 +32,7 @@ Where the keys live (``device``):
   complete when :meth:`LayerJob.result` returns.
 
 The pool lives as long as the method instance needs it: ``PQCache`` opens one per request (in
-``start``) and :meth:`KMeansWorkers.shutdown` closes it in ``after_request``; two instances never
+``start``) and :meth:`KMeansWorkers.shutdown` closes it in ``release``; two instances never
 share threads (a class-level pool used to keep the first instance's ``workers`` for every later one).
 """
 

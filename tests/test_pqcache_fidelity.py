@@ -35,7 +35,7 @@ def spy_kmeans(monkeypatch):
 
 
 def spy_pool(method):
-    """The executor ``method`` opens at ``start`` (captured before ``after_request`` drops it)."""
+    """The executor ``method`` opens at ``start`` (captured before ``release`` drops it)."""
     pools = []
     original = method.start
 
@@ -74,7 +74,7 @@ def test_each_instance_has_its_own_pool_of_its_workers_and_it_shuts_down(tiny_ll
         assert len({thread for thread, _, _, _ in calls}) <= method.params.workers
     assert pools[1] is not pools[3]
     assert (pools[1]._max_workers, pools[3]._max_workers) == (1, 3)  # a class-level pool kept the first's 1
-    for pool in pools.values():  # after_request shut each down and joined its threads
+    for pool in pools.values():  # release shut each down and joined its threads
         assert pool._shutdown and not any(thread.is_alive() for thread in pool._threads)
     assert one.workers.closed and three.workers.closed
     with pytest.raises(RuntimeError, match="shut down"):
@@ -88,6 +88,29 @@ def test_a_new_request_reopens_the_pool(tiny_llama, random_ids):
     second = generate(tiny_llama, method, random_ids(400, seed=62), max_new_tokens=3, budget=BUDGET)
     assert pools[0] is not pools[1] and all(pool._shutdown for pool in pools)
     assert first.tokens == second.tokens
+
+
+def test_a_failed_request_and_teacher_forcing_close_the_pool(tiny_llama, random_ids, monkeypatch):
+    """The pool closes after every request, not only answered generations: a generation that raises
+    mid-decode (its queued shares would otherwise run on into the next request) and teacher forcing
+    (PG19), which has no answer to finish."""
+    from kvbench.engine.generate import teacher_force
+
+    ids = random_ids(400, seed=64)
+    method = create_method({"name": "pqcache", "protocol": "pqcache_niah", "workers": 2})
+    pools = spy_pool(method)
+    teacher_force(tiny_llama, method, ids[:300], ids[300:320], budget=BUDGET)
+    original = method.select
+
+    def failing(*args):
+        raise RuntimeError("boom")
+
+    method.select = failing
+    with pytest.raises(RuntimeError, match="boom"):
+        generate(tiny_llama, method, ids, max_new_tokens=3, budget=BUDGET)
+    method.select = original
+    assert len(pools) == 2 and all(pool._shutdown for pool in pools)
+    assert not any(thread.is_alive() for pool in pools for thread in pool._threads)
 
 
 def test_splitting_a_layer_among_workers_gives_the_unsplit_codebook():
@@ -230,7 +253,7 @@ def test_cache_blocks_start_at_the_sink():
     store = KVStore(1, 2, 16, dtype=torch.float32, device=torch.device("cpu"), offload=True, capacity=400)
     ctx = SimpleNamespace(budget=SimpleNamespace(sink=32, local=64, comm_ratio=1 / 64), store=store, spec=spec)
     method.start(ctx)
-    method.after_request(ctx, None)
+    method.release()
     layer = store.layers[0]
     assert layer.cache.offset == 32
     assert layer.cache.block_of(torch.tensor([32, 159, 160, 287])).tolist() == [0, 0, 1, 1]

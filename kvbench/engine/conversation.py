@@ -132,64 +132,67 @@ def converse(
     ids = torch.tensor(prompt, dtype=torch.long)
     turns: list[Turn] = []
     rollback_s = 0.0
-    with torch.inference_mode():
-        tele.prepared = method.prepare(ctx, ids, segments)
-    with torch.inference_mode(), activate(ctx):
+    try:
+        with torch.inference_mode():
+            tele.prepared = method.prepare(ctx, ids, segments)
+        with torch.inference_mode(), activate(ctx):
 
-        def check(plan: PrefillPlan) -> None:
-            if plan.positions.numel() == 0:
-                raise ConfigError(
-                    f"method {method.name} takes every context token from its caches, so the context cannot be "
-                    "prefilled before a question exists",
-                    "use task.compression=question_aware with this method",
+            def check(plan: PrefillPlan) -> None:
+                if plan.positions.numel() == 0:
+                    raise ConfigError(
+                        f"method {method.name} takes every context token from its caches, so the context cannot be "
+                        "prefilled before a question exists",
+                        "use task.compression=question_aware with this method",
+                    )
+
+            logits = ctx.prefill(ids, segments, check)
+            assert tele.prefill_s is not None  # (measured by the prefill)
+            start = clock.now() - tele.prefill_s  # when the prefill would have started (a shared one ran earlier)
+            ctx.check_after_prefill()
+            rollback = len(queries) > 1 and not request.keep_answers
+            # after the context, or (kept_first) after the first answer
+            saved = (ctx.store.snapshot(), method.snapshot()) if rollback and not kept_first else None
+            position = len(prompt)
+            carry: list[int] = []  # a kept answer's last token, generated but not yet in the cache
+            saved_at, saved_carry = position, carry
+            first_token_at: float | None = None
+            checked = [False]
+            for index, (query, form) in enumerate(zip(queries, forms)):
+                asked_at = clock.now()
+                steps_before = len(tele.step_s)
+                bytes_before = ctx.store.stats().bytes_h2d
+                feed = carry + list(form)
+                if feed:
+                    logits = _feed(ctx, feed, position, device, checked)
+                    position += len(feed)
+                question_s = clock.now() - asked_at
+                answer = _Answer(ctx, query, device)
+                token = answer.pick(logits)
+                ttft = (tele.prefill_s if not feed else 0.0) + clock.now() - asked_at
+                if first_token_at is None:
+                    first_token_at = clock.now() - start
+                tokens, stop_reason = answer.run(token, position, checked)
+                turn = _turn(
+                    ctx, query, tokens, stop_reason, len(feed), ttft, asked_at, steps_before, bytes_before, position
                 )
-
-        logits = ctx.prefill(ids, segments, check)
-        assert tele.prefill_s is not None  # (measured by the prefill)
-        start = clock.now() - tele.prefill_s  # when the prefill would have started (a shared one ran earlier)
-        ctx.check_after_prefill()
-        rollback = len(queries) > 1 and not request.keep_answers
-        # after the context, or (kept_first) after the first answer
-        saved = (ctx.store.snapshot(), method.snapshot()) if rollback and not kept_first else None
-        position = len(prompt)
-        carry: list[int] = []  # a kept answer's last token, generated but not yet in the cache
-        saved_at, saved_carry = position, carry
-        first_token_at: float | None = None
-        checked = [False]
-        for index, (query, form) in enumerate(zip(queries, forms)):
-            asked_at = clock.now()
-            steps_before = len(tele.step_s)
-            bytes_before = ctx.store.stats().bytes_h2d
-            feed = carry + list(form)
-            if feed:
-                logits = _feed(ctx, feed, position, device, checked)
-                position += len(feed)
-            question_s = clock.now() - asked_at
-            answer = _Answer(ctx, query, device)
-            token = answer.pick(logits)
-            ttft = (tele.prefill_s if not feed else 0.0) + clock.now() - asked_at
-            if first_token_at is None:
-                first_token_at = clock.now() - start
-            tokens, stop_reason = answer.run(token, position, checked)
-            turn = _turn(
-                ctx, query, tokens, stop_reason, len(feed), ttft, asked_at, steps_before, bytes_before, position
-            )
-            turn.telemetry["question_s"] = question_s
-            turns.append(turn)
-            if request.keep_answers or (kept_first and index == 0):
-                fed = len(tokens) - 1  # every generated token but the last went through the model
-                position += fed
-                carry = [] if stop_reason == "stop" else tokens[-1:]
-                if kept_first:
-                    saved = (ctx.store.snapshot(), method.snapshot())
-                    saved_at, saved_carry = position, carry
-            elif saved is not None and index < len(queries) - 1:
-                restore_at = clock.now()
-                ctx.store.restore(saved[0])
-                method.restore(saved[1])
-                rollback_s += clock.now() - restore_at
-                position, carry = saved_at, saved_carry
-        method.after_request(ctx, segments)
+                turn.telemetry["question_s"] = question_s
+                turns.append(turn)
+                if request.keep_answers or (kept_first and index == 0):
+                    fed = len(tokens) - 1  # every generated token but the last went through the model
+                    position += fed
+                    carry = [] if stop_reason == "stop" else tokens[-1:]
+                    if kept_first:
+                        saved = (ctx.store.snapshot(), method.snapshot())
+                        saved_at, saved_carry = position, carry
+                elif saved is not None and index < len(queries) - 1:
+                    restore_at = clock.now()
+                    ctx.store.restore(saved[0])
+                    method.restore(saved[1])
+                    rollback_s += clock.now() - restore_at
+                    position, carry = saved_at, saved_carry
+            method.after_request(ctx, segments)
+    finally:
+        method.release()  # (threads and pools, also when the request failed)
     summary = _telemetry(ctx, method, sum(len(t.tokens) for t in turns))
     first_steps = turns[0].telemetry.get("step_s") or []
     summary.update(

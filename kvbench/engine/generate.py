@@ -94,36 +94,40 @@ def generate(
     tokens: list[int] = []
     stop_reason = "length"
     ids = torch.tensor(list(input_ids), dtype=torch.long)
-    with torch.inference_mode():
-        tele.prepared = method.prepare(ctx, ids, tuple(segments) if segments is not None else None)
-    with torch.inference_mode(), activate(ctx):
-        with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
-            logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
-        picked_at = clock.now()
-        token = pick(logits, 0)
-        assert tele.prefill_s is not None  # (measured by the prefill)
-        tele.prefill_s += clock.now() - picked_at
-        ctx.check_after_prefill()
-        tokens.append(token)
-        while True:
-            if token in stops:
-                stop_reason = "stop"
-                break
-            if len(tokens) >= max_new_tokens:
-                break
-            tele.excluded_s = 0.0
-            step_start = clock.now()
-            with record_function("kvbench.decode_step"):
-                logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
-            token = pick(logits, len(tokens))
-            tele.step_s.append(clock.now() - step_start - tele.excluded_s)
-            if len(tele.step_s) == 1:
-                ctx.check_after_first_step()
+    try:
+        with torch.inference_mode():
+            tele.prepared = method.prepare(ctx, ids, tuple(segments) if segments is not None else None)
+        with torch.inference_mode(), activate(ctx):
+            with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
+                logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
+            picked_at = clock.now()
+            token = pick(logits, 0)
+            assert tele.prefill_s is not None  # (measured by the prefill)
+            tele.prefill_s += clock.now() - picked_at
+            ctx.check_after_prefill()
             tokens.append(token)
-            if stop_texts and _find_stop(loaded.tokenizer.decode(tokens, skip_special_tokens=True), stop_texts) >= 0:
-                stop_reason = "stop_text"
-                break
-        method.after_request(ctx, tuple(segments) if segments is not None else None)
+            while True:
+                if token in stops:
+                    stop_reason = "stop"
+                    break
+                if len(tokens) >= max_new_tokens:
+                    break
+                tele.excluded_s = 0.0
+                step_start = clock.now()
+                with record_function("kvbench.decode_step"):
+                    logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
+                token = pick(logits, len(tokens))
+                tele.step_s.append(clock.now() - step_start - tele.excluded_s)
+                if len(tele.step_s) == 1:
+                    ctx.check_after_first_step()
+                tokens.append(token)
+                so_far = loaded.tokenizer.decode(tokens, skip_special_tokens=True) if stop_texts else ""
+                if stop_texts and _find_stop(so_far, stop_texts) >= 0:
+                    stop_reason = "stop_text"
+                    break
+            method.after_request(ctx, tuple(segments) if segments is not None else None)
+    finally:
+        method.release()  # (threads and pools, also when the request failed)
     body = tokens[:-1] if stop_reason == "stop" else tokens
     text = loaded.tokenizer.decode(body, skip_special_tokens=True)
     cut = _find_stop(text, stop_texts)
@@ -177,21 +181,24 @@ def teacher_force(
     device = torch.device(loaded.spec.device)
     nll: list[float] = []
     ids = torch.tensor(list(prefix_ids), dtype=torch.long)
-    with torch.inference_mode():
-        ctx.telemetry.prepared = method.prepare(ctx, ids, None)
-    with torch.inference_mode(), activate(ctx):
-        logits = ctx.prefill(ids, None)
-        ctx.check_after_prefill()
-        for i, target in enumerate(targets):
-            nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
-            if i == len(targets) - 1:
-                break
-            ctx.telemetry.excluded_s = 0.0
-            step_start = ctx.clock.now()
-            logits = ctx.forward(torch.tensor([[target]], device=device), start=prefix_len + i)
-            ctx.telemetry.step_s.append(ctx.clock.now() - step_start - ctx.telemetry.excluded_s)
-            if i == 0:
-                ctx.check_after_first_step()
+    try:
+        with torch.inference_mode():
+            ctx.telemetry.prepared = method.prepare(ctx, ids, None)
+        with torch.inference_mode(), activate(ctx):
+            logits = ctx.prefill(ids, None)
+            ctx.check_after_prefill()
+            for i, target in enumerate(targets):
+                nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
+                if i == len(targets) - 1:
+                    break
+                ctx.telemetry.excluded_s = 0.0
+                step_start = ctx.clock.now()
+                logits = ctx.forward(torch.tensor([[target]], device=device), start=prefix_len + i)
+                ctx.telemetry.step_s.append(ctx.clock.now() - step_start - ctx.telemetry.excluded_s)
+                if i == 0:
+                    ctx.check_after_first_step()
+    finally:
+        method.release()  # (threads and pools, also when the request failed)
     return Scoring(nll=nll, budget=ctx.budget, telemetry=_telemetry(ctx, method, len(targets)))
 
 
