@@ -6,8 +6,9 @@ For each (model, dataset) and each run of the reuse family or ``full`` on it: th
 musique/wikimqa) with its 95 % bootstrap CI, the paired difference to ``full`` on the samples both
 finished (bootstrap CI of the mean difference and the paired permutation p-value, kvbench.stats), how
 often the method's answer is character-identical to full's, and the mean TTFT. Only the samples every
-method of the group finished are used, so the rows compare the same questions. Reading never modifies
-the runs.
+method of the group finished are used, so the rows compare the same questions. The shards of a run
+(``task.shard=s/N``: benchmarks/rag_quality.sh runs the sweep question by question) merge into it.
+Reading never modifies the runs.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def main(folders: list[str]) -> None:
             if config["task"]["name"] != "rag":
                 continue
             records = {r["id"]: r for r in run.records()}
-            groups[config["model"]["name"], config["task"]["dataset"]][_label(config)] = records
+            # shards of one run (task.shard=i/n) and runs of one method at different task.limit hold
+            # disjoint or identical questions: their records merge
+            groups[config["model"]["name"], config["task"]["dataset"]].setdefault(_label(config), {}).update(records)
     for (model, dataset), runs in sorted(groups.items()):
         if "full" not in runs:
             continue

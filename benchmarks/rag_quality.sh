@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The reuse family's quality sweep (RESULTS §7, "Quality (F1) on musique and wikimqa"), question by
+# question: with task.limit=N, task.shard=s/N computes question s alone, so the loop over s leaves every
+# method with the same first questions answered whenever it stops (a plain `-m` sweep runs one method
+# over all N questions before the next starts). Finished shards are skipped; an interrupted one resumes.
+# Then benchmarks/rag_quality.py merges the shards into the table (F1, bootstrap CIs, paired deltas).
+#   bash benchmarks/rag_quality.sh [model ...]      default: qwen25_05b smollm2_135m
+#   N=50 (questions per dataset), KVBENCH_OUT=results/runs, KVBENCH_RAG_DATA=../shared/data/cacheblend
+set -euo pipefail
+cd "$(dirname "$0")/.."
+K="${KVBENCH_CMD:-.venv/bin/kvbench}"
+PY="${PYTHON:-.venv/bin/python}"
+OUT="${KVBENCH_OUT:-results/runs}"
+N="${N:-50}"
+DATA="${KVBENCH_RAG_DATA:-../shared/data/cacheblend}"
+MODELS=("$@"); [ ${#MODELS[@]} -gt 0 ] || MODELS=(qwen25_05b smollm2_135m)
+for ((s = 0; s < N; s++)); do
+  for model in "${MODELS[@]}"; do
+    common=(progress=false "output_dir=$OUT" "model=$model" task=rag task.dataset=musique,wikimqa
+      "task.data_dir=$DATA" "task.limit=$N" "task.shard=$s/$N")
+    $K run -m "${common[@]}" method=full,prefix_cache,full_reuse
+    $K run -m "${common[@]}" method=cacheblend method.recompute_ratio=0.05,0.15,0.3,0.5
+  done
+  $PY benchmarks/rag_quality.py "$OUT" > "$OUT/rag_quality.md" || true
+done
