@@ -95,6 +95,7 @@ KVBENCH_METHODS = (
 KVBENCH_MODELS = (
     "smollm2_135m",
     "qwen25_05b",
+    "qwen25_15b",
     "tiny_llama",
     "tiny_qwen2",
     "llama31_8b_instruct",
