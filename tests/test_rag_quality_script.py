@@ -1,0 +1,50 @@
+"""benchmarks/rag_quality.py: the reuse-family table merges the shards of one run (rag_quality.sh runs
+the sweep question by question, one shard per question) and compares methods on the same questions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("rag_quality", ROOT / "benchmarks" / "rag_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(folder: Path, name: str, method: dict, shard: str, rows: list[tuple[int, float, str]]) -> None:
+    run = folder / name
+    run.mkdir()
+    config = {
+        "model": {"name": "smollm2_135m"},
+        "method": method,
+        "task": {"name": "rag", "dataset": "musique", "limit": 4, "shard": shard},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    with open(run / "samples.jsonl", "w") as handle:
+        for index, score, prediction in rows:
+            record = {"id": f"musique-{index}", "score": score, "prediction": prediction, "telemetry": {"ttft_s": 1.0}}
+            handle.write(json.dumps(record) + "\n")
+
+
+def test_shards_merge_and_only_questions_every_method_finished_count(tmp_path, capsys):
+    full, blend = {"name": "full"}, {"name": "cacheblend", "recompute_ratio": 0.15}
+    _run(tmp_path, "full-0", full, "0/4", [(0, 100.0, "a")])
+    _run(tmp_path, "full-1", full, "1/4", [(1, 50.0, "b")])
+    _run(tmp_path, "full-2", full, "2/4", [(2, 0.0, "c")])
+    _run(tmp_path, "blend-0", blend, "0/4", [(0, 100.0, "a")])
+    _run(tmp_path, "blend-1", blend, "1/4", [(1, 0.0, "x")])  # question 2 not finished by cacheblend
+    _script().main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "smollm2_135m, musique: 2 questions" in out  # shards merged; question 2 left out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["full"].split("|")[2].strip().startswith("75.0")
+    assert rows["cacheblend@0.15"].split("|")[2].strip().startswith("50.0")
+    assert rows["cacheblend@0.15"].split("|")[4].strip() == "50%"  # answer equals full's on question 0 only
