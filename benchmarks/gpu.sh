@@ -7,10 +7,10 @@
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill)
 #
 # Records land in $OUT (default benchmarks/gpu-out/). On a machine without hydra-core & co. (a bare
-# CUDA image with torch and transformers), put their wheels in .whl/ (see DEVELOPERS.md, "A GPU,
-# sometimes"): they are installed into /tmp/site and the source tree runs as the package (its
-# subpackages linked as pyproject.toml lays them out). KVBENCH_HOME defaults to .gpu/home, where the
-# essays asset can be placed for machines without PyPI access.
+# CUDA image with torch and transformers), `bash benchmarks/gpu_prepare.sh` puts their wheels in .whl/
+# and the text assets in .gpu/home (carry both): the wheels are installed into /tmp/site and the source
+# tree runs as the package (its subpackages linked as pyproject.toml lays them out). KVBENCH_HOME
+# defaults to .gpu/home.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/gpu-out}
