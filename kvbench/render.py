@@ -32,7 +32,9 @@ latency vs context, quality vs TTFT); ``source: samples`` reads per-sample colum
 ``telemetry.tt2t_s``), ``source: bench`` the benchmark's rows; ``y`` may list several columns.
 
 ``figure`` — the task's own comparison figure of the runs (NIAH heatmap panels like PQCache Fig. 9,
-PG19 perplexity curves), titled by the ``title`` columns, one per ``split`` group.
+PG19 perplexity curves), titled by the ``title`` columns, one per ``split`` group; ``kind`` picks one
+of the task's figures (``kvbench report --figure-kind``: the rag task's ``pipelines``, ``scaling``,
+``storage``, ...), which place the runs by their settings.
 
 ``paired`` — methods compared on the same samples against a ``baseline`` run: mean difference,
 bootstrap 95 % interval, McNemar (0/100 scores) or paired permutation p-value (:mod:`kvbench.stats`).
@@ -88,7 +90,7 @@ _ITEM_KEYS = {
         "label",
         "explode",
     },
-    "figure": {"title", "split", "where", "panels"},
+    "figure": {"title", "split", "where", "panels", "kind"},
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
     "bench": {"columns", "title"},
 }
@@ -685,25 +687,38 @@ def _explode(frame: Any, y: str, x: str) -> Any:
 
 def render_figure(exp: Any, spec: Mapping[str, Any], runs: Any, out_dir: Path, stem: str) -> list[Section]:
     """``figure``: the task's comparison figure of the runs, per split group."""
-    from kvbench.results import run_records
+    from kvbench.report import FigureRun
+    from kvbench.results import RunDir, run_records
     from kvbench.tasks import REGISTRY
 
     frame = select(runs, spec.get("where")) if not runs.empty else runs
+    kind = spec.get("kind")
     titles = list(spec.get("title") or ["method", "budget"])
     split = list(spec.get("split", ["model"]))
     if frame.empty:
         return [Section("figure", markdown="(no finished runs yet)")]
     sections = []
     for index, (label, group) in enumerate(groups(frame, split)):
-        task = str(values(group, "task").iloc[0])
-        panels = []
+        task = REGISTRY.get(str(values(group, "task").iloc[0]))
+        if kind is not None and kind not in task.figure_kinds:
+            raise ConfigError(
+                f"figure: task {task.name} has no figure kind {kind!r}",
+                f"kinds: {', '.join(task.figure_kinds) or 'none (drop kind)'}",
+            )
+        panels: list[tuple[str, list[dict[str, Any]]]] = []  # FigureRuns: (title, records) with their config
         for _, row in group.iterrows():
             name = " · ".join(norm(row.get(column(group, t)) if column(group, t) else "–") for t in titles)
             score = row.get("score")
-            panels.append((f"{name}\n({fmt(score, 1)})" if not is_missing(score) else name, run_records(row)))
+            title = f"{name}\n({fmt(score, 1)})" if not is_missing(score) else name
+            shards = row.get("shard_dirs")
+            first = Path(shards[0] if isinstance(shards, list) and shards else row["run_dir"])
+            panels.append(FigureRun(title, run_records(row), RunDir(first).config()))
         path = out_dir / f"{stem}-{index}.png"
-        REGISTRY.get(task).comparison_figure(panels, path)
-        sections.append(Section(f"{task} runs{' — ' + label if label else ''}", figures=[path]))
+        if kind is None:
+            task.comparison_figure(panels, path)
+        else:  # only the tasks with figure_kinds take a kind (checked above)
+            task.comparison_figure(panels, path, kind=kind)  # type: ignore[call-arg]
+        sections.append(Section(f"{task.name} runs{' — ' + label if label else ''}", figures=[path]))
     return sections
 
 

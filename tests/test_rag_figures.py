@@ -314,3 +314,20 @@ def test_a_task_with_one_figure_refuses_a_kind(tmp_path):
     with pytest.raises(ConfigError, match="drop --figure-kind"):
         comparison_figure([tmp_path / "runs"], tmp_path / "n.png", kind="ratio")
     assert not (tmp_path / "n.png").exists()
+
+
+def test_an_experiment_figure_item_draws_the_kind_it_names(tmp_path):
+    """`render: [{figure: {kind: K}}]` in an experiment file draws the task's figure K of its runs (the
+    runs' configs reach the figure, which places them by their settings); a kind the task lacks is one
+    clear error."""
+    from kvbench.render import render_figure
+    from kvbench.reproduce import our_runs
+
+    write_runs(tmp_path / "runs", sweep())
+    runs = our_runs(sorted((tmp_path / "runs").iterdir()))
+    (section,) = render_figure(None, {"kind": "ratio", "split": ["model"]}, runs, tmp_path, "exp")
+    (path,) = section.figures
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ConfigError, match="no figure kind 'heatmap'"):
+        render_figure(None, {"kind": "heatmap"}, runs, tmp_path, "bad")
+    assert not (tmp_path / "bad-0.png").exists()
