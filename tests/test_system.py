@@ -418,3 +418,26 @@ def test_chunk_load_reuse_pipeline_and_recompute_cost_benchmarks_report_their_fi
     assert [r["tokens"] for r in dense] == sorted(r["tokens"] for r in dense) and len(dense) == 3
     blend = {r["r"]: r for r in costs if r["run"] == "cacheblend"}
     assert set(blend) == {0.15, 0.5} and blend[0.15]["model_s"] < blend[0.5]["model_s"] < dense[-1]["ttft_s"]
+
+
+def test_prefill_batch_times_the_computation_full_runs():
+    """Fig. 15(c)'s batched dense prefill is `full`'s computation: every row of the batch generates
+    what the engine's `full` generates for the prompt; the bench's rows say what they time."""
+    from kvbench.bench import BenchOptions, discover
+    from kvbench.bench.chunk_load import _load, _segments, batched_dense
+    from kvbench.engine.generate import generate
+    from kvbench.methods import create_method
+    from kvbench.requests import join_segments
+
+    options = BenchOptions(quick=True, repeats=1)
+    loaded = _load(options)
+    ids = join_segments(_segments(loaded, True))
+    reference = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=6)
+    _, _, tokens = batched_dense(loaded, ids, 3, 5)
+    assert tokens.shape == (3, 6)
+    assert all(row == list(reference.tokens) for row in tokens.tolist())
+    rows = discover()["prefill_batch"](options).rows
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["cacheblend_prefill_s"] == pytest.approx(r["batch"] * rows[0]["cacheblend_prefill_s"])
+        assert r["prefill share"] == pytest.approx(r["full_prefill_s"] / (r["full_prefill_s"] + r["decode_s"]))

@@ -10,6 +10,10 @@
   ``store.pipeline`` on and off, alternated in the same process so that load on the machine hits
   both alike; the ratio of TTFTs, the load time, how much of it was hidden behind compute, and the
   controller's predicted per-layer load vs recompute time next to the measured ones.
+* ``recompute_cost`` — the controller's linear cost model against measured CacheBlend prefills, and
+  the per-token dense prefill cost against the prompt length.
+* ``prefill_batch`` — CacheBlend Fig. 15(c): prefill time against the batch size, beside the decode
+  time of the same batch (``--save`` draws the figure).
 
 Prompts are random token ids (timing does not depend on the text): a 32-token prefix, six 512-token
 chunks, a 32-token query (``--quick``: tiny_llama, three 64-token chunks). ``--model`` picks the model.
@@ -284,4 +288,163 @@ def recompute_cost(options: BenchOptions) -> BenchResult:
     ]
     return BenchResult(
         "recompute_cost", "recompute cost: the controller's model vs measured, per-token prefill cost", rows, notes
+    )
+
+
+#: the batch sizes of ``prefill_batch`` (``--quick``: the first two)
+BATCHES = (1, 2, 4)
+#: the decode steps a batch's prefill is weighed against in ``prefill_batch`` (CacheBlend's answers: a few words)
+DECODE_STEPS = 32
+
+
+def batched_dense(loaded: Any, ids: list[int], batch: int, steps: int) -> tuple[float, float, torch.Tensor]:
+    """Seconds of one batched dense prefill of ``batch`` copies of ``ids`` (the stock transformers
+    forward, the model's own attention, ``logits_to_keep=1``) and of ``steps`` greedy decode steps of
+    the batch after it, and the tokens generated (``[batch, steps + 1]``: what ``full`` generates)."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    prompt = torch.tensor([ids] * batch, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        if cuda:
+            torch.cuda.synchronize()
+        prefill = time.perf_counter() - started
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        tokens = [token]
+        started = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        if cuda:
+            torch.cuda.synchronize()
+        decode = time.perf_counter() - started
+    return prefill, decode, torch.cat(tokens, dim=1).cpu()
+
+
+@benchmark("prefill_batch")
+def prefill_batch(options: BenchOptions) -> BenchResult:
+    """CacheBlend Fig. 15(c): prefill time against the batch size B, with the decode it is weighed against.
+
+    For B requests of one chunked prompt: ``full_prefill_s`` — one batched dense prefill of the B
+    prompts (the stock transformers forward, batch B); ``decode_s`` — the batch's ``DECODE_STEPS``
+    greedy decode steps after it; ``cacheblend_prefill_s`` — CacheBlend's prefill (r = 0.15, chunks in
+    RAM) of the B requests. kvbench's engine serves one request at a time, so CacheBlend's B prefills
+    run back to back: B × its median batch-1 TTFT, measured in the same process (on a CPU, whose cores
+    one request already saturates, a batched dense prefill is no faster per request either — the
+    ``full_prefill_s / B`` column shows it). The paper's point: prefill grows with the batch faster
+    than decode does (decode reads the weights once per step for the whole batch), so prefill takes a
+    growing share of a batch's time and CacheBlend's saving grows with it."""
+    from kvbench.budget import BudgetConfig
+    from kvbench.engine.generate import generate
+    from kvbench.kv.chunks import ChunkStore, StoreConfig
+    from kvbench.methods import create_method
+    from kvbench.methods.reuse import ReuseMethod
+    from kvbench.requests import join_segments
+
+    loaded = _load(options)
+    spec = loaded.spec
+    segments = _segments(loaded, options.quick)
+    ids = join_segments(segments)
+    rounds = 1 if options.quick else max(2, min(options.repeats, 3))
+    batches = BATCHES[:2] if options.quick else BATCHES
+    steps = 4 if options.quick else DECODE_STEPS
+    batched_dense(loaded, ids[:64], 1, 2)  # warm-up
+    dense: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    blend: list[float] = []
+    serial: list[float] = []  # full recompute through the engine, one request (kvbench's `full`)
+    store = ChunkStore(StoreConfig(tier="ram"))
+    for index in range(rounds + 1):  # round 0 precomputes CacheBlend's chunks (and is not timed)
+        method = create_method({"name": "cacheblend", "recompute_ratio": 0.15})
+        assert isinstance(method, ReuseMethod)
+        method.attach_store(store)
+        out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
+        if index:
+            blend.append(out.telemetry["ttft_s"])
+            full = generate(loaded, create_method({"name": "full"}), ids, max_new_tokens=1, budget=BudgetConfig())
+            serial.append(full.telemetry["ttft_s"])
+            for b in batches if index % 2 else tuple(reversed(batches)):
+                dense[b].append(batched_dense(loaded, ids, b, steps)[:2])
+    one, one_full = statistics.median(blend), statistics.median(serial)
+    rows = []
+    for b in batches:
+        prefill = statistics.median(p for p, _ in dense[b])
+        decode = statistics.median(d for _, d in dense[b])
+        rows.append(
+            {
+                "model": spec.name,
+                "tokens": len(ids),
+                "batch": b,
+                "full_prefill_s": prefill,
+                "full_prefill_s / B": prefill / b,
+                "decode_s": decode,
+                "prefill share": prefill / (prefill + decode),
+                "full_one_by_one_s": b * one_full,
+                "cacheblend_prefill_s": b * one,
+                "cacheblend / full one by one": one / one_full,
+                "cacheblend / full batched": b * one / prefill,
+            }
+        )
+    notes = [
+        f"medians of {rounds} rounds (batch sizes alternated); decode_s: {steps} greedy decode steps of the "
+        f"batch after its prefill; prefill share: full_prefill_s / (full_prefill_s + decode_s)",
+        "cacheblend_prefill_s: B x the median batch-1 TTFT of CacheBlend at r=0.15 (chunks in RAM, their "
+        "precomputation not timed) — kvbench's engine serves one request at a time; full_one_by_one_s: the same "
+        "for `full` through the engine (the like-for-like baseline); full_prefill_s: the stock forward, batched",
+        f"device {spec.device}; torch threads {torch.get_num_threads()}; load average {_load_average()}",
+    ]
+    if options.save:
+        from kvbench.bench.overhead import _figure_path
+
+        notes.append(f"figure: {batch_figure(rows, _figure_path(options.save, 'prefill_batch'), steps)}")
+    return BenchResult(
+        "prefill_batch", "prefill vs decode time against the batch size (CacheBlend Fig. 15c)", rows, notes
+    )
+
+
+def batch_figure(rows: list[dict[str, Any]], path: Any, steps: int) -> Any:
+    """CacheBlend Fig. 15(c) from ``prefill_batch``'s rows: time against the batch size."""
+    from kvbench.plots import Panel, Series, series_panels
+
+    x = [float(r["batch"]) for r in rows]
+    panel = Panel(
+        f"{rows[0]['model']}, {rows[0]['tokens']}-token prompts",
+        "batch size (requests)",
+        "time (s)",
+        [
+            Series(
+                "full recompute: batched prefill", x, [r["full_prefill_s"] for r in rows], color="#222222", marker="s"
+            ),
+            Series(
+                "full recompute: one request at a time",
+                x,
+                [r["full_one_by_one_s"] for r in rows],
+                color="#222222",
+                marker="s",
+                linestyle=":",
+            ),
+            Series(
+                "CacheBlend r=0.15: prefill, one at a time",
+                x,
+                [r["cacheblend_prefill_s"] for r in rows],
+                color="#1f77b4",
+            ),
+            Series(
+                f"decode, {steps} tokens (batched)", x, [r["decode_s"] for r in rows], color="#888888", linestyle="--"
+            ),
+        ],
+        xinteger=True,
+        ylim=(0, None),
+    )
+    caption = (
+        "Full recompute batched: one forward of the B prompts (transformers, batch B); one at a time: B prefills "
+        "through kvbench's engine, which serves one request at a time — as CacheBlend's B prefills run here. "
+        "Decode: the batch's greedy steps after the batched prefill. Medians of alternated rounds."
+    )
+    return series_panels(
+        [panel], path, title="Prefill time vs batch size (CacheBlend Fig. 15c)", caption=caption, columns=1
     )
