@@ -10,8 +10,8 @@ kind           CacheBlend  what it shows (one panel per model × dataset unless 
                            setting, full recompute's TTFT and the TTFT of the smallest CacheBlend ratio
                            whose F1 is at most 1.5 points (0.015) below full's; (a) against the number
                            of chunks, (b) against the chunk length. Panel (c), prefill time against the
-                           batch size, is not drawn: kvbench's engine prefills one request at a time
-                           (see benchmarks/RESULTS.md)
+                           batch size, is a benchmark, not runs: ``kvbench bench prefill_batch``
+                           (``kvbench reproduce cacheblend/fig15c``)
 ``pipelines``  Fig. 13     F1 (95 % CI) against TTFT for the RAG pipelines (``task.pipeline``:
                            MapReduce, MapRerank) and the one-prompt methods (CacheBlend, full); a
                            pipeline's hollow marker is its TTFT with the map steps in parallel (an
@@ -249,8 +249,8 @@ def scaling(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
         f"For each setting: full recompute's TTFT, and CacheBlend's at the smallest recompute ratio r (of those "
         f"run) whose mean F1 is at most {EQUAL_QUALITY:g} points below full's (the paper's 0.015 loss); chunk "
         f"caches in RAM. {TTFT_NOTE} With few samples an F1 difference of this size is within noise: read the "
-        f"ratios as indicative. Fig. 15(c), batched prefill, is not drawn: the engine prefills one request at a "
-        f"time. {_samples(infos)}."
+        f"ratios as indicative. Fig. 15(c), prefill time against the batch size: `kvbench bench prefill_batch`. "
+        f"{_samples(infos)}."
     )
     return panels, "Compute time at equal quality (CacheBlend Fig. 15)", caption, 2
 
