@@ -179,9 +179,12 @@ def _run_samples(
     clock = time.perf_counter()
     model = load_model(resolved["model"])
     if getattr(method, "uses_chunk_store", False):
-        from kvbench.kv.chunks import ChunkStore, StoreConfig
+        from kvbench.kv.chunks import StoreConfig, run_store
 
-        method.attach_store(ChunkStore(StoreConfig.from_mapping(resolved.get("store"))))
+        # the runs of a sweep share chunk caches as they share dense prefills, unless the task needs
+        # every run to start on an empty store (a request stream)
+        shared = prefill_cache.enabled(resolved) and task.shares_chunk_store
+        method.attach_store(run_store(StoreConfig.from_mapping(resolved.get("store")), shared=shared))
     run_dir.log(f"model {resolved['model']['name']} loaded in {time.perf_counter() - clock:.1f} s")
     config_yaml = yaml.safe_dump(resolved, sort_keys=True)
     ids = task.shard_sample_ids()

@@ -138,6 +138,9 @@ class Task:
     #: the figures :meth:`comparison_figure` draws (``kvbench report --figure-kind``), the default first;
     #: empty for a task with a single figure
     figure_kinds: ClassVar[tuple[str, ...]] = ()
+    #: whether the runs of a sweep may share one chunk store (:func:`kvbench.kv.chunks.run_store`);
+    #: false for a task whose runs must each start on an empty store (a request stream)
+    shares_chunk_store: ClassVar[bool] = True
     #: options added after runs were recorded: at these values they are left out of a run's recorded
     #: config (:meth:`recorded_config`), so the run ids of runs made before the option existed stay
     unrecorded_defaults: ClassVar[dict[str, Any]] = MULTI_QUERY_OPTIONS

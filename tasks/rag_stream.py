@@ -49,6 +49,7 @@ class RagStream(Rag):
     name = "rag_stream"
     defaults = {**Rag.defaults, "repeats": 4, "seed": 0, "warmup": 20, "shuffle_chunks": True}
     figure_kinds = ()
+    shares_chunk_store = False  # every run starts on an empty store, also inside a sweep
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
