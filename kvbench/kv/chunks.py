@@ -352,7 +352,6 @@ class ChunkStore:
             **{f"{tier}_{k}": v for tier in TIERS for k, v in self.stats[tier].to_dict().items()},
         }
 
-
     def restart_stats(self) -> None:
         """Zero the per-tier figures and the precompute counters, keeping every entry: a store handed
         to the next run of a sweep (:func:`run_store`) then reports that run's figures alone."""
