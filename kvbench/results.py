@@ -598,11 +598,10 @@ def shard_metrics(config: dict[str, Any], records: list[dict[str, Any]]) -> dict
     from kvbench.runner import summarise
     from kvbench.tasks import create_task
 
+    # a method without a budget records its budget keys as nulls (the runner's plan): the defaults stand in
+    budget = {key: value for key, value in (config.get("budget") or {}).items() if value is not None}
     metrics = summarise(
-        create_task(config["task"]),
-        create_method(config["method"]),
-        BudgetConfig.from_mapping(config.get("budget")),
-        records,
+        create_task(config["task"]), create_method(config["method"]), BudgetConfig.from_mapping(budget), records
     )
     return json.loads(json.dumps(metrics, default=_jsonable))
 

@@ -109,6 +109,20 @@ def test_a_missing_shard_leaves_the_run_unfinished(tmp_path):
     assert row["state"] == "unfinished" and row["done"] == 1
 
 
+def test_the_shards_of_a_method_without_a_budget_merge(tmp_path):
+    """`full` records its budget as nulls (its runs do not depend on one): a finished set of its
+    shards still merges into one finished run with its metrics, and a sweep's closing table reads it."""
+    out = kvbench(
+        "run", "-m", *TINY, "task.depths=[0,1]", "method=full", "task.shard=0/2,1/2", f"output_dir={tmp_path}"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("| finished |") == 1, "the sweep's table shows the merged run"
+    from kvbench.results import load
+
+    row = load(tmp_path).iloc[0]
+    assert row["state"] == "finished" and row["n"] == 2 and row["score"] == row["score"]
+
+
 # ---------------------------------------------------------------------- launchers
 def test_joblib_sweep_equals_the_sequential_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
