@@ -3,12 +3,14 @@
 # question: with task.limit=N, task.shard=s/N computes question s alone, so the loop over s leaves every
 # method with the same first questions answered whenever it stops (a plain `-m` sweep runs one method
 # over all N questions before the next starts). Finished shards are skipped; an interrupted one resumes.
-# Then benchmarks/rag_quality.py merges the shards into the table (F1, bootstrap CIs, paired deltas).
+# Both sweeps of a shard (full, prefix_cache, full_reuse; cacheblend at four ratios) run in one process,
+# as `kvbench run -m` twice: the model loads once and each chunk is precomputed once per dataset (the
+# runs of a sweep share chunk caches). Then benchmarks/rag_quality.py merges the shards into the table
+# (F1, bootstrap CIs, paired deltas).
 #   bash benchmarks/rag_quality.sh [model ...]      default: qwen25_05b smollm2_135m
 #   N=50 (questions per dataset), KVBENCH_OUT=results/runs, KVBENCH_RAG_DATA=../shared/data/cacheblend
 set -euo pipefail
 cd "$(dirname "$0")/.."
-K="${KVBENCH_CMD:-.venv/bin/kvbench}"
 PY="${PYTHON:-.venv/bin/python}"
 OUT="${KVBENCH_OUT:-results/runs}"
 N="${N:-50}"
@@ -16,10 +18,20 @@ DATA="${KVBENCH_RAG_DATA:-../shared/data/cacheblend}"
 MODELS=("$@"); [ ${#MODELS[@]} -gt 0 ] || MODELS=(qwen25_05b smollm2_135m)
 for ((s = 0; s < N; s++)); do
   for model in "${MODELS[@]}"; do
-    common=(progress=false "output_dir=$OUT" "model=$model" task=rag task.dataset=musique,wikimqa
-      "task.data_dir=$DATA" "task.limit=$N" "task.shard=$s/$N")
-    $K run -m "${common[@]}" method=full,prefix_cache,full_reuse
-    $K run -m "${common[@]}" method=cacheblend method.recompute_ratio=0.05,0.15,0.3,0.5
+    "$PY" - "$OUT" "$model" "$DATA" "$N" "$s" <<'PYTHON'
+import sys
+
+from kvbench.cli import cmd_run
+
+out, model, data, n, s = sys.argv[1:]
+common = ["-m", "progress=false", f"output_dir={out}", f"model={model}", "task=rag", "task.dataset=musique,wikimqa",
+          f"task.data_dir={data}", f"task.limit={n}", f"task.shard={s}/{n}"]
+for methods in (["method=full,prefix_cache,full_reuse"],
+                ["method=cacheblend", "method.recompute_ratio=0.05,0.15,0.3,0.5"]):
+    code = cmd_run(common + methods)
+    if code:
+        sys.exit(code)
+PYTHON
   done
-  $PY benchmarks/rag_quality.py "$OUT" > "$OUT/rag_quality.md" || true
+  "$PY" benchmarks/rag_quality.py "$OUT" > "$OUT/rag_quality.md" || true
 done
