@@ -44,5 +44,12 @@ for name in sys.argv[1:]:
     if not target.exists():
         shutil.copytree(fetch_asset(name), target)
 EOF
+tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+carried=$(du -sb .whl .gpu | awk '{s += $1} END {print s}')
 echo "wheels: $(ls .whl | wc -l) files, $(du -sh .whl | cut -f1); assets: $(du -sh .gpu | cut -f1)"
-echo "tree that travels (tracked files): $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes; limit 64 MiB with the carry"
+echo "what travels: tracked files $((tracked / 1048576)) MiB + carry $((carried / 1048576)) MiB (the device's limit: 64 MiB)"
+if [ $((tracked + carried)) -gt $((64 * 1048576)) ]; then
+  echo "gpu_prepare: over 64 MiB: drop what the device steps do not need (jieba: LongBench's Chinese subsets;" \
+    "shakespeare: .gpu/home/assets/shakespeare) or the run records under benchmarks/records" >&2
+  exit 1
+fi
