@@ -700,11 +700,7 @@ def render_figure(exp: Any, spec: Mapping[str, Any], runs: Any, out_dir: Path, s
     sections = []
     for index, (label, group) in enumerate(groups(frame, split)):
         task = REGISTRY.get(str(values(group, "task").iloc[0]))
-        if kind is not None and kind not in task.figure_kinds:
-            raise ConfigError(
-                f"figure: task {task.name} has no figure kind {kind!r}",
-                f"kinds: {', '.join(task.figure_kinds) or 'none (drop kind)'}",
-            )
+        task.check_figure_kind(kind, option="the figure's kind")
         panels: list[tuple[str, list[dict[str, Any]]]] = []  # FigureRuns: (title, records) with their config
         for _, row in group.iterrows():
             name = " · ".join(norm(row.get(column(group, t)) if column(group, t) else "–") for t in titles)
@@ -714,10 +710,7 @@ def render_figure(exp: Any, spec: Mapping[str, Any], runs: Any, out_dir: Path, s
             first = Path(shards[0] if isinstance(shards, list) and shards else row["run_dir"])
             panels.append(FigureRun(title, run_records(row), RunDir(first).config()))
         path = out_dir / f"{stem}-{index}.png"
-        if kind is None:
-            task.comparison_figure(panels, path)
-        else:  # only the tasks with figure_kinds take a kind (checked above)
-            task.comparison_figure(panels, path, kind=kind)  # type: ignore[call-arg]
+        task.draw_figure(panels, path, kind)
         sections.append(Section(f"{task.name} runs{' — ' + label if label else ''}", figures=[path]))
     return sections
 

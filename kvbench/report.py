@@ -243,10 +243,8 @@ def comparison_figure(
     if len(tasks) > 1:
         raise ConfigError(f"the matching runs span several tasks ({', '.join(tasks)})", "add --where task=<name>")
     task = REGISTRY.get(tasks[0])
+    task.check_figure_kind(kind)
     kinds = task.figure_kinds
-    if kind is not None and kind not in kinds:
-        fix = f"use --figure-kind {' or '.join(kinds)}" if kinds else "drop --figure-kind: it has a single figure"
-        raise ConfigError(f"task {task.name} has no figure kind {kind!r}", fix)
     if kind is None and len(kinds) > 1:
         print(
             f"kvbench: note: drew the {kinds[0]} figure; --figure-kind {'|'.join(kinds[1:])} draws the others",
@@ -271,10 +269,7 @@ def comparison_figure(
         runs.append(FigureRun(title, run_records(row), RunDir(Path(row["run_dir"])).config()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if kind is None:
-        return task.comparison_figure(runs, out)
-    # only the tasks with figure_kinds take a kind (checked above); Task's signature has none
-    return task.comparison_figure(runs, out, kind=kind)  # type: ignore[call-arg]
+    return task.draw_figure(runs, out, kind)
 
 
 def _differing_columns(frame) -> list[str]:

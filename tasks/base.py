@@ -395,6 +395,31 @@ class Task:
         return []
 
     @classmethod
+    def check_figure_kind(cls, kind: str | None, option: str = "--figure-kind") -> None:
+        """Refuse a figure ``kind`` the task does not draw (None, the default figure, always passes);
+        ``option`` names where the kind was given, for the error's fix."""
+        if kind is None or kind in cls.figure_kinds:
+            return
+        kinds = cls.figure_kinds
+        fix = f"use {option} {' or '.join(kinds)}" if kinds else f"drop {option}: the task has a single figure"
+        raise ConfigError(f"task {cls.name} has no figure kind {kind!r}", fix)
+
+    @classmethod
+    def draw_figure(
+        cls,
+        runs: list[tuple[str, list[dict[str, Any]]]],
+        path: Path,
+        kind: str | None = None,
+        option: str = "--figure-kind",
+    ) -> Path:
+        """:meth:`comparison_figure` of figure ``kind`` (None: the task's default), checked first."""
+        cls.check_figure_kind(kind, option)
+        if kind is None:
+            return cls.comparison_figure(runs, path)
+        # only the tasks with figure_kinds take a kind (checked above); this signature has none
+        return cls.comparison_figure(runs, path, kind=kind)  # type: ignore[call-arg]
+
+    @classmethod
     def comparison_figure(cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
         """One figure comparing several runs of this task (``(title, records)`` each), for ``kvbench
         report --figure``; tasks with a natural picture override it."""

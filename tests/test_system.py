@@ -420,9 +420,10 @@ def test_chunk_load_reuse_pipeline_and_recompute_cost_benchmarks_report_their_fi
     assert set(blend) == {0.15, 0.5} and blend[0.15]["model_s"] < blend[0.5]["model_s"] < dense[-1]["ttft_s"]
 
 
-def test_prefill_batch_times_the_computation_full_runs():
+def test_prefill_batch_times_the_computation_full_runs(tmp_path):
     """Fig. 15(c)'s batched dense prefill is `full`'s computation: every row of the batch generates
-    what the engine's `full` generates for the prompt; the bench's rows say what they time."""
+    what the engine's `full` generates for the prompt; the bench's rows say what they time, and its
+    figure lands beside the saved record."""
     from kvbench.bench import BenchOptions, discover
     from kvbench.bench.chunk_load import _load, _segments, batched_dense
     from kvbench.engine.generate import generate
@@ -436,7 +437,10 @@ def test_prefill_batch_times_the_computation_full_runs():
     _, _, tokens = batched_dense(loaded, ids, 3, 5)
     assert tokens.shape == (3, 6)
     assert all(row == list(reference.tokens) for row in tokens.tolist())
-    rows = discover()["prefill_batch"](options).rows
+    result = discover()["prefill_batch"](BenchOptions(quick=True, repeats=1, save=str(tmp_path / "b.json")))
+    rows = result.rows
+    figure = tmp_path / "b.prefill_batch.png"
+    assert f"figure: {figure}" in result.notes and figure.read_bytes()[:4] == b"\x89PNG"
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert r["cacheblend_prefill_s"] == pytest.approx(r["batch"] * rows[0]["cacheblend_prefill_s"])

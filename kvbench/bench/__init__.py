@@ -13,6 +13,7 @@ import pkgutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,13 @@ class BenchOptions:
     lengths: tuple[int, ...] | None = None  # end-to-end benchmarks: prompt lengths in tokens
     new_tokens: int | None = None  # end-to-end benchmarks: tokens generated per run
     save: str | None = None  # --save FILE.json: a benchmark that draws a figure writes it beside FILE
+
+    def figure_path(self, name: str) -> Path:
+        """Where a bench saved with ``--save FILE.json`` puts its figure ``name``: ``FILE.<name>.png``
+        beside it (only called when ``save`` is set)."""
+        assert self.save is not None, "figure_path needs --save"
+        path = Path(self.save)
+        return path.with_name(f"{path.stem}.{name}.png")
 
     def e2e(self, model: str, lengths: tuple[int, ...], new_tokens: int = 32) -> tuple[str, tuple[int, ...], int]:
         """The end-to-end settings: the user's where given, else the benchmark's defaults."""

@@ -398,9 +398,7 @@ def prefill_batch(options: BenchOptions) -> BenchResult:
         f"device {spec.device}; torch threads {torch.get_num_threads()}; load average {_load_average()}",
     ]
     if options.save:
-        from kvbench.bench.overhead import _figure_path
-
-        notes.append(f"figure: {batch_figure(rows, _figure_path(options.save, 'prefill_batch'), steps)}")
+        notes.append(f"figure: {batch_figure(rows, options.figure_path('prefill_batch'), steps)}")
     return BenchResult(
         "prefill_batch", "prefill vs decode time against the batch size (CacheBlend Fig. 15c)", rows, notes
     )

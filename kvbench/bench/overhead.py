@@ -380,15 +380,9 @@ def cost_vs_length(options: BenchOptions) -> BenchResult:
         f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end",
     ]
     if options.save:
-        figure = cost_figure(rows, _figure_path(options.save, "cost_vs_length"))
+        figure = cost_figure(rows, options.figure_path("cost_vs_length"))
         notes.append(f"figure: {figure}")
     return BenchResult("cost_vs_length", "decode cost vs context length, fixed budget", rows, notes)
-
-
-def _figure_path(save: str, name: str) -> Path:
-    """Where a bench saved with ``--save FILE.json`` puts its figure: ``FILE.<name>.png`` beside it."""
-    path = Path(save)
-    return path.with_name(f"{path.stem}.{name}.png")
 
 
 def cost_figure(rows: list[dict[str, Any]], path: Path) -> Path:
