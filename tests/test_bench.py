@@ -73,7 +73,8 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
 
 
 def test_reuse_ttft_reports_every_config_against_full():
-    """reuse_ttft on a tiny model: full and both reuse methods from both tiers, ratios from paired rounds."""
+    """reuse_ttft on a tiny model: full, cacheblend and full_reuse from both tiers, prefix_cache from RAM,
+    ratios from paired rounds."""
     out = subprocess.run(
         [
             sys.executable,
@@ -100,6 +101,7 @@ def test_reuse_ttft_reports_every_config_against_full():
         ("full_reuse", "ram"),
         ("cacheblend@0.15", "disk"),
         ("full_reuse", "disk"),
+        ("prefix_cache", "ram"),
     ]
     assert rows[0]["ratio to full"] == 1 and all(r["ttft_s"] > 0 and r["ratio to full"] > 0 for r in rows)
 

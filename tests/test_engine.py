@@ -207,3 +207,30 @@ def test_rows_attending_held_keys_match_exact_attention(t):
     shuffle = torch.randperm(n, generator=gen)  # keys not in position order: the one-rectangle path
     held = attention.with_past(query, keys[:, shuffle], values[:, shuffle], positions[shuffle], rows, 0.25)
     torch.testing.assert_close(held, exact(positions), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("t", [100, 200, 399])
+def test_a_query_suffix_over_its_whole_prefix_matches_exact_attention(t):
+    """The prefix-cache shape (queries at the last t positions, keys at 0..n-1): with t >= n - t it runs
+    the padded causal kernel and equals the dense causal prefill's last rows bit for bit; with a longer
+    prefix it takes the blocked path. Either way it equals softmax attention written out."""
+    import torch.nn.functional as F
+
+    from kvbench.engine import attention
+
+    gen = torch.Generator().manual_seed(t)
+    n, heads, kv_heads, d = 400, 6, 2, 16
+    keys, values = torch.randn(kv_heads, n, d, generator=gen), torch.randn(kv_heads, n, d, generator=gen)
+    every = torch.randn(1, heads, n, d, generator=gen)
+    positions, rows = torch.arange(n), torch.arange(n - t, n)
+    assert attention._is_causal_suffix(positions, rows) == (2 * t >= n)
+    assert not attention._is_causal_suffix(positions + 1, rows + 1)  # keys must start at position 0
+    assert not attention._is_causal_suffix(positions, rows.flip(0))  # rows in order
+    out = attention.with_past(every[:, :, n - t :], keys, values, positions, rows, 0.25)
+    k, v = keys.repeat_interleave(heads // kv_heads, 0), values.repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("htd,hnd->htn", every[0, :, n - t :], k) * 0.25
+    scores = scores.masked_fill(positions[None, None, :] > rows[None, :, None], float("-inf"))
+    torch.testing.assert_close(out, torch.einsum("htn,hnd->thd", scores.softmax(-1), v)[None], atol=1e-5, rtol=1e-4)
+    dense = F.scaled_dot_product_attention(every, k[None], v[None], is_causal=True, scale=0.25)
+    if 2 * t >= n:
+        assert torch.equal(out, dense[:, :, n - t :].transpose(1, 2))

@@ -29,6 +29,7 @@ CONFIGS: tuple[tuple[str, dict[str, Any], str | None], ...] = (
     ("full_reuse", {"name": "full_reuse"}, "ram"),
     ("cacheblend@0.15", {"name": "cacheblend", "recompute_ratio": 0.15}, "disk"),
     ("full_reuse", {"name": "full_reuse"}, "disk"),
+    ("prefix_cache", {"name": "prefix_cache"}, "ram"),  # hits the prefix and the first chunk only
 )
 
 
@@ -67,7 +68,8 @@ def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], st
 
 @benchmark("reuse_ttft")
 def reuse_ttft(options: BenchOptions) -> BenchResult:
-    """TTFT of cacheblend@0.15 and full_reuse vs full on 10-chunk prompts, chunks from RAM and disk."""
+    """TTFT of cacheblend@0.15 and full_reuse vs full on 10-chunk prompts, chunks from RAM and disk, and
+    of prefix_cache (chunks from RAM)."""
     from kvbench.budget import BudgetConfig
     from kvbench.engine.generate import generate
     from kvbench.kv.chunks import ChunkStore, StoreConfig
