@@ -157,6 +157,9 @@ class Task:
         limit = self.cfg.get("limit")
         if limit is not None and int(limit) < 1:
             raise ConfigError(f"task.limit={limit} must be positive", "drop task.limit or set it to 1 or more")
+        #: ``task.limit`` as an int (None: every sample); what "limit" means is each task's own (samples,
+        #: questions, samples per grid cell)
+        self.limit: int | None = int(limit) if limit is not None else None
         self.shard = parse_shard(self.cfg.get("shard"))
         if "queries_per_context" in self.cfg:
             self._check_multi_query()
@@ -236,9 +239,8 @@ class Task:
         return []
 
     def limited(self, samples: Iterable[T]) -> Iterator[T]:
-        limit = self.cfg.get("limit")
         for index, sample in enumerate(samples):
-            if limit is not None and index >= int(limit):
+            if self.limit is not None and index >= self.limit:
                 return
             yield sample
 

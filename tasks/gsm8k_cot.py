@@ -187,8 +187,7 @@ class GSM8kCoT(Task):
             )
 
     def sample_ids(self) -> list[str] | None:
-        limit = self.cfg.get("limit")
-        return [f"{self.cfg['split']}-{i}" for i in range(int(limit))] if limit is not None else None
+        return [f"{self.cfg['split']}-{i}" for i in range(self.limit)] if self.limit is not None else None
 
     def protocol(self) -> dict[str, Any]:
         shots = self.exemplars()

@@ -376,11 +376,10 @@ class InfiniteBench(Task):
             for length in self.cfg["lengths"]
             for depth in self.cfg["depths"]
         ]
-        limit = self.cfg.get("limit")
-        if limit is None:
+        if self.limit is None:
             return ids
         per_task = len(ids) // len(self.names)
-        return [i for n, i in enumerate(ids) if n % per_task < int(limit)]
+        return [i for n, i in enumerate(ids) if n % per_task < self.limit]
 
     def samples(self, model: Any) -> Iterable[Sample]:
         for task in self.names:
@@ -407,7 +406,7 @@ class InfiniteBench(Task):
         for length in (int(x) for x in self.cfg["lengths"]):
             units = self._units(task, length, model)
             for depth in (float(x) for x in self.cfg["depths"]):
-                if self.cfg.get("limit") is not None and count >= int(self.cfg["limit"]):
+                if self.limit is not None and count >= self.limit:
                     return
                 row = Generator(sample_seed(int(self.cfg["seed"]), task, length, depth)).make(task, units, depth)
                 count += 1

@@ -261,8 +261,7 @@ class NeedleInAHaystack(Task):
 
     def limited_grid(self) -> list[tuple[int, float]]:
         grid = self._grid()
-        limit = self.cfg.get("limit")
-        return grid[: int(limit)] if limit is not None else grid
+        return grid[: self.limit] if self.limit is not None else grid
 
     def _haystack_ids(self, tokenizer: Any, length: int) -> list[int]:
         text = _essays_text(self._haystack_dir())

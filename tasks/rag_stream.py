@@ -71,8 +71,7 @@ class RagStream(Rag):
         return iter(samples)
 
     def _records(self) -> Iterator[RawSample]:
-        limit = self.cfg.get("limit")
-        questions = list(islice(super()._records(), int(limit) if limit is not None else None))
+        questions = list(islice(super()._records(), self.limit))
         asked = [(raw, k) for raw in questions for k in range(int(self.cfg["repeats"]))]
         for index in np.random.default_rng(int(self.cfg["seed"])).permutation(len(asked)):
             raw, k = asked[int(index)]

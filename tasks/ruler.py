@@ -222,8 +222,7 @@ class Ruler(Task):
 
     # ------------------------------------------------------------------ ids and protocol
     def per_cell(self) -> int:
-        limit = self.cfg.get("limit")
-        return min(self.num_samples, int(limit)) if limit is not None else self.num_samples
+        return min(self.num_samples, self.limit) if self.limit is not None else self.num_samples
 
     def _grid(self) -> list[tuple[str, int, int]]:
         return [(task, length, i) for task in self.names for length in self.lengths for i in range(self.per_cell())]
