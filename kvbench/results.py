@@ -243,12 +243,15 @@ class RunState:
     status: str
     done: int
     total: int | None
+    #: for a run made of shards (``task.shard=i/n``): how many of its n shard directories exist, and n
+    shards: tuple[int, int] | None = None
 
     @property
     def label(self) -> str:
         if self.status in ("finished", "stale"):
             return self.status
-        return f"{self.status} {self.done}/{self.total}" if self.total is not None else f"{self.status} {self.done}"
+        label = f"{self.status} {self.done}/{self.total}" if self.total is not None else f"{self.status} {self.done}"
+        return f"{label} (shards {self.shards[0]}/{self.shards[1]})" if self.shards else label
 
 
 class RunDir:
@@ -588,7 +591,8 @@ def merge_shards(runs: list[Path]) -> Merged:
         else "unfinished"
     )
     metrics = shard_metrics(unsharded(config) or config, records) if status == "finished" and records else {}
-    return Merged(records=records, state=RunState(status, len(records), total), metrics=metrics)
+    shards = (len(runs), count) if count is not None else None
+    return Merged(records=records, state=RunState(status, len(records), total, shards), metrics=metrics)
 
 
 def shard_metrics(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:

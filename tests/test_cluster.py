@@ -107,6 +107,7 @@ def test_a_missing_shard_leaves_the_run_unfinished(tmp_path):
 
     row = load(tmp_path).iloc[0]
     assert row["state"] == "unfinished" and row["done"] == 1
+    assert row["status"] == "unfinished 1 (shards 1/2)"  # says why: the other shard has not run
 
 
 def test_the_shards_of_a_method_without_a_budget_merge(tmp_path):
