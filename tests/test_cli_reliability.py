@@ -68,6 +68,8 @@ CASES = {
         "model.path=/nonexistent/models/llama is not a folder",
     ),
     "no model path": (["model=hf"], "model=hf needs a path"),
+    "unknown dtype": (["model.dtype=fp8"], "unknown model.dtype 'fp8'"),
+    "unknown device": (["model.device=gpu0"], "unknown model.device 'gpu0'"),
     "bad second sweep point": (
         ["-m", "method=full,oracle", "budget.token_ratio=0.1,abc"],
         "(sweep point 2/4: method=full budget.token_ratio=abc)",
@@ -250,3 +252,25 @@ def test_offline_hub_fails_at_once(monkeypatch):
         next(hub_rows("THUDM/LongBench", "multi_news", "test", "LongBench's data.zip"))
     assert time.perf_counter() - started < 5
     assert "task.data_dir" in err.value.fix and "HF_HUB_OFFLINE=1" in err.value.fix
+
+
+def test_every_dtype_and_device_name_validation_accepts_loads():
+    """The torch-free names validation accepts are what the loader resolves: each dtype name to its
+    torch dtype (auto: fp32 on CPU), cpu and auto to a device; a CUDA device on a machine without one is
+    the loader's clear error (it needs torch to know)."""
+    import torch
+
+    from kvbench.errors import ConfigError
+    from kvbench.models import DTYPE_NAMES
+    from kvbench.models.loading import pick_device, pick_dtype
+
+    cpu = torch.device("cpu")
+    assert {name: pick_dtype(name, cpu) for name in DTYPE_NAMES} == {
+        name: {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[target]
+        for name, target in DTYPE_NAMES.items()
+    }
+    assert pick_dtype("auto", cpu) == torch.float32 and pick_device("cpu") == cpu
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            pick_device("cuda:1")

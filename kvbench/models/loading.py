@@ -47,7 +47,10 @@ class LoadedModel:
 def pick_device(requested: str | None) -> torch.device:
     if requested in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
+    try:
+        device = torch.device(str(requested))
+    except RuntimeError:  # torch's message lists every device type it knows
+        raise ConfigError(f"unknown model.device {requested!r}", "use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "model.device=cuda was requested but no CUDA device is available", "use model.device=auto or cpu"

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kvbench.models import DTYPE_NAMES
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -40,11 +42,5 @@ class ModelSpec:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }[name]
+    """The torch dtype a ``model.dtype`` name (:data:`kvbench.models.DTYPE_NAMES`) means; KeyError otherwise."""
+    return getattr(torch, DTYPE_NAMES[name])
