@@ -25,14 +25,13 @@ parameters: ``METHOD_CHECKS.append(method_params_check)``); both run for every s
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import BudgetError, ConfigError, KvbenchError
-from kvbench.models import DEVICE_PATTERN, DTYPE_NAMES
+from kvbench.models import check_device, check_dtype
 
 Check = Callable[[dict[str, Any]], None]
 
@@ -199,11 +198,8 @@ def model_max_length(model: dict[str, Any]) -> int | None:
 def check_model(resolved: dict[str, Any]) -> None:
     model = resolved["model"]
     _typed("model.max_length", model.get("max_length"), (int,), True, 1, "model.max_length=32768")
-    dtype, device = model.get("dtype"), model.get("device")
-    if dtype not in (None, "auto", *DTYPE_NAMES):
-        raise ConfigError(f"unknown model.dtype {dtype!r}", "use auto, float32, bfloat16 or float16")
-    if device is not None and not re.fullmatch(DEVICE_PATTERN, str(device)):
-        raise ConfigError(f"unknown model.device {device!r}", "use auto, cpu, cuda or cuda:N")
+    check_dtype(model.get("dtype"))
+    check_device(model.get("device"))
     source = model.get("source")
     if source not in ("asset", "pretrained", "random"):
         raise ConfigError(f"unknown model.source {source!r}", "use asset, pretrained or random")

@@ -274,3 +274,7 @@ def test_every_dtype_and_device_name_validation_accepts_loads():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             pick_device("cuda:1")
+    with pytest.raises(ConfigError, match="unknown model.device 'gpu0'"):
+        pick_device("gpu0")  # the loader refuses with validation's own line
+    with pytest.raises(ConfigError, match="unknown model.dtype 'fp8'"):
+        pick_dtype("fp8", cpu)

@@ -26,6 +26,7 @@ import torch
 
 from kvbench.assets import fetch_asset, get_asset, kvbench_home
 from kvbench.errors import AssetError, ConfigError
+from kvbench.models import check_device, check_dtype
 from kvbench.models.chat import ChatFormat
 from kvbench.models.spec import ModelSpec, torch_dtype
 
@@ -47,10 +48,8 @@ class LoadedModel:
 def pick_device(requested: str | None) -> torch.device:
     if requested in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(str(requested))
-    except RuntimeError:  # torch's message lists every device type it knows
-        raise ConfigError(f"unknown model.device {requested!r}", "use auto, cpu, cuda or cuda:N") from None
+    check_device(requested)
+    device = torch.device(str(requested))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "model.device=cuda was requested but no CUDA device is available", "use model.device=auto or cpu"
@@ -61,10 +60,8 @@ def pick_device(requested: str | None) -> torch.device:
 def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
     if requested in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return torch_dtype(str(requested))
-    except KeyError:
-        raise ConfigError(f"unknown model.dtype {requested!r}", "use auto, float32, bfloat16 or float16") from None
+    check_dtype(requested)
+    return torch_dtype(str(requested))
 
 
 def load_model(cfg: Any) -> LoadedModel:
