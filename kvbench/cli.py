@@ -260,6 +260,9 @@ def cmd_run(argv: Sequence[str]) -> int:
         if flags["dry_run"]:
             _dry_run(configs)
             return 0
+        from kvbench.runner import check_sources
+
+        check_sources(configs)
     except KvbenchError as error:
         return _fail(error)
     except KeyboardInterrupt:

@@ -123,8 +123,9 @@ def uses_launcher(extra: Sequence[str]) -> bool:
 def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Point], *, wait: bool = False) -> None:
     """Run the unfinished points: in this process through the runner, or (a Hydra launcher among the
     overrides) each sweep through ``kvbench run -m`` and its launcher."""
-    from kvbench.runner import format_summary, run
+    from kvbench.runner import check_sources, format_summary, run
 
+    check_sources([point.config for point in todo])
     if uses_launcher(extra):
         from kvbench.cli import cmd_run
 

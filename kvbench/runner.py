@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -106,6 +107,27 @@ def plan(resolved: dict[str, Any]) -> Plan:
     return Plan(resolved, task, method, budget, profile, RunDir(output_dir / run_id_for(resolved)))
 
 
+def check_sources(configs: Sequence[dict[str, Any]]) -> None:
+    """Before a command runs ``configs``: every run that still has samples to run and reads its data from
+    the Hugging Face hub finds the hub answering (each data set asked once). Not part of validation, so
+    that a dry run plans offline; :func:`run` asks again for its own run."""
+    asked: set[tuple[str, str]] = set()
+    for resolved in configs:
+        p = plan(resolved)
+        hub = p.task.hub_source()
+        if hub is not None and hub not in asked:
+            _check_hub(p.task, p.run_dir)
+            asked.add(hub)
+
+
+def _check_hub(task: Any, run_dir: RunDir) -> None:
+    hub = task.hub_source()
+    if hub is not None and run_dir.status().get("state") != "finished":
+        from kvbench.tasks.sources import check_hub
+
+        check_hub(*hub)
+
+
 def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = None) -> RunSummary:
     """Run the config ``resolved`` (a plain dict: model, method, task, budget, profile, output_dir).
 
@@ -116,6 +138,7 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
     p = plan(resolved)
     run_dir, task = p.run_dir, p.task
     run_dir.check_config(p.resolved)
+    _check_hub(task, run_dir)  # before the lock and the model: one line, nothing written
     known = task.shard_sample_ids()
     with run_dir.lock(wait=wait, command=command):
         try:

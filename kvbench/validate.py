@@ -265,14 +265,14 @@ def check_output_dir(resolved: dict[str, Any]) -> None:
 
 
 def check_data(resolved: dict[str, Any]) -> None:
-    """``task.data_dir`` is a folder, and the JSONL files the task will read parse line by line (up to
-    ``task.limit`` rows each), so a bad line is reported now, with its file and line number."""
+    """The task can find its data before any model loads: ``task.data_dir`` is a folder, the files the
+    task will read exist and its JSONL files parse line by line (up to ``task.limit`` rows each, so a bad
+    line is reported now, with its file and line number). Whether the hub answers is not a property of
+    the config: :func:`kvbench.runner.run` checks it before the model loads (a dry run plans offline)."""
     from kvbench.tasks import create_task
     from kvbench.tasks.sources import check_jsonl, data_dir
 
     task_cfg = resolved["task"]
-    if not task_cfg.get("data_dir"):
-        return
     data_dir(task_cfg)
     task = create_task(task_cfg)
     limit = task_cfg.get("limit")

@@ -235,8 +235,14 @@ class Task:
 
     def data_files(self) -> list[Path]:
         """The local data files this run will read (from ``task.data_dir``), so that
-        :mod:`kvbench.validate` can check them before the model is loaded; none by default."""
+        :mod:`kvbench.validate` can check them before the model is loaded; none by default. A task whose
+        configuration cannot find its data (a required file or folder missing) raises its error here."""
         return []
+
+    def hub_source(self) -> tuple[str, str] | None:
+        """(data set, where else to get it) when this run reads its data from the Hugging Face hub, so that
+        validation can fail before the model loads when the hub does not answer; None by default."""
+        return None
 
     def limited(self, samples: Iterable[T]) -> Iterator[T]:
         for index, sample in enumerate(samples):

@@ -139,7 +139,18 @@ class GSM8kCoT(Task):
     # ------------------------------------------------------------------ data
     def data_files(self) -> list[Path]:
         folder = data_dir(self.cfg)
-        return [find_file(folder, TEST_FILES, "the GSM8k test set", WHERE)] if folder is not None else []
+        files = [find_file(folder, TEST_FILES, "the GSM8k test set", WHERE)] if folder is not None else []
+        return files + ([self._prompt_file()] if self.cfg["protocol"] != "wei8" else [])
+
+    def hub_source(self) -> tuple[str, str] | None:
+        return ("openai/gsm8k", WHERE) if data_dir(self.cfg) is None else None
+
+    def _prompt_file(self) -> Path:
+        """PQCache's few-shot prompt file (``protocol=pqcache``), from ``task.data_dir``."""
+        folder = data_dir(self.cfg)
+        if folder is None:
+            raise ConfigError("protocol=pqcache needs PQCache's prompt file", f"pass task.data_dir=<folder> ({WHERE})")
+        return find_file(folder, PROMPT_FILES, "PQCache's GSM8k prompt", WHERE)
 
     def _rows(self) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
@@ -152,14 +163,7 @@ class GSM8kCoT(Task):
             if self.cfg["protocol"] == "wei8":
                 self._exemplars = "".join(f"Q: {q}\nA: {a}\n\n" for q, a in WEI8)
             else:
-                folder = data_dir(self.cfg)
-                if folder is None:
-                    raise ConfigError(
-                        "protocol=pqcache needs PQCache's prompt file", f"pass task.data_dir=<folder> ({WHERE})"
-                    )
-                self._exemplars = find_file(folder, PROMPT_FILES, "PQCache's GSM8k prompt", WHERE).read_text(
-                    encoding="utf-8"
-                )
+                self._exemplars = self._prompt_file().read_text(encoding="utf-8")
         return self._exemplars
 
     def build_prompt(self, question: str) -> str:

@@ -298,6 +298,9 @@ class InfiniteBench(Task):
             return []
         return [self._local_file(folder, task) for task in self.names]
 
+    def hub_source(self) -> tuple[str, str] | None:
+        return ("xinrongzhang2022/InfiniteBench", WHERE) if data_dir(self.cfg) is None and not self.generating else None
+
     def _rows(self, task: str) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
         if folder is not None:

@@ -200,6 +200,9 @@ class LongBench(Task):
         folder = data_dir(self.cfg)
         return [self._local_file(folder, name) for name in self.names] if folder is not None else []
 
+    def hub_source(self) -> tuple[str, str] | None:
+        return ("THUDM/LongBench", WHERE) if data_dir(self.cfg) is None else None
+
     def _rows(self, name: str) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
         if folder is not None:

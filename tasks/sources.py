@@ -94,16 +94,22 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
     return None
 
 
-def hub_rows(name: str, config: str | None, split: str, where: str) -> Iterator[dict[str, Any]]:
-    """Rows of a hub data set; a clear error at once when the hub is unreachable (in offline mode,
-    ``datasets`` reads its cache and fails fast by itself)."""
+def check_hub(name: str, where: str) -> None:
+    """One clear error now when data set ``name`` must come from a hub that does not answer (skipped in
+    offline mode, where ``datasets`` reads its cache); validation calls it before any model loads."""
     offline = None if offline_mode() else hub_unreachable()
     if offline:
         raise ConfigError(
-            f"{name}{f'/{config}' if config else ''} needs the Hugging Face hub, which is unreachable ({offline})",
+            f"{name} needs the Hugging Face hub, which is unreachable ({offline})",
             f"download the data and pass task.data_dir=<folder> ({where}); "
             "or set HF_HUB_OFFLINE=1 to use a copy in your Hugging Face cache",
         )
+
+
+def hub_rows(name: str, config: str | None, split: str, where: str) -> Iterator[dict[str, Any]]:
+    """Rows of a hub data set; a clear error at once when the hub is unreachable (in offline mode,
+    ``datasets`` reads its cache and fails fast by itself)."""
+    check_hub(f"{name}{f'/{config}' if config else ''}", where)
     try:
         from datasets import load_dataset
 

@@ -80,18 +80,26 @@ CASES = {
     "non-ASCII path": (["output_dir=/tmp/résumé"], "'output_dir=\"/tmp/résumé\"'"),
     "malformed data line": (["task=longbench", "task.data_dir=LONGBENCH"], "multi_news.jsonl:3: not a valid JSON line"),
     "unknown option": (["--verbose"], "unknown option --verbose"),
+    "hub unreachable": (["task=longbench"], "THUDM/LongBench needs the Hugging Face hub, which is unreachable"),
+    "pg19 without books": (["task=pg19", "task.source=data_dir"], "task pg19 needs books"),
+    "pg19 book not there": (["task=pg19", "task.data_dir=FOLDER", "task.book=moby"], "no book moby in FOLDER"),
+    "gsm8k pqcache prompt": (["task=gsm8k_cot", "task.protocol=pqcache"], "needs PQCache's prompt file"),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_bad_config_fails_fast_before_loading(name, tmp_path, essays, no_loading, capsys):
+def test_bad_config_fails_fast_before_loading(name, tmp_path, essays, no_loading, capsys, monkeypatch):
     if name == "output in /proc" and not Path("/proc/self").exists():
         pytest.skip("no /proc here")
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: a hub that does not answer
     extra, needle = CASES[name]
     (tmp_path / "file").write_text("a file, not a folder")
     places = {
         "LONGBENCH": str(bad_jsonl(tmp_path)) if "LONGBENCH" in str(extra) else "",
         "FILE": str(tmp_path / "file"),
+        "FOLDER": str(tmp_path),
     }
     for key, value in places.items():
         extra, needle = [a.replace(key, value) for a in extra], needle.replace(key, value)
@@ -278,3 +286,24 @@ def test_every_dtype_and_device_name_validation_accepts_loads():
         pick_device("gpu0")  # the loader refuses with validation's own line
     with pytest.raises(ConfigError, match="unknown model.dtype 'fp8'"):
         pick_dtype("fp8", cpu)
+
+
+def test_hub_is_asked_only_for_runs_with_samples_left(tmp_path, monkeypatch, no_loading, capsys):
+    """A hub that does not answer fails `kvbench run` in one line before anything loads, yet a dry run
+    still plans and a finished run (its samples on disk) does not ask the hub."""
+    from kvbench.errors import ConfigError
+    from kvbench.runner import check_sources, plan
+
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    args = ["task=longbench", "model=tiny_llama", "progress=false", f"output_dir={tmp_path / 'runs'}"]
+    assert cli.main(["run", "--dry-run", *args]) == 0
+    _, configs = cli.resolve_points(args, False)
+    with pytest.raises(ConfigError, match="THUDM/LongBench needs the Hugging Face hub"):
+        check_sources(configs)
+    run_dir = plan(configs[0]).run_dir
+    run_dir.path.mkdir(parents=True)
+    run_dir.set_status("finished")
+    check_sources(configs)  # nothing left to read
+    capsys.readouterr()

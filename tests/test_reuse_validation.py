@@ -54,7 +54,10 @@ def no_model(monkeypatch):
         ),
         (["method=cacheblend", "task=niah"], "task niah's prompts are not split into chunks"),
         (["method=prefix_cache", "task=longbench"], "task longbench's prompts are not split into chunks"),
-        (["-m", "method=full,full_reuse", "task=pg19"], "(sweep point 2/2: method=full_reuse)"),
+        (
+            ["-m", "method=full,full_reuse", "task=pg19", "task.source=shakespeare"],
+            "(sweep point 2/2: method=full_reuse)",
+        ),
     ],
 )
 def test_bad_reuse_input_is_one_line_before_any_model(overrides, needle, tmp_path, capsys, no_model):
