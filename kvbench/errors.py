@@ -2,10 +2,23 @@
 
 Every problem a user can cause (a bad override, a missing asset, a budget that does not fit the
 context) is raised as a :class:`KvbenchError`. The CLI prints it as one line, with the fix, and exits
-non-zero; anything else is a bug and keeps its traceback.
+non-zero; anything else is a bug and keeps its traceback. A choice kvbench made for the user that
+does not stop the run (tasks left out for want of data) is a :func:`note`, printed once per process.
 """
 
 from __future__ import annotations
+
+import sys
+
+_NOTED: set[str] = set()
+
+
+def note(message: str) -> None:
+    """Print ``kvbench: note: <message>`` to stderr, once per process: the task behind it is built again
+    for every sweep point and every check, and the user needs to read it once."""
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print(f"kvbench: note: {message}", file=sys.stderr, flush=True)
 
 
 class KvbenchError(Exception):

@@ -62,7 +62,6 @@ sample); few-shot examples are RULER's task text without the model template RULE
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -71,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, note
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame, multi_query_metrics
@@ -201,10 +200,9 @@ class Ruler(Task):
         self.qa_paths = {task: self._qa_file(task) for task in names if task in QA_TASKS}
         skipped = [task for task, path in self.qa_paths.items() if path is None]
         if skipped:
-            print(
+            note(
                 f"ruler: skipping {', '.join(skipped)}: no SQuAD / HotpotQA in task.data_dir "
-                f"(put RULER's squad.json / hotpotqa.json there)",
-                file=sys.stderr,
+                f"(put RULER's squad.json / hotpotqa.json there)"
             )
         self.names = [n for n in names if n not in skipped]
         self.skipped = skipped

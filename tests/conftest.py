@@ -18,6 +18,14 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _notes_print_again():
+    """``kvbench.errors.note`` prints once per process; every test starts with none printed."""
+    from kvbench import errors
+
+    errors._NOTED.clear()
+
+
 def model_config(name: str, **overrides):
     cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml"))
     cfg.update(overrides)

@@ -307,3 +307,15 @@ def test_hub_is_asked_only_for_runs_with_samples_left(tmp_path, monkeypatch, no_
     run_dir.set_status("finished")
     check_sources(configs)  # nothing left to read
     capsys.readouterr()
+
+
+def test_a_note_prints_once_per_process(capsys):
+    from kvbench.errors import note
+
+    note("ruler: skipping qa_1")
+    note("ruler: skipping qa_1")
+    note("ruler: skipping qa_2")
+    assert capsys.readouterr().err.splitlines() == [
+        "kvbench: note: ruler: skipping qa_1",
+        "kvbench: note: ruler: skipping qa_2",
+    ]
