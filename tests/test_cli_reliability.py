@@ -319,3 +319,16 @@ def test_a_note_prints_once_per_process(capsys):
         "kvbench: note: ruler: skipping qa_1",
         "kvbench: note: ruler: skipping qa_2",
     ]
+
+
+def test_no_weight_loading_bar_in_a_log(capsys):
+    """Redirected to a file, transformers' "Loading weights" bar is off while a model loads, and on again
+    after (kvbench.progress's rule for the sample loop)."""
+    from transformers.utils import logging as hf_logging
+
+    from kvbench.models.loading import _quiet_loading_bar
+
+    assert hf_logging.is_progress_bar_enabled()
+    with _quiet_loading_bar():  # capsys: stderr is not a terminal
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()

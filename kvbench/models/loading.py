@@ -18,6 +18,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,9 +161,26 @@ def _load_pretrained(path: str, dtype: torch.dtype, device: torch.device, *, loc
     is_local = Path(path).expanduser().is_dir()
     kwargs = {"local_files_only": True} if (local_only or is_local) else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    # Any: transformers wraps PreTrainedModel.to in a decorator whose type mypy reads as taking the model
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    with _quiet_loading_bar():
+        # Any: transformers wraps PreTrainedModel.to in a decorator whose type mypy reads as taking the model
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device), tokenizer
+
+
+@contextmanager
+def _quiet_loading_bar() -> Iterator[None]:
+    """No "Loading weights" bar when stderr is not a terminal: in a log its redraws are one long line
+    per model load (kvbench.progress makes the same choice for the sample loop)."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _build_random(cfg: Any, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
