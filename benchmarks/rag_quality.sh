@@ -6,7 +6,7 @@
 # Both sweeps of a shard (full, prefix_cache, full_reuse; cacheblend at four ratios) run in one process,
 # as `kvbench run -m` twice: the model loads once and each chunk is precomputed once per dataset (the
 # runs of a sweep share chunk caches). Then benchmarks/rag_quality.py merges the shards into the table
-# (F1, bootstrap CIs, paired deltas).
+# (F1, bootstrap CIs, paired deltas) and its figure.
 #   bash benchmarks/rag_quality.sh [model ...]      default: qwen25_05b smollm2_135m
 #   N=50 (questions per dataset), KVBENCH_OUT=results/runs, KVBENCH_RAG_DATA=../shared/data/cacheblend
 set -euo pipefail
@@ -33,5 +33,5 @@ for methods in (["method=full,prefix_cache,full_reuse"],
         sys.exit(code)
 PYTHON
   done
-  "$PY" benchmarks/rag_quality.py "$OUT" > "$OUT/rag_quality.md" || true
+  "$PY" benchmarks/rag_quality.py "$OUT" --figure "$OUT/rag_quality.png" > "$OUT/rag_quality.md" || true
 done

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _script():
     spec = importlib.util.spec_from_file_location("rag_quality", ROOT / "benchmarks" / "rag_quality.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -41,8 +43,9 @@ def test_shards_merge_and_only_questions_every_method_finished_count(tmp_path, c
     _run(tmp_path, "full-2", full, "2/4", [(2, 0.0, "c")])
     _run(tmp_path, "blend-0", blend, "0/4", [(0, 100.0, "a")])
     _run(tmp_path, "blend-1", blend, "1/4", [(1, 0.0, "x")])  # question 2 not finished by cacheblend
-    _script().main([str(tmp_path)])
+    _script().main([str(tmp_path), "--figure", str(tmp_path / "f1.png")])
     out = capsys.readouterr().out
+    assert (tmp_path / "f1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "smollm2_135m, musique: 2 questions" in out  # shards merged; question 2 left out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert rows["full"].split("|")[2].strip().startswith("75.0")
