@@ -111,21 +111,28 @@ def check_sources(configs: Sequence[dict[str, Any]]) -> None:
     """Before a command runs ``configs``: every run that still has samples to run and reads its data from
     the Hugging Face hub finds the hub answering (each data set asked once). Not part of validation, so
     that a dry run plans offline; :func:`run` asks again for its own run."""
+    from kvbench.tasks import create_task
+
     asked: set[tuple[str, str]] = set()
     for resolved in configs:
+        hub = create_task(resolved["task"]).hub_source()
+        if hub is None or hub in asked:
+            continue
         p = plan(resolved)
-        hub = p.task.hub_source()
-        if hub is not None and hub not in asked:
-            _check_hub(p.task, p.run_dir)
+        if _check_hub(p.task, p.run_dir):
             asked.add(hub)
 
 
-def _check_hub(task: Any, run_dir: RunDir) -> None:
+def _check_hub(task: Any, run_dir: RunDir) -> bool:
+    """Whether the hub was asked (and answered) for ``task``'s data: not when the task reads none from it
+    or ``run_dir`` is finished (nothing left to read)."""
     hub = task.hub_source()
-    if hub is not None and run_dir.status().get("state") != "finished":
-        from kvbench.tasks.sources import check_hub
+    if hub is None or run_dir.status().get("state") == "finished":
+        return False
+    from kvbench.tasks.sources import check_hub
 
-        check_hub(*hub)
+    check_hub(*hub)
+    return True
 
 
 def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = None) -> RunSummary:

@@ -306,6 +306,12 @@ def test_hub_is_asked_only_for_runs_with_samples_left(tmp_path, monkeypatch, no_
     run_dir.path.mkdir(parents=True)
     run_dir.set_status("finished")
     check_sources(configs)  # nothing left to read
+    _, sweep = cli.resolve_points([*args, "task.limit=1,2"], True)
+    assert plan(sweep[0]).run_dir != run_dir
+    plan(sweep[0]).run_dir.path.mkdir(parents=True)
+    plan(sweep[0]).run_dir.set_status("finished")
+    with pytest.raises(ConfigError, match="unreachable"):  # a finished run does not vouch for the next
+        check_sources(sweep)
     capsys.readouterr()
 
 
