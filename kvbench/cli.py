@@ -33,6 +33,29 @@ def conf_dir() -> Path:
     return Path(kvbench.conf.__file__).parent
 
 
+def check_code_origin() -> None:
+    """kvbench's core, tasks, methods and configs come from one copy of the code. An editable install
+    maps ``kvbench.tasks``/``methods``/``conf`` to the checkout it was installed from; started in another
+    checkout (whose ``kvbench/`` is found first, from the working directory), a run would mix two copies
+    of the code while its env.json names one commit."""
+    import importlib.util
+
+    from kvbench.errors import ConfigError
+
+    core = Path(importlib.util.find_spec("kvbench").origin or "").resolve().parent  # type: ignore[union-attr]
+    for name in ("kvbench.tasks", "kvbench.methods", "kvbench.conf"):
+        spec = importlib.util.find_spec(name)
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        if not locations:
+            continue
+        folder = Path(locations[0]).resolve()
+        if folder.parent not in (core, core.parent):
+            raise ConfigError(
+                f"kvbench's code comes from {core} but {name} from {folder} (an editable install of another checkout)",
+                f"run from {folder.parent}, or give this checkout its own environment (make install)",
+            )
+
+
 def group_options(group: str) -> list[str]:
     """The choices of a config group: YAML files, except methods (declared in kvbench.methods.params)."""
     if group == "method":
@@ -481,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     _OPTIONS["command"] = "kvbench " + shlex.join(argv)
+    try:
+        check_code_origin()
+    except KvbenchError as error:
+        return _fail(error)
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
     parser = argparse.ArgumentParser(prog="kvbench", description="Benchmark harness for KV-cache methods.")

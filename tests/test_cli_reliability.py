@@ -338,3 +338,20 @@ def test_no_weight_loading_bar_in_a_log(capsys):
     with _quiet_loading_bar():  # capsys: stderr is not a terminal
         assert not hf_logging.is_progress_bar_enabled()
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_a_second_checkout_does_not_mix_with_the_installed_one(tmp_path):
+    """Started where another copy of kvbench/ is found first (a second checkout beside an editable
+    install), kvbench refuses to run half of each copy."""
+    import shutil
+
+    import kvbench
+
+    if not (Path(kvbench.__file__).resolve().parents[1] / "tasks").is_dir():
+        pytest.skip("kvbench is not an editable install of a checkout here")
+    shutil.copytree(Path(kvbench.__file__).resolve().parent, tmp_path / "kvbench")
+    out = subprocess.run([*KVBENCH, "list", "models"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "an editable install of another checkout" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
+    ok = subprocess.run([*KVBENCH, "list", "models"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "smollm2_135m" in ok.stdout, ok.stderr
