@@ -40,9 +40,10 @@ def check_code_origin() -> None:
     of the code while its env.json names one commit."""
     import importlib.util
 
+    import kvbench
     from kvbench.errors import ConfigError
 
-    core = Path(importlib.util.find_spec("kvbench").origin or "").resolve().parent  # type: ignore[union-attr]
+    core = Path(kvbench.__file__).resolve().parent
     for name in ("kvbench.tasks", "kvbench.methods", "kvbench.conf"):
         spec = importlib.util.find_spec(name)
         locations = list(spec.submodule_search_locations or []) if spec else []

@@ -241,7 +241,8 @@ class Task:
 
     def hub_source(self) -> tuple[str, str] | None:
         """(data set, where else to get it) when this run reads its data from the Hugging Face hub, so that
-        validation can fail before the model loads when the hub does not answer; None by default."""
+        ``kvbench run`` can fail before the model loads when the hub does not answer
+        (:func:`kvbench.runner.check_sources`); None by default."""
         return None
 
     def limited(self, samples: Iterable[T]) -> Iterator[T]:

@@ -84,6 +84,7 @@ WEI8 = (
 )
 PROMPT_FILES = ["gsm8k_prompt_formal.txt", "pqcache_gsm8k_prompt_formal.txt"]
 TEST_FILES = ["test.jsonl", "gsm8k_test.jsonl"]
+HUB = "openai/gsm8k"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "openai/grade-school-math grade_school_math/data/test.jsonl; PQCache's GSM8k/gsm8k_prompt_formal.txt"
 NUMBER = re.compile(r"\d*\.?\d+")
 ANSWER_IS = re.compile(r"The answer is\s*\$?\s*(-?[\d,]*\.?\d+)")
@@ -143,7 +144,7 @@ class GSM8kCoT(Task):
         return files + ([self._prompt_file()] if self.cfg["protocol"] != "wei8" else [])
 
     def hub_source(self) -> tuple[str, str] | None:
-        return ("openai/gsm8k", WHERE) if data_dir(self.cfg) is None else None
+        return (HUB, WHERE) if data_dir(self.cfg) is None else None
 
     def _prompt_file(self) -> Path:
         """PQCache's few-shot prompt file (``protocol=pqcache``), from ``task.data_dir``."""
@@ -156,7 +157,7 @@ class GSM8kCoT(Task):
         folder = data_dir(self.cfg)
         if folder is not None:
             return read_jsonl(find_file(folder, TEST_FILES, "the GSM8k test set", WHERE))
-        return hub_rows("openai/gsm8k", "main", str(self.cfg["split"]), WHERE)
+        return hub_rows(HUB, "main", str(self.cfg["split"]), WHERE)
 
     def exemplars(self) -> str:
         if self._exemplars is None:

@@ -75,6 +75,7 @@ NEEDLES = {
     ),
 }
 FIND_TARGETS = ("largest", "smallest", "median")
+HUB = "xinrongzhang2022/InfiniteBench"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "xinrongzhang2022/InfiniteBench on the hub (one <task>.jsonl per task)"
 OPTIONS = "ABCD"
 
@@ -299,13 +300,13 @@ class InfiniteBench(Task):
         return [self._local_file(folder, task) for task in self.names]
 
     def hub_source(self) -> tuple[str, str] | None:
-        return ("xinrongzhang2022/InfiniteBench", WHERE) if data_dir(self.cfg) is None and not self.generating else None
+        return (HUB, WHERE) if data_dir(self.cfg) is None and not self.generating else None
 
     def _rows(self, task: str) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
         if folder is not None:
             return read_jsonl(self._local_file(folder, task))
-        return hub_rows("xinrongzhang2022/InfiniteBench", None, task, WHERE)
+        return hub_rows(HUB, None, task, WHERE)
 
     def format_prompt(self, task: str, row: dict[str, Any]) -> str:
         fields: dict[str, Any] = {

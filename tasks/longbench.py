@@ -55,6 +55,7 @@ from kvbench.tasks.longbench_protocol import (
 )
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
+HUB = "THUDM/LongBench"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"
 QUESTION = re.compile(r"(Question: \{input\}|问题：\{input\})\n*")
 
@@ -201,13 +202,13 @@ class LongBench(Task):
         return [self._local_file(folder, name) for name in self.names] if folder is not None else []
 
     def hub_source(self) -> tuple[str, str] | None:
-        return ("THUDM/LongBench", WHERE) if data_dir(self.cfg) is None else None
+        return (HUB, WHERE) if data_dir(self.cfg) is None else None
 
     def _rows(self, name: str) -> Iterable[dict[str, Any]]:
         folder = data_dir(self.cfg)
         if folder is not None:
             return read_jsonl(self._local_file(folder, name))
-        return hub_rows("THUDM/LongBench", self._file(name), "test", WHERE)
+        return hub_rows(HUB, self._file(name), "test", WHERE)
 
     def samples(self, model: Any) -> Iterable[Sample]:
         limit, source = self.limit_for(model)

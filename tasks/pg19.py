@@ -39,6 +39,7 @@ from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.sources import data_dir, hub_rows
 
+HUB = "deepmind/pg19"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "the PG-19 test set (deepmind/pg19 on the hub, or github.com/google-deepmind/pg19)"
 
 
@@ -76,7 +77,7 @@ class PG19(Task):
         return [self._book()] if self.cfg["source"] == "data_dir" else []
 
     def hub_source(self) -> tuple[str, str] | None:
-        return ("deepmind/pg19", WHERE) if self.cfg["source"] == "hub" else None
+        return (HUB, WHERE) if self.cfg["source"] == "hub" else None
 
     def _book(self) -> Path:
         """The configured book file (``task.book`` or the first ``*.txt``) of ``task.data_dir`` or the
@@ -104,7 +105,7 @@ class PG19(Task):
     def book_text(self) -> tuple[str, str]:
         """(book id, text) of the configured book."""
         if self.cfg["source"] == "hub":
-            row = next(iter(hub_rows("deepmind/pg19", None, "test", WHERE)))
+            row = next(iter(hub_rows(HUB, None, "test", WHERE)))
             return str(row.get("short_book_title") or "pg19-test-0"), row["text"]
         encoding = "latin-1" if self.cfg["source"] == "shakespeare" else str(self.cfg["encoding"])
         path = self._book()

@@ -96,7 +96,7 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
 
 def check_hub(name: str, where: str) -> None:
     """One clear error now when data set ``name`` must come from a hub that does not answer (skipped in
-    offline mode, where ``datasets`` reads its cache); validation calls it before any model loads."""
+    offline mode, where ``datasets`` reads its cache); the runner calls it before any model loads."""
     offline = None if offline_mode() else hub_unreachable()
     if offline:
         raise ConfigError(
