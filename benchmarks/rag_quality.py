@@ -4,7 +4,8 @@
 
 For each (model, dataset) and each run of the reuse family or ``full`` on it: the mean score (F1 for
 musique/wikimqa) with its 95 % bootstrap CI, the paired difference to ``full`` on the samples both
-finished (bootstrap CI of the mean difference and the paired permutation p-value, kvbench.stats), how
+finished (bootstrap CI of the mean difference and the paired permutation p-value, kvbench.stats; the
+exact McNemar test, named in the cell, where every score of both is 0 or 100), how
 often the method's answer is character-identical to full's, and the mean TTFT. Only the samples every
 method of the group finished are used, so the rows compare the same questions. The shards of a run
 (``task.shard=s/N``: benchmarks/rag_quality.sh runs the sweep question by question) merge into it.
@@ -85,7 +86,8 @@ def summarise(runs: dict[str, dict[str, dict]]) -> tuple[int, list[Row]]:
         else:
             p = paired(scores, [f["score"] for f in full])
             bounds = f"[{p.ci_low:+.1f}, {p.ci_high:+.1f}]" if p.ci_low is not None else ""
-            delta = f"{p.diff:+.1f} {bounds}, p={p.p:.2g}"
+            test = "" if p.test == "permutation" else f" ({p.test})"  # all-0/100 scores: exact McNemar
+            delta = f"{p.diff:+.1f} {bounds}, p={p.p:.2g}{test}"
         ttft = float(np.mean([r["telemetry"]["ttft_s"] for r in records]))
         rows.append(Row(label, float(np.mean(scores)), bootstrap_ci(scores), delta, same, ttft))
     return len(common), rows

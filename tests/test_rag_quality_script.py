@@ -51,3 +51,12 @@ def test_shards_merge_and_only_questions_every_method_finished_count(tmp_path, c
     assert rows["full"].split("|")[2].strip().startswith("75.0")
     assert rows["cacheblend@0.15"].split("|")[2].strip().startswith("50.0")
     assert rows["cacheblend@0.15"].split("|")[4].strip() == "50%"  # answer equals full's on question 0 only
+    assert "(mcnemar)" not in rows["cacheblend@0.15"]  # full's 50.0 is not 0/100: the permutation test
+
+
+def test_all_or_nothing_scores_name_the_exact_mcnemar_test(tmp_path, capsys):
+    _run(tmp_path, "full-0", {"name": "full"}, "0/2", [(0, 100.0, "a"), (1, 100.0, "b")])
+    _run(tmp_path, "reuse-0", {"name": "full_reuse"}, "0/2", [(0, 0.0, "x"), (1, 100.0, "b")])
+    _script().main([str(tmp_path)])
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert "p=1 (mcnemar)" in rows["full_reuse"]  # one discordant pair: 2 * 1/2, capped at 1
