@@ -8,15 +8,17 @@
 # runs of a sweep share chunk caches). Then benchmarks/rag_quality.py merges the shards into the table
 # (F1, bootstrap CIs, paired deltas) and its figure.
 #   bash benchmarks/rag_quality.sh [model ...]      default: qwen25_05b smollm2_135m
-#   N=50 (questions per dataset), KVBENCH_OUT=results/runs, KVBENCH_RAG_DATA=../shared/data/cacheblend
+#   N=50 (questions per dataset), KVBENCH_OUT=results/runs, KVBENCH_RAG_DATA=../shared/data/cacheblend,
+#   START=0 (first question to visit: skipping a finished one still costs ~10 s of start-up per model)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 OUT="${KVBENCH_OUT:-results/runs}"
 N="${N:-50}"
+START="${START:-0}"
 DATA="${KVBENCH_RAG_DATA:-../shared/data/cacheblend}"
 MODELS=("$@"); [ ${#MODELS[@]} -gt 0 ] || MODELS=(qwen25_05b smollm2_135m)
-for ((s = 0; s < N; s++)); do
+for ((s = START; s < N; s++)); do
   for model in "${MODELS[@]}"; do
     "$PY" - "$OUT" "$model" "$DATA" "$N" "$s" <<'PYTHON'
 import sys
