@@ -398,10 +398,14 @@ class RunDir:
         self.set_status("running", total=total)
 
     def set_status(self, state: str, **extra: Any) -> None:
-        """Record the run's state (only once the directory exists: a run leaves no trace before)."""
+        """Record the run's state (only once the directory exists: a run leaves no trace before).
+        ``updated`` is when the state last changed: revisiting a finished run rewrites nothing."""
         if not self.path.is_dir():
             return
-        status = {**self.status(), **extra, "state": state, "updated": now()}
+        current = self.status()
+        if current and {**current, **extra, "state": state} == current:
+            return
+        status = {**current, **extra, "state": state, "updated": now()}
         write_atomic(self.path / STATUS, json.dumps(status, indent=2, sort_keys=True) + "\n")
 
     def append(self, record: dict[str, Any]) -> None:

@@ -47,8 +47,10 @@ def test_a_run_writes_its_directory_and_resumes(tmp_path, niah_config):
     assert metrics["n"] == 4 and metrics["ttft_s"] > 0 and metrics["grid"]["600"]["0"] >= 0
     env = json.loads((run_dir / "env.json").read_text())
     assert env["torch"] and env["device"] == "cpu"
+    status = (run_dir / "status.json").read_bytes()
     again = run(cfg)
     assert again.ran == 0 and again.metrics["n"] == 4
+    assert (run_dir / "status.json").read_bytes() == status  # a finished run revisited keeps its "updated"
 
 
 def test_a_torn_last_line_is_dropped_and_recomputed(tmp_path, niah_config):
