@@ -399,13 +399,15 @@ class RunDir:
 
     def set_status(self, state: str, **extra: Any) -> None:
         """Record the run's state (only once the directory exists: a run leaves no trace before).
-        ``updated`` is when the state last changed: revisiting a finished run rewrites nothing."""
+        ``updated`` is when the state last changed: revisiting a finished run rewrites nothing. Keys
+        given with a state (a failure's ``error``) leave with it; ``total`` stays."""
         if not self.path.is_dir():
             return
         current = self.status()
         if current and {**current, **extra, "state": state} == current:
             return
-        status = {**current, **extra, "state": state, "updated": now()}
+        kept = current if current.get("state") == state else {k: v for k, v in current.items() if k == "total"}
+        status = {**kept, **extra, "state": state, "updated": now()}
         write_atomic(self.path / STATUS, json.dumps(status, indent=2, sort_keys=True) + "\n")
 
     def append(self, record: dict[str, Any]) -> None:

@@ -140,3 +140,18 @@ def test_moving_a_run_folder_elsewhere_still_resumes(tmp_path, niah_config):
     cfg = niah_config()
     cfg["output_dir"], cfg["progress"] = str(moved.parent), True  # neither is part of the run's identity
     assert run(cfg).ran == 0
+
+
+def test_status_keeps_total_and_drops_the_keys_of_an_earlier_state(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    run_dir.set_status("running", total=4)
+    run_dir.set_status("failed", error="CUDA out of memory")
+    assert run_dir.status()["error"] == "CUDA out of memory" and run_dir.status()["total"] == 4
+    run_dir.set_status("running")
+    run_dir.set_status("finished", total=4)
+    status = run_dir.status()
+    assert status["state"] == "finished" and status["total"] == 4 and "error" not in status, status
+    before = (run_dir.path / "status.json").read_bytes()
+    run_dir.set_status("finished", total=4)  # a revisit: nothing changes, nothing is rewritten
+    assert (run_dir.path / "status.json").read_bytes() == before
