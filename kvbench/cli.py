@@ -610,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
     p_bench.add_argument(
-        "--rounds", type=int, default=None, help="end-to-end benchmarks: timed rounds, best kept (default 2; 1 with --quick)"
+        "--rounds", type=int, default=None, help="end-to-end benchmarks: timed rounds, best kept (default 2; --quick 1)"
     )
     args = parser.parse_args(argv)
     handlers = {

@@ -220,10 +220,9 @@ def _e2e(
     rounds = options.e2e_rounds()
     loaded = load_model(compose([f"model={model_name}"])["model"])
 
-    def run(method: str, budget: dict[str, Any], ids: list[int], n: int) -> dict[str, Any]:
-        out = generate(
-            loaded, create_method({"name": method}), ids, max_new_tokens=n, min_new_tokens=n, budget=BudgetConfig(**budget)
-        )
+    def run(name: str, budget: dict[str, Any], ids: list[int], n: int) -> dict[str, Any]:
+        method = create_method({"name": name})
+        out = generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=BudgetConfig(**budget))
         return out.telemetry
 
     # one untimed warm-up per method, so that no timed run pays for kernel loading, allocator growth,
