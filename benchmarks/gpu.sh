@@ -2,7 +2,8 @@
 # The GPU measurements of benchmarks/RESULTS.md §9, step by step, on a CUDA machine:
 #
 #   bash benchmarks/gpu.sh tests smoke        # the suite on CUDA; every e2e bench once, small
-#   (cudatests: tests/test_gpu.py alone; env: LENGTHS, NEW_TOKENS, ROUNDS, REPEATS, STEP_TIMEOUT per step)
+#   (cudatests: tests/test_gpu.py alone; env: LENGTHS, NEW_TOKENS, ROUNDS, REPEATS, STEP_TIMEOUT per step;
+#   PARAMS='kmeans_device=model ...' the method's parameters, TAG names their records)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
 #   bash benchmarks/gpu.sh clusterkv reuse profile decode
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill)
@@ -48,7 +49,8 @@ for step in "$@"; do
     pqcache|clusterkv)  # one process per length: a length that runs out of time keeps the others
       for length in ${LENGTHS:-32768 65536 131072}; do
         timeout "${STEP_TIMEOUT:-600}" $KV bench ${step}_e2e --device cuda --model llama31_8b_shape --lengths "$length" \
-          --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" --save "$OUT/bench-gpu-$step-$length.json" 2>&1 | tee -a "$OUT/$step.log"
+          --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" $(for p in ${PARAMS:-}; do echo --param "$p"; done) \
+          --save "$OUT/bench-gpu-$step${TAG:+-$TAG}-$length.json" 2>&1 | tee -a "$OUT/$step.log"
       done ;;
     reuse)
       timeout "${STEP_TIMEOUT:-600}" $KV bench reuse_ttft --device cuda --model llama31_8b_shape --repeats "${REPEATS:-3}" --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;

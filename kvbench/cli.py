@@ -466,6 +466,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536"
         ) from None
+    import yaml
+
+    params = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--param {item!r} is not KEY=VALUE", "e.g. --param kmeans_device=model")
+        params[key] = yaml.safe_load(value)
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds} runs nothing", "give --rounds 1 or more")
     options = BenchOptions(
@@ -476,6 +484,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lengths=lengths,
         new_tokens=args.new_tokens,
         rounds=args.rounds,
+        params=params,
         save=args.save,
     )
     results = [benches[name](options) for name in names]
@@ -609,6 +618,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072"
     )
     p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
+    p_bench.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="end-to-end benchmarks: a parameter of the compared method (repeatable), e.g. kmeans_device=model",
+    )
     p_bench.add_argument(
         "--rounds", type=int, default=None, help="end-to-end benchmarks: timed rounds, best kept (default 2; --quick 1)"
     )

@@ -12,7 +12,10 @@
   always attended; every ``recluster_every`` (320) generated tokens, those tokens are clustered into
   ``new_clusters`` (4) clusters appended to the index.
 * **tiers** — sinks and the not-yet-clustered recent tokens are device-resident; clustered tokens live
-  in the host tier and only the selected ones are fetched (cached-cluster tokens count as hits).
+  in the host tier and only the selected ones are fetched (cached-cluster tokens count as hits). The
+  clustering and the index (centroids, labels, sorted slots) live on the compute device, as in the
+  paper's system (clustering on the GPU during prefill, the cluster walk on the GPU at decode): only
+  the chosen slots cross to the host tier, which gathers their K/V.
 * **cache** — selected clusters stay on the device for ``cache_steps`` (R = 1) steps; tokens of a
   cluster selected in the previous R steps are hits. The cluster-level hit rate (|current ∩ previous
   R| / |current|, per head and step) is reported as ``cluster_hit_rate``.
@@ -74,6 +77,15 @@ class ClusterIndex:
         merged_slots = torch.cat([self.slots, slots])
         merged_labels = torch.cat([self.labels, shifted], dim=1)
         return ClusterIndex.build(merged_slots, merged_labels, torch.cat([self.centroids, centroids], dim=1))
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """``slots`` on ``device`` (the host tier's copy, made once per index rather than every step)."""
+        if self.slots.device == device:
+            return self.slots
+        cache: dict[torch.device, torch.Tensor] = self.__dict__.setdefault("_slots_on", {})
+        if device not in cache:
+            cache[device] = self.slots.to(device)
+        return cache[device]
 
     def per_row(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``labels`` and ``sizes`` repeated for ``group`` query heads per KV head (row ``h`` reads KV
@@ -170,12 +182,12 @@ class ClusterKV(RetrievalMethod):
         if layer in self.dense_layers:
             return
         sink = self.ctx.budget.sink
-        keys = key[0, :, sink:].to(kv.home)
+        keys = key[0, :, sink:].to(kv.device)  # clustered where the model runs, not in the host tier
         if keys.shape[1] == 0:
             return
         count = self.params.clusters or max(1, round(keys.shape[1] / 80))
         labels, centroids = self._cluster(keys, count)
-        slots = torch.arange(sink, sink + keys.shape[1], device=kv.home)
+        slots = torch.arange(sink, sink + keys.shape[1], device=kv.device)
         self.index[layer] = ClusterIndex.build(slots, labels, centroids)
         self.history[layer] = deque(maxlen=self.params.cache_steps)
 
@@ -185,8 +197,8 @@ class ClusterKV(RetrievalMethod):
         current = kv.n - 1  # the current token is attended anyway
         if current - index.clustered_end >= period:
             start, end = index.clustered_end, index.clustered_end + period
-            labels, centroids = self._cluster(kv.keys[:, start:end], self.params.new_clusters)
-            index = self.index[layer] = index.append(torch.arange(start, end, device=kv.home), labels, centroids)
+            labels, centroids = self._cluster(kv.keys[:, start:end].to(kv.device), self.params.new_clusters)
+            index = self.index[layer] = index.append(torch.arange(start, end, device=kv.device), labels, centroids)
         return index
 
     def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:
@@ -197,15 +209,16 @@ class ClusterKV(RetrievalMethod):
         # tokens generated since the last clustering stay on the device until they are clustered
         kv.set_residency(budget.sink, kv.n - index.clustered_end)
         clustered = index.slots.numel()
-        recent = torch.arange(index.clustered_end, kv.n, device=kv.home)
-        sinks = torch.arange(0, min(budget.sink, kv.n), device=kv.home)
+        home, device = kv.home, kv.device
+        recent = torch.arange(index.clustered_end, kv.n, device=device)
+        sinks = torch.arange(0, min(budget.sink, kv.n), device=device)
         per_head = self.params.gqa == "per_query_head" and spec.group > 1
         rows = spec.n_heads if per_head else spec.n_kv_heads
         fixed = torch.cat([sinks, recent])
         if budget.select >= clustered:
             slots = torch.sort(torch.cat([fixed, index.slots])).values
-            return Selection(slots=slots.expand(rows, -1))
-        q = query[0, :, 0, :].to(kv.home).float().view(spec.n_kv_heads, spec.group, -1)
+            return Selection(slots=slots.to(home).expand(rows, -1))
+        q = query[0, :, 0, :].to(device).float().view(spec.n_kv_heads, spec.group, -1)
         scores = torch.einsum("hgd,hcd->hgc", q, index.centroids.float())  # inner product q·μ
         if per_head:
             scores = scores.reshape(rows, -1)
@@ -220,7 +233,13 @@ class ClusterKV(RetrievalMethod):
         cached_full = torch.zeros_like(slots, dtype=torch.bool)
         if cached is not None:
             cached_full[:, sinks.numel() : sinks.numel() + selected.shape[1]] = cached
-        return Selection(slots=slots, selected=selected, candidates=index.slots, cached=cached_full)
+        # the selection is handed over in the host tier's terms (where the store gathers and recall reads)
+        return Selection(
+            slots=slots.to(home),
+            selected=selected.to(home),
+            candidates=index.slots_on(home),
+            cached=cached_full.to(home),
+        )
 
     def _cache_step(
         self, layer: int, clusters: torch.Tensor, labels: torch.Tensor, take: torch.Tensor

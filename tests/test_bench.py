@@ -53,6 +53,8 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
             "4",
             "--rounds",
             "2",
+            "--param",
+            "kmeans_iters=3",
         ],
         capture_output=True,
         text=True,
@@ -70,6 +72,7 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
         assert math.isclose(row["tt2t / full ttft"], row["tt2t_s"] / row["full_ttft_s"])
     notes = " ".join(record["results"][0]["notes"])
     assert "best of 2 round(s)" in notes and "warm-up run of each (700 tokens, 2 new)" in notes
+    assert "method parameters: {'kmeans_iters': 3}" in notes
     bad = subprocess.run(
         [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
         capture_output=True,
@@ -84,6 +87,15 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
         timeout=120,
     )
     assert none.returncode == 2 and "--rounds" in none.stderr and "Traceback" not in none.stderr
+    for param in ("kmeans_iters", "no_such_key=1"):  # not KEY=VALUE; no such parameter: one line, no model
+        wrong = subprocess.run(
+            [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--param", param],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert wrong.returncode == 2 and "Traceback" not in wrong.stderr, wrong.stderr
+        assert len(wrong.stderr.strip().splitlines()) == 1
 
 
 def test_reuse_ttft_reports_every_config_against_full():

@@ -67,3 +67,16 @@ def test_host_tier_gathers_are_pinned_and_exact():
     k, v = kv.gather(slots)
     assert k.is_cuda and torch.equal(k, torch.stack([keys[0, [0, 7, 49]], keys[1, [3, 4, 5]]]))
     assert torch.equal(v, -k)
+
+
+def test_clusterkv_clusters_and_walks_clusters_on_the_device(cuda_llama, random_ids):
+    """ClusterKV's index (centroids, labels, sorted slots) lives on the GPU, as in the paper's system:
+    clustering runs during the GPU prefill, the cluster walk at decode; the selection the store gathers
+    is handed over in the host tier's terms."""
+    method = create_method({"name": "clusterkv"})
+    ids = random_ids(600, seed=53)
+    out = generate(cuda_llama, method, ids, max_new_tokens=4, min_new_tokens=4, budget=BudgetConfig(tokens=64))
+    index = next(iter(method.index.values()))
+    assert index.centroids.is_cuda and index.labels.is_cuda and index.sorted_slots.is_cuda
+    assert index.slots_on(torch.device("cpu")).device.type == "cpu"
+    assert out.telemetry["bytes_h2d_fetch"] > 0

@@ -36,6 +36,7 @@ class BenchOptions:
     lengths: tuple[int, ...] | None = None  # end-to-end benchmarks: prompt lengths in tokens
     new_tokens: int | None = None  # end-to-end benchmarks: tokens generated per run
     rounds: int | None = None  # end-to-end benchmarks: timed rounds (default 2; 1 with quick)
+    params: dict[str, Any] = field(default_factory=dict)  # end-to-end benchmarks: the method's parameters
     save: str | None = None  # --save FILE.json: a benchmark that draws a figure writes it beside FILE
 
     def figure_path(self, name: str) -> Path:

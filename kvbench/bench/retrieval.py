@@ -207,7 +207,8 @@ def _e2e(
     all of them alike; each method keeps its best TT2T and TPOT over the rounds. A decode step's time
     splits into ``select_ms`` (the method's selection), ``fetch_ms`` (gathering the selected K/V through
     the store) and ``compute_ms`` (the rest: the model's layers and attention), per step, from the run
-    with the best TPOT. ``--rounds`` sets the rounds (default 2; 1 with ``--quick``)."""
+    with the best TPOT. ``--rounds`` sets the rounds (default 2; 1 with ``--quick``); ``--param KEY=VALUE``
+    sets a parameter of the compared method (not of ``full``), e.g. ``kmeans_device=model``."""
     from kvbench.budget import BudgetConfig
     from kvbench.compose import compose
     from kvbench.engine.generate import generate
@@ -218,10 +219,12 @@ def _e2e(
         "tiny_llama" if options.quick else "smollm2_135m", lengths, new_tokens
     )
     rounds = options.e2e_rounds()
+    for method, _ in methods:  # a bad --param fails here, before the model loads
+        create_method({**options.params, "name": method})
     loaded = load_model(compose([f"model={model_name}"])["model"])
 
     def run(name: str, budget: dict[str, Any], ids: list[int], n: int) -> dict[str, Any]:
-        method = create_method({"name": name})
+        method = create_method({"name": name} if name == "full" else {**options.params, "name": name})
         out = generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=BudgetConfig(**budget))
         return out.telemetry
 
@@ -274,7 +277,7 @@ def _e2e(
         "select/fetch/compute_ms: per decode step (every step, the first included), from the best-TPOT run; "
         "TTFT and TT2T: best of the rounds; tt2t / full ttft: PQCache's goal is at most 1.1",
         f"device {loaded.spec.device}, {loaded.spec.dtype}; on a CPU both KV tiers are host memory",
-    ]
+    ] + ([f"method parameters: {options.params}"] if options.params else [])
     return BenchResult(name, title, rows, notes)
 
 
