@@ -102,7 +102,8 @@ class InfLLM(RetrievalMethod):
             return
         spec = self.ctx.spec
         self._received[layer] = self.query_statistic(self._local_received(), layer, query, key)
-        self._block_keys[layer] = torch.empty(spec.n_heads, 0, spec.head_dim, device=kv.home)
+        # the blocks' representative keys live on the compute device (InfLLM keeps them in GPU memory)
+        self._block_keys[layer] = torch.empty(spec.n_heads, 0, spec.head_dim, device=kv.device)
 
     def _extend_blocks(self, layer: int, kv: LayerKV, full_blocks: int) -> torch.Tensor:
         """Representative keys of the first ``full_blocks`` blocks, built as blocks complete."""
@@ -111,7 +112,7 @@ class InfLLM(RetrievalMethod):
         if full_blocks > done:
             sink = self.ctx.budget.sink
             start, end = sink + done * self.block, sink + full_blocks * self.block
-            keys = self._expand(kv.keys[:, start:end].float())  # [H, new*block, d]
+            keys = self._expand(kv.keys[:, start:end].to(reps.device).float())  # [H, new*block, d]
             h, _, d = keys.shape
             keys = keys.view(h, full_blocks - done, self.block, d)
             score = self._received[layer][:, start:end].view(h, full_blocks - done, self.block).to(keys.device)
@@ -137,7 +138,7 @@ class InfLLM(RetrievalMethod):
         reps = self._extend_blocks(layer, kv, full_blocks)
         q = query[0, :, 0, :].to(reps.device).float()  # [H, d]
         scores = torch.einsum("hd,hbd->b", q, reps) / spec.n_heads
-        chosen = topk_sorted(scores[None], take)[0]
+        chosen = topk_sorted(scores[None], take)[0].to(kv.home)  # block indices, for the store
         offsets = chosen[:, None] * self.block + torch.arange(self.block, device=kv.home)
         selected = (lay.sink_end + offsets).reshape(1, -1)
         selected = selected.expand(spec.n_kv_heads, -1)

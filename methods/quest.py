@@ -63,12 +63,14 @@ class Quest(RetrievalMethod):
         self, layer: int, kv: LayerKV, start: int, pages: int, page: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bounds of the ``pages`` full pages from slot ``start``, kept per layer and extended as pages
-        fill (device metadata)."""
+        fill: device metadata, on the compute device (Quest keeps its page bounds in GPU memory), built
+        from the held keys wherever they live."""
         cached = self._bounds.get(layer)
         low, high = (cached[1], cached[2]) if cached is not None and cached[0] == start else (None, None)
         done = 0 if low is None else low.shape[1]
         if pages > done:
-            new_low, new_high = page_bounds(kv.keys[:, start + done * page : start + pages * page].float(), page)
+            keys = kv.keys[:, start + done * page : start + pages * page].to(kv.device)
+            new_low, new_high = page_bounds(keys.float(), page)
             low = new_low if low is None else torch.cat([low, new_low], dim=1)
             high = new_high if high is None else torch.cat([high, new_high], dim=1)
             self._bounds[layer] = (start, low, high)
@@ -101,10 +103,10 @@ class Quest(RetrievalMethod):
         if take <= 0:
             return compose(lay, tail.expand(rows, -1), ascending=True)
         low, high = self._page_bounds(layer, kv, start, full, page)
-        q = query[0, :, 0, :].to(kv.home).float().view(spec.n_kv_heads, spec.group, -1)
-        scores = upper_bound_scores(q, low, high)  # [kv_heads, group, pages]
+        q = query[0, :, 0, :].to(low.device).float().view(spec.n_kv_heads, spec.group, -1)
+        scores = upper_bound_scores(q, low, high)  # [kv_heads, group, pages], on the compute device
         scores = scores.reshape(rows, full) if per_head else scores.sum(dim=1)
-        chosen = topk_sorted(scores, take)  # page indices from ``start``
+        chosen = topk_sorted(scores, take).to(kv.home)  # page indices from ``start``, for the store
         pages = (start + chosen[:, :, None] * page + torch.arange(page, device=kv.home)).reshape(rows, -1)
         # pages in ascending order (topk_sorted), then the newest page after them: ascending rows
         return compose(lay, torch.cat([pages, tail.expand(rows, -1)], dim=1), ascending=True)

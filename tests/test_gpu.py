@@ -69,14 +69,23 @@ def test_host_tier_gathers_are_pinned_and_exact():
     assert torch.equal(v, -k)
 
 
-def test_clusterkv_clusters_and_walks_clusters_on_the_device(cuda_llama, random_ids):
-    """ClusterKV's index (centroids, labels, sorted slots) lives on the GPU, as in the paper's system:
-    clustering runs during the GPU prefill, the cluster walk at decode; the selection the store gathers
-    is handed over in the host tier's terms."""
-    method = create_method({"name": "clusterkv"})
+INDEXES = {  # where each method keeps the metadata it ranks with
+    "clusterkv": lambda m: [
+        t for index in m.index.values() for t in (index.centroids, index.labels, index.sorted_slots)
+    ],
+    "quest": lambda m: [t for _, low, high in m._bounds.values() for t in (low, high)],
+    "infllm": lambda m: list(m._block_keys.values()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEXES))
+def test_selection_metadata_lives_on_the_device(cuda_llama, random_ids, name):
+    """ClusterKV's clusters, Quest's page bounds and InfLLM's representative keys live on the GPU, as in
+    the papers' systems (clustering and ranking run there); only the chosen slots reach the host tier,
+    whose K/V rows are fetched."""
+    method = create_method({"name": name})
     ids = random_ids(600, seed=53)
     out = generate(cuda_llama, method, ids, max_new_tokens=4, min_new_tokens=4, budget=BudgetConfig(tokens=64))
-    index = next(iter(method.index.values()))
-    assert index.centroids.is_cuda and index.labels.is_cuda and index.sorted_slots.is_cuda
-    assert index.slots_on(torch.device("cpu")).device.type == "cpu"
+    tensors = INDEXES[name](method)
+    assert tensors and all(t.is_cuda for t in tensors)
     assert out.telemetry["bytes_h2d_fetch"] > 0
