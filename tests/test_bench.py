@@ -73,29 +73,16 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     notes = " ".join(record["results"][0]["notes"])
     assert "best of 2 round(s)" in notes and "warm-up run of each (700 tokens, 2 new)" in notes
     assert "method parameters: {'kmeans_iters': 3}" in notes
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--lengths", "32k"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "--lengths" in bad.stderr and "Traceback" not in bad.stderr
-    none = subprocess.run(
-        [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--rounds", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert none.returncode == 2 and "--rounds" in none.stderr and "Traceback" not in none.stderr
-    for param in ("kmeans_iters", "no_such_key=1"):  # not KEY=VALUE; no such parameter: one line, no model
-        wrong = subprocess.run(
-            [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", "--param", param],
+    # bad settings: one error line naming the option, exit 2, before any model loads
+    for option, value in [("--lengths", "32k"), ("--rounds", "0"), ("--param", "kmeans_iters"), ("--param", "nope=1")]:
+        bad = subprocess.run(
+            [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", option, value],
             capture_output=True,
             text=True,
             timeout=120,
         )
-        assert wrong.returncode == 2 and "Traceback" not in wrong.stderr, wrong.stderr
-        assert len(wrong.stderr.strip().splitlines()) == 1
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and (option in bad.stderr or "method.nope" in bad.stderr)
 
 
 def test_reuse_ttft_reports_every_config_against_full():
