@@ -404,10 +404,11 @@ class RunDir:
         if not self.path.is_dir():
             return
         current = self.status()
-        if current and {**current, **extra, "state": state} == current:
-            return
         kept = current if current.get("state") == state else {k: v for k, v in current.items() if k == "total"}
-        status = {**kept, **extra, "state": state, "updated": now()}
+        status = {**kept, **extra, "state": state}
+        if status == current:  # the same state with the same keys (its ``updated`` kept): nothing changes
+            return
+        status["updated"] = now()
         write_atomic(self.path / STATUS, json.dumps(status, indent=2, sort_keys=True) + "\n")
 
     def append(self, record: dict[str, Any]) -> None:
