@@ -171,12 +171,24 @@ class ReuseMethod(KVMethod):
         store = self._store()
         started = time.perf_counter()
         computed = promoted = 0
-        for span in self.cached_segments(ctx, segments):
+        spans = self.cached_segments(ctx, segments)
+        for span in spans:  # first the hits, so that what this request stores cannot evict them
+            store.touch(span.key)
+        for span in spans:
             if store.promote(span.key):
                 promoted += 1
             elif store.contains(span.key) is None:
                 self.precompute(ctx, span.key)
                 computed += 1
+        lost = [span for span in spans if store.contains(span.key) is None]
+        if lost:
+            tier = store.config.tier
+            size = "ram_gb" if tier == "ram" else "disk_gb"
+            raise ConfigError(
+                f"store.{size}={getattr(store.config, size)} cannot hold one request's {len(spans)} chunk caches "
+                f"({len(lost)} did not fit in the {tier} tier)",
+                f"raise store.{size}",
+            )
         spent = time.perf_counter() - started
         store.precompute_s += spent
         store.precomputed += computed

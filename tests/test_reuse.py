@@ -246,6 +246,25 @@ def test_ram_tier_evicts_least_recently_used_by_bytes():
     assert store.get(keys[1]) is None and store.stats["ram"].misses == 1
 
 
+def test_a_request_keeps_its_own_hits_when_storing_its_misses_evicts(tiny_llama, random_ids):
+    """A RAM tier exactly one request large: the next request shares the prefix and two chunks and
+    brings one new chunk. Storing the new one must evict the old chunk it replaces, not the request's
+    own hits that happen to be least recently used (that made a stream run fail with "vanished")."""
+    first = segmented(random_ids, seed=11)
+    new_chunk = Segment(tuple(random_ids(len(first[1].ids), seed=12)), "chunk")
+    second = (first[0], new_chunk, *first[2:])
+    sizing = ChunkStore(StoreConfig(tier="ram", disk_gb=0))
+    reference = run(tiny_llama, "cacheblend", second, store=sizing)
+    exact = ChunkStore(StoreConfig(tier="ram", ram_gb=sizing._ram_bytes / 2**30, disk_gb=0))
+    run(tiny_llama, "cacheblend", first, store=exact)
+    again = run(tiny_llama, "cacheblend", second, store=exact)
+    assert again.tokens == reference.tokens
+    assert again.telemetry["prepared"]["precomputed_chunks"] == 1 and exact.stats["ram"].evictions == 1
+    too_small = ChunkStore(StoreConfig(tier="ram", ram_gb=sizing._ram_bytes / 2 / 2**30, disk_gb=0))
+    with pytest.raises(ConfigError, match=r"cannot hold one request's 4 chunk caches.*raise store.ram_gb"):
+        run(tiny_llama, "cacheblend", second, store=too_small)
+
+
 def test_disk_tier_round_trips_and_evicts(tmp_path):
     one_file = None
     store = ChunkStore(StoreConfig(tier="disk", dir=str(tmp_path), disk_gb=1.0))

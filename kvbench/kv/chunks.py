@@ -203,6 +203,17 @@ class ChunkStore:
             return "disk"
         return None
 
+    def touch(self, key: ChunkKey) -> str | None:
+        """Mark ``key`` most recently used in the tier that holds it and return that tier (``None``: not
+        held); no accounting. A request touches every cache it will read before it computes any it
+        lacks, so that storing those cannot evict the ones it is about to use."""
+        tier = self.contains(key)
+        if tier == "ram":
+            self._ram.move_to_end(key)
+        elif tier == "disk" and key.digest in self._disk:
+            self._disk.move_to_end(key.digest)
+        return tier
+
     def open(self, key: ChunkKey) -> ChunkReader | None:
         """A reader of the entry (a hit in the tier that holds it), or ``None`` (a miss)."""
         tier = self.contains(key)
