@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,17 +85,28 @@ def finished_runs(frame):
     return frame[finished]
 
 
-def runs_table(paths: Iterable[str | Path], fmt: str = "md", where: dict[str, str] | None = None) -> str:
-    """One row per run with its status and headline metrics."""
-    frame = runs_frame(paths, every_column=bool(where))
+def runs_table(
+    paths: Iterable[str | Path],
+    fmt: str = "md",
+    where: dict[str, str] | None = None,
+    settings: Mapping[str, str] | None = None,
+) -> str:
+    """One row per run with its status and headline metrics. ``settings`` (run id → what sets the run
+    apart from the others of its sweep, e.g. ``store.tier=disk``) adds a "setting" column after the
+    method, so that the runs of one method can be told apart."""
+    frame = runs_frame(paths, every_column=bool(where) or settings is not None)
     if frame.empty:
         return f"(no runs found under {', '.join(str(p) for p in paths)})"
     if where:
         frame = filtered(frame, {COLUMNS.get(k, k): v for k, v in where.items()})
-        frame = frame[[c for c in COLUMNS.values() if c in frame.columns]]
         if frame.empty:
             return "(no runs match)"
-    frame = frame.sort_values([c for c in ("task", "model", "question", "method") if c in frame.columns])
+    shown = list(COLUMNS.values())
+    if settings is not None:
+        frame = frame.assign(setting=[settings.get(run_id) or "–" for run_id in frame["run_id"]])
+        shown.insert(shown.index("method") + 1, "setting")
+    frame = frame[[c for c in shown if c in frame.columns]]
+    frame = frame.sort_values([c for c in ("task", "model", "question", "method", "setting") if c in frame.columns])
     if fmt == "csv":
         return frame.to_csv(index=False)
     if fmt == "latex":

@@ -22,7 +22,7 @@ import hashlib
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,7 +248,9 @@ def reproduce(
         todo = [p for p in pts if state_of(p.run_dir) != "finished"]
         if run and todo:
             run_points(exp, scale, extra, todo, wait=wait)
-    sections = render(exp, scale, [p.run_dir for p in pts], bench, out_dir)
+    sections = render(
+        exp, scale, [p.run_dir for p in pts], bench, out_dir, labels={p.run_dir.name: p.label for p in pts}
+    )
     report = Report(exp, scale, sections, points=pts, out_dir=out_dir)
     report.finished = sum(state_of(p.run_dir) == "finished" for p in pts)
     if write:
@@ -265,9 +267,15 @@ def _override_value(extra: Sequence[str], key: str) -> str | None:
 
 
 def render(
-    exp: Experiment, scale: str, run_dirs: Sequence[Path], bench: dict[str, Any] | None, out_dir: Path
+    exp: Experiment,
+    scale: str,
+    run_dirs: Sequence[Path],
+    bench: dict[str, Any] | None,
+    out_dir: Path,
+    labels: Mapping[str, str] | None = None,
 ) -> list[Section]:
-    """Every section of the artifact, from the finished runs at ``run_dirs`` (or the bench record)."""
+    """Every section of the artifact, from the finished runs at ``run_dirs`` (or the bench record);
+    ``labels`` (run id → its swept values) name each run's setting in the "our runs" table."""
     import pandas as pd
 
     from kvbench.papers import get_artifact
@@ -321,7 +329,12 @@ def render(
             for _, row in runs.iterrows()
             for p in (row["shard_dirs"] if isinstance(row.get("shard_dirs"), list) else [row["run_dir"]])
         }
-        sections.append(Section("our runs", markdown=runs_table(sorted(paths))))
+        settings = {
+            run_id: " ".join(v for v in label.split() if not v.startswith("method="))
+            for run_id, label in (labels or {}).items()
+        }
+        shown = settings if any(settings.values()) else None  # no column when only the method varies
+        sections.append(Section("our runs", markdown=runs_table(sorted(paths), settings=shown)))
     return sections
 
 

@@ -54,6 +54,24 @@ def test_unfinished_runs_are_shown_with_their_progress(tmp_path, niah_config, ca
     assert full.exists()
 
 
+def test_runs_table_tells_runs_of_one_method_apart_by_their_setting(tmp_path, niah_config):
+    """Two runs of one method that differ only in a swept key (as a storage-tier sweep makes) get a
+    "setting" column naming what sets each apart; runs without a label show "–"."""
+    small = run(niah_config(method="oracle", budget__token_ratio=0.1)).run_dir
+    large = run(niah_config(method="oracle", budget__token_ratio=0.5)).run_dir
+    full = run(niah_config()).run_dir
+    settings = {small.name: "budget.token_ratio=0.1", large.name: "budget.token_ratio=0.5"}
+    rows = table_rows(runs_table([tmp_path / "runs"], settings=settings))
+    assert list(rows[0])[:3] == ["model", "method", "setting"]
+    assert {(r["method"], r["setting"]) for r in rows} == {
+        ("full", "–"),
+        ("oracle", "budget.token_ratio=0.1"),
+        ("oracle", "budget.token_ratio=0.5"),
+    }
+    assert "setting" not in table_rows(runs_table([tmp_path / "runs"]))[0]  # only when asked for
+    assert full.exists()
+
+
 def test_report_refuses_a_missing_folder_and_unknown_columns(tmp_path, niah_config, capsys):
     assert cli.main(["report", str(tmp_path / "no-such-folder")]) == 2
     assert "no results folder" in capsys.readouterr().err

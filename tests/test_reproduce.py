@@ -112,6 +112,7 @@ def test_table3_smoke_renders_ours_beside_the_paper(table3_smoke):
     assert "multifieldqa_zh → multifieldqa_en" in text and "/ 47.99 (" in text and "/ 32.44 (" in text
     assert "## protocol differences (scale smoke)" in text and "| model | Llama-3.1-8B | tiny_llama |" in text
     assert "paired against method=full" in text
+    assert "## our runs" in text and "| model | method | task |" in text  # only the method varies: no setting
     report = tmp_path / "report"
     assert (report / "report.md").read_text().startswith("# pqcache/table3")
     assert r"\begin{tabular}" in (report / "report.tex").read_text()
