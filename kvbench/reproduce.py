@@ -48,6 +48,7 @@ class Point:
     config: dict[str, Any]
     run_dir: Path
     label: str  # the swept values
+    setting: str = ""  # the swept values besides the method (the "our runs" table's setting column)
 
 
 @dataclass
@@ -101,11 +102,12 @@ def points(exp: Experiment, scale: str, extra: Sequence[str] = ()) -> list[Point
     settings = [dict(o.partition("=")[::2] for o in point) for point in lists]
     varying = {k for k in set().union(*settings) if len({s.get(k) for s in settings}) > 1}
     labels = [" ".join(f"{k}={v}" for k, v in s.items() if k in varying) for s in settings]
+    apart = [" ".join(f"{k}={v}" for k, v in s.items() if k in varying and k != "method") for s in settings]
     validate_points(configs, labels)
     out: dict[Path, Point] = {}
-    for config, label in zip(configs, labels):
+    for config, label, setting in zip(configs, labels, apart):
         p = plan(config)
-        out.setdefault(p.run_dir.path, Point(config=config, run_dir=p.run_dir.path, label=label))
+        out.setdefault(p.run_dir.path, Point(config=config, run_dir=p.run_dir.path, label=label, setting=setting))
     return list(out.values())
 
 
@@ -249,7 +251,7 @@ def reproduce(
         if run and todo:
             run_points(exp, scale, extra, todo, wait=wait)
     sections = render(
-        exp, scale, [p.run_dir for p in pts], bench, out_dir, labels={p.run_dir.name: p.label for p in pts}
+        exp, scale, [p.run_dir for p in pts], bench, out_dir, settings={p.run_dir.name: p.setting for p in pts}
     )
     report = Report(exp, scale, sections, points=pts, out_dir=out_dir)
     report.finished = sum(state_of(p.run_dir) == "finished" for p in pts)
@@ -272,10 +274,10 @@ def render(
     run_dirs: Sequence[Path],
     bench: dict[str, Any] | None,
     out_dir: Path,
-    labels: Mapping[str, str] | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> list[Section]:
     """Every section of the artifact, from the finished runs at ``run_dirs`` (or the bench record);
-    ``labels`` (run id → its swept values) name each run's setting in the "our runs" table."""
+    ``settings`` (run id → its swept values besides the method) fill the "our runs" table's setting column."""
     import pandas as pd
 
     from kvbench.papers import get_artifact
@@ -329,11 +331,7 @@ def render(
             for _, row in runs.iterrows()
             for p in (row["shard_dirs"] if isinstance(row.get("shard_dirs"), list) else [row["run_dir"]])
         }
-        settings = {
-            run_id: " ".join(v for v in label.split() if not v.startswith("method="))
-            for run_id, label in (labels or {}).items()
-        }
-        shown = settings if any(settings.values()) else None  # no column when only the method varies
+        shown = settings if settings and any(settings.values()) else None  # no column when only the method varies
         sections.append(Section("our runs", markdown=runs_table(sorted(paths), settings=shown)))
     return sections
 
