@@ -426,7 +426,7 @@ def _table_section(
         return Section(title, markdown="(no runs and no published numbers)")
     merged = merged.copy()
     merged["cell"] = [cell(r) for _, r in merged.iterrows()]
-    order = {key: list(dict.fromkeys(merged.sort_values("_row", na_position="last")[key])) for key in rows + cols}
+    order = {key: _axis_order(merged.sort_values("_row", na_position="last"), key) for key in rows + cols}
     csv_rows = []
     for _, r in merged.iterrows():
         theirs = paper.iloc[int(r["_row"])] if not is_missing(r.get("_row")) else None
@@ -465,6 +465,25 @@ def _table_section(
         grid = grid.reindex(_ordered(grid.index, [order[k] for k in rows])).reset_index()
     grid.columns = [str(c) for c in grid.columns]
     return Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=csv, frame=grid)
+
+
+def _axis_order(merged: Any, key: str) -> list[str]:
+    """The order of ``key``'s values along a table axis: those of the paper's rows first, in the paper's
+    order; then ours — by value when they are all numbers (budgets, chunk counts: 2, 4, 8, 16, not the
+    order the runs were found in), else in the order of the sweep."""
+    published = list(dict.fromkeys(merged.loc[merged["_row"].notna(), key]))
+    rest = [v for v in dict.fromkeys(merged[key]) if v not in published]
+    numbers = [_as_number(v) for v in rest]
+    if rest and all(n is not None for n in numbers):
+        rest = [v for _, v in sorted(zip(numbers, rest), key=lambda pair: pair[0])]
+    return published + rest
+
+
+def _as_number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _ordered(index: Any, orders: list[list[str]]) -> Any:
@@ -655,7 +674,7 @@ def render_curve(
             [*index, *(["label"] if "label" in table else []), "x", "y"]
         ]
     else:
-        grid = grid.reset_index()
+        grid = grid.sort_index(axis=1).reset_index()  # x ascending, whatever order the runs came in
         grid.columns = [fmt(c, 3) if isinstance(c, float) else str(c) for c in grid.columns]
         grid = grid.fillna("–")
     return [

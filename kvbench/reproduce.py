@@ -191,7 +191,8 @@ def run_bench(
 
 # ---------------------------------------------------------------------- reading our runs
 def our_runs(run_dirs: Sequence[Path], *, samples: bool = False) -> Any:
-    """The runs at ``run_dirs`` (and the shards that make up any of them), finished ones only."""
+    """The runs at ``run_dirs`` (and the shards that make up any of them), finished ones only, in the
+    order of ``run_dirs``."""
     import pandas as pd
 
     from kvbench.results import load
@@ -209,7 +210,9 @@ def our_runs(run_dirs: Sequence[Path], *, samples: bool = False) -> Any:
     if frame.empty:
         return frame
     frame = frame[frame["run_id"].isin(wanted) & (frame["state"] == "finished")]
-    return frame.reset_index(drop=True)
+    # in the experiment's sweep order (not the folders' hash order): tables and legends follow it
+    position = {p.name: i for i, p in enumerate(run_dirs)}
+    return frame.sort_values("run_id", key=lambda ids: ids.map(position), kind="stable").reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------- the report

@@ -226,6 +226,37 @@ def test_bootstrap_interval_of_a_constant_difference_is_a_point():
     assert not math.isnan(bootstrap_diff([1.0, 9.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0])[0])
 
 
+def test_tables_and_curves_follow_the_sweep_and_sort_numbers(tmp_path):
+    """Runs are found in their folders' (hash) order; the report shows them in the experiment's sweep
+    order (here full_reuse before full, as swept) with numeric axes ascending (2, 4, 8, 16 chunks),
+    in the tables and in the curve's table alike."""
+    import yaml
+
+    from kvbench.reproduce import our_runs, render
+    from kvbench.results import RunDir
+
+    swept = [(m, k) for m in ("full_reuse", "full") for k in (16, 2, 8, 4)]
+    run_dirs = []
+    for index, (method, top_k) in enumerate(swept):
+        run_dir = RunDir(tmp_path / f"rag-{method}-{'zyxwvuts'[index]}")  # sorted names: the reverse order
+        config = {"model": {"name": "m"}, "method": {"name": method}, "task": {"name": "rag", "top_k": top_k}}
+        run_dir.create(yaml.safe_dump(config), {}, total=1)
+        run_dir.append({"id": "a", "score": float(top_k), "meta": {}})
+        run_dir.write_metrics({"n": 1, "score": float(top_k), "per_subset": {"musique": float(top_k)}})
+        run_dir.set_status("finished")
+        run_dirs.append(run_dir.path)
+    runs = our_runs(run_dirs)
+    assert list(zip(runs["config.method.name"], runs["config.task.top_k"])) == swept
+    sections = render(load_experiment("cacheblend/fig2"), "cpu", run_dirs, None, tmp_path / "out")
+    grids = [s.markdown for s in sections if s.title.startswith("F1")]
+    assert len(grids) == 2  # the curve's table and the table
+    for grid in grids:
+        lines = grid.splitlines()
+        header, _, first, second = ([c.strip() for c in line.strip("|").split("|")] for line in lines[:4])
+        assert header[-4:] == ["2", "4", "8", "16"] and [float(c) for c in first[-4:]] == [2, 4, 8, 16]
+        assert "full_reuse" in first and "full" in second
+
+
 # ---------------------------------------------------------------------- the HTML report
 @needs_data
 def test_html_report_is_self_contained(tmp_path, table3_smoke):
