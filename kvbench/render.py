@@ -469,13 +469,14 @@ def _table_section(
 
 def _axis_order(merged: Any, key: str) -> list[str]:
     """The order of ``key``'s values along a table axis: those of the paper's rows first, in the paper's
-    order; then ours — by value when they are all numbers (budgets, chunk counts: 2, 4, 8, 16, not the
-    order the runs were found in), else in the order of the sweep."""
+    order; then ours — by value when they are numbers (budgets, chunk counts: 2, 4, 8, 16, not the order
+    the runs were found in; a run without the key, "–", before them), else in the order of the sweep."""
     published = list(dict.fromkeys(merged.loc[merged["_row"].notna(), key]))
     rest = [v for v in dict.fromkeys(merged[key]) if v not in published]
-    numbers = [_as_number(v) for v in rest]
-    if rest and all(n is not None for n in numbers):
-        rest = [v for _, v in sorted(zip(numbers, rest), key=lambda pair: pair[0])]
+    unset = [v for v in rest if v in ("–", "None", "")]
+    numbers = [(_as_number(v), v) for v in rest if v not in unset]
+    if numbers and all(n is not None for n, _ in numbers):
+        rest = unset + [v for _, v in sorted(numbers, key=lambda pair: pair[0])]
     return published + rest
 
 

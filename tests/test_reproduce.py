@@ -257,6 +257,18 @@ def test_tables_and_curves_follow_the_sweep_and_sort_numbers(tmp_path):
         assert "full_reuse" in first and "full" in second
 
 
+def test_axis_order_puts_numbers_in_order_after_runs_without_the_key():
+    """A ratio column of `full` (no ratio: "–") and CacheBlend at 0.15, 0.05, 0.3 (the sweep's order)
+    reads –, 0.05, 0.15, 0.3; text keeps the sweep's order; the paper's values come first."""
+    from kvbench.render import _axis_order
+
+    frame = pd.DataFrame({"r": ["–", "0.15", "0.05", "0.3"], "m": ["full", "cb", "cb", "cb"], "_row": [None] * 4})
+    assert _axis_order(frame, "r") == ["–", "0.05", "0.15", "0.3"]
+    assert _axis_order(frame, "m") == ["full", "cb"]
+    frame["_row"] = [None, None, None, 0.0]
+    assert _axis_order(frame, "r") == ["0.3", "–", "0.05", "0.15"]
+
+
 # ---------------------------------------------------------------------- the HTML report
 @needs_data
 def test_html_report_is_self_contained(tmp_path, table3_smoke):
