@@ -474,9 +474,10 @@ def _axis_order(merged: Any, key: str) -> list[str]:
     published = list(dict.fromkeys(merged.loc[merged["_row"].notna(), key]))
     rest = [v for v in dict.fromkeys(merged[key]) if v not in published]
     unset = [v for v in rest if v in ("–", "None", "")]
-    numbers = [(_as_number(v), v) for v in rest if v not in unset]
-    if numbers and all(n is not None for n, _ in numbers):
-        rest = unset + [v for _, v in sorted(numbers, key=lambda pair: pair[0])]
+    given = [v for v in rest if v not in unset]
+    numbers = [_as_number(v) for v in given]
+    if given and all(n is not None for n in numbers):
+        rest = unset + [v for _, v in sorted(zip(numbers, given), key=lambda pair: pair[0] or 0.0)]
     return published + rest
 
 
