@@ -475,9 +475,8 @@ def _axis_order(merged: Any, key: str) -> list[str]:
     rest = [v for v in dict.fromkeys(merged[key]) if v not in published]
     unset = [v for v in rest if v in ("–", "None", "")]
     given = [v for v in rest if v not in unset]
-    numbers = [_as_number(v) for v in given]
-    if given and all(n is not None for n in numbers):
-        rest = unset + [v for _, v in sorted(zip(numbers, given), key=lambda pair: pair[0] or 0.0)]
+    if given and all(_as_number(v) is not None for v in given):
+        rest = unset + sorted(given, key=float)
     return published + rest
 
 
