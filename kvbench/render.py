@@ -488,7 +488,8 @@ def _as_number(value: Any) -> float | None:
 
 
 def _ordered(index: Any, orders: list[list[str]]) -> Any:
-    """``index`` sorted by each level's order of first appearance."""
+    """``index`` sorted level by level by the given orders (one list per level, from ``_axis_order``);
+    a value missing from its level's order goes last."""
     import pandas as pd
 
     def key(item: Any) -> tuple:
