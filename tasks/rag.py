@@ -418,6 +418,14 @@ class Rag(Task):
             budget=out.budget,
         )
 
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        metrics = super().aggregate(records)
+        if self.cfg["pipeline"] != "stuff":
+            from kvbench.tasks.rag_pipelines import aggregate
+
+            metrics.update(aggregate(self.cfg["pipeline"], records))
+        return metrics
+
     @classmethod
     def comparison_figure(
         cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None

@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, note
 from kvbench.requests import FollowUp, GenerateRequest, Output, Segment
 
 if TYPE_CHECKING:
@@ -173,6 +173,30 @@ def rerank(outputs: list[Output]) -> tuple[int, list[tuple[str, int | None]]]:
     scores = [-1 if score is None else score for _, score in parsed]
     order = sorted(range(len(parsed)), key=lambda i: -scores[i])
     return order[0], parsed
+
+
+#: below this share of parsed map outputs, a maprerank run says that its ranking is mostly chunk order
+PARSED_WARN = 0.5
+
+
+def aggregate(pipeline: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run-level facts of a chain for metrics.json. For maprerank, ``rerank_scores_parsed``: the share of
+    map outputs that carried a score. A model that does not write the score line leaves the ranking to
+    the tie-break (the earliest chunk), so a low share means the run measured "answer from the first
+    chunk", not a rerank — said once on stderr as well as recorded."""
+    if pipeline != "maprerank":
+        return {}
+    outputs = sum(len(r.get("meta", {}).get("map_outputs") or []) for r in records)
+    unparsed = sum(int(r.get("meta", {}).get("unparsed") or 0) for r in records)
+    if not outputs:
+        return {"rerank_scores_parsed": None}
+    share = (outputs - unparsed) / outputs
+    if share < PARSED_WARN:
+        note(
+            f"maprerank: only {outputs - unparsed} of {outputs} map outputs carried a score line; the rest "
+            "ranked by chunk order (the earliest chunk's answer), so this run is mostly not a rerank"
+        )
+    return {"rerank_scores_parsed": round(share, 4)}
 
 
 def _step_s(out: Output) -> float:

@@ -17,7 +17,7 @@ from kvbench.profile import Profile
 from kvbench.requests import FollowUp, GenerateRequest, Output, join_segments
 from kvbench.runner import run_sample
 from kvbench.tasks import create_task
-from kvbench.tasks.rag_pipelines import parse_rerank, rerank
+from kvbench.tasks.rag_pipelines import aggregate, parse_rerank, rerank
 
 from .test_rag import qa_dir  # noqa: F401 (fixture)
 from .test_reuse import segmented
@@ -360,6 +360,18 @@ def test_maprerank_answers_the_best_scored_chunk(tiny_llama, qa_dir):  # noqa: F
     assert result.prediction == "London" and result.score == pytest.approx(100.0)
     assert result.meta["chosen"] == 1 and result.meta["unparsed"] == 1 and result.meta["map_scores"][2] is None
     assert result.telemetry["ttft_s"] == pytest.approx(6.0) and result.telemetry["pipeline"]["ttft_parallel_s"] == 1.0
+    assert task.aggregate([result.to_record()])["rerank_scores_parsed"] == round(5 / 6, 4)
+
+
+def test_a_maprerank_run_records_and_says_how_few_scores_parsed(capsys):
+    def record(unparsed):
+        return {"score": 0.0, "meta": {"map_outputs": ["a"] * 6, "unparsed": unparsed}}
+
+    assert aggregate("maprerank", [record(1), record(0)]) == {"rerank_scores_parsed": round(11 / 12, 4)}
+    assert "carried a score" not in capsys.readouterr().err
+    assert aggregate("maprerank", [record(6), record(5)]) == {"rerank_scores_parsed": round(1 / 12, 4)}
+    assert "only 1 of 12 map outputs carried a score line" in capsys.readouterr().err
+    assert aggregate("mapreduce", [record(6)]) == {}
 
 
 def test_a_pipeline_runs_end_to_end_on_the_engine(tiny_llama, qa_dir):  # noqa: F811
