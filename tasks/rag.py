@@ -192,7 +192,10 @@ class Rag(Task):
         "max_length": None,
         "pipeline": "stuff",
         "map_tokens": None,
+        "rerank_score": "free",
     }
+    #: ``rerank_score`` joined after runs existed: at its default it stays out of the run id
+    unrecorded_defaults: ClassVar[dict[str, Any]] = {**Task.unrecorded_defaults, "rerank_score": "free"}
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)

@@ -14,7 +14,13 @@ paper compares that with two LangChain chains that process chunks separately (§
   ``Answer … \\nScore: <n>``); the answer with the highest score wins, ties to the earliest chunk
   (LangChain's stable sort on ``-int(score)``). LangChain raises on an output that does not parse;
   here such an output ranks below every parsed one, with its first line as the answer, so one bad
-  generation does not end the run (how many did not parse is recorded).
+  generation does not end the run (how many did not parse is recorded). ``task.rerank_score``:
+  ``free`` (default, LangChain's) leaves the score line to the model; ``cued`` — a documented deviation
+  for small models, which answer and end their turn without it — ends the answer at its first line
+  (or the model's stop token) and feeds ``"\nScore:"`` after it in the same cache, then lets the model
+  write the number (≤ 4 tokens): one prefill per chunk still, a few more decode steps. The map step is
+  then a two-turn :class:`~kvbench.requests.MultiQueryRequest` (the answer kept), and its time is the
+  prefill plus both turns.
 
 The prompts are kvbench's own, written from those chains' documented behaviour (not LangChain's
 text): the map prompts carry the question and ask for a summary (mapreduce) or an answer with a 0–100
@@ -44,13 +50,14 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import ConfigError, note
-from kvbench.requests import FollowUp, GenerateRequest, Output, Segment
+from kvbench.requests import FollowUp, GenerateRequest, MultiQueryRequest, Output, Query, Segment
 
 if TYPE_CHECKING:
     from kvbench.tasks.base import Sample, SampleResult
     from kvbench.tasks.rag import Rag
 
 PIPELINES = ("stuff", "mapreduce", "maprerank")
+RERANK_SCORES = ("free", "cued")
 MAP_TOKENS = {"mapreduce": 64, "maprerank": 32}
 
 MAP_SUMMARY = (
@@ -66,6 +73,8 @@ MAP_RERANK = (
 )
 MAP_RERANK_QUERY = "\n\nQuestion: {question}"
 RERANK_CUE = "Answer:"
+SCORE_CUE = "\nScore:"  # task.rerank_score=cued: fed after the answer's first line
+SCORE_TOKENS = 4
 #: LangChain's map-rerank parser shape: the answer, a newline, "Score:" and an integer
 RERANK_PATTERN = re.compile(r"(?s)^\s*(?:Answer:\s*)?(.*?)\s*\n\s*Score:\s*(\d+)")
 
@@ -78,6 +87,10 @@ def check(cfg: dict[str, Any], dataset: str) -> None:
     tokens = cfg.get("map_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         raise ConfigError(f"task.map_tokens={tokens!r} must be a positive integer or null", "e.g. task.map_tokens=64")
+    if cfg.get("rerank_score", "free") not in RERANK_SCORES:
+        raise ConfigError(
+            f"unknown task.rerank_score {cfg.get('rerank_score')!r}", f"use one of {', '.join(RERANK_SCORES)}"
+        )
     if pipeline != "stuff" and dataset == "multi_news":
         raise ConfigError(
             f"task.pipeline={pipeline} asks a question of every chunk, and multi_news has none",
@@ -107,6 +120,9 @@ def protocol(cfg: dict[str, Any]) -> dict[str, Any]:
             assistant_cue=RERANK_CUE,
             parser=RERANK_PATTERN.pattern,
             ranking="highest score, ties to the earliest chunk; unparsed outputs rank last",
+            score_line="written by the model"
+            if cfg.get("rerank_score", "free") == "free"
+            else f"cued: the answer's first line, then {SCORE_CUE!r} fed, then <= {SCORE_TOKENS} tokens",
         )
     return out
 
@@ -131,6 +147,8 @@ def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
     else:
         prefix = head + encode(MAP_RERANK)
         query = encode(MAP_RERANK_QUERY.format(question=question)) + tail + encode(RERANK_CUE)
+    if pipeline == "maprerank" and task.cfg.get("rerank_score", "free") == "cued":
+        return [_cued(Segment(prefix, "prefix"), chunk, query, new_tokens, encode(SCORE_CUE)) for chunk in chunks]
     maps: list[Any] = [
         _generate([Segment(prefix, "prefix"), chunk, Segment(query, "query")], new_tokens) for chunk in chunks
     ]
@@ -157,6 +175,30 @@ def _generate(segments: list[Segment], max_new_tokens: int) -> GenerateRequest:
     )
 
 
+def _cued(prefix: Segment, chunk: Segment, query: list[int], new_tokens: int, cue: list[int]) -> MultiQueryRequest:
+    """A map-rerank step with its score line cued: the answer (to its first line), then ``cue`` and the
+    score, in one cache (``keep_answers``: the score follows the answer)."""
+    context = [s for s in (prefix, chunk) if len(s)]
+    return MultiQueryRequest(
+        context_ids=[i for s in context for i in s.ids],
+        context_segments=tuple(context),
+        queries=(
+            Query(ids=tuple(query), max_new_tokens=new_tokens, stop_texts=("\n",)),
+            Query(ids=tuple(cue), max_new_tokens=SCORE_TOKENS, stop_texts=("\n",)),
+        ),
+        compression="question_aware",
+        keep_answers=True,
+    )
+
+
+def map_text(out: Output) -> str:
+    """A map step's text: the generation, or for a cued rerank step the answer, the cue and the score."""
+    if not out.turns:
+        return out.text
+    answer, score = out.turns[0].text.strip(), out.turns[1].text.strip() if len(out.turns) > 1 else ""
+    return f"{answer}{SCORE_CUE} {score}"
+
+
 def parse_rerank(text: str) -> tuple[str, int | None]:
     """A map-rerank output as (answer, score); score None when the output does not parse."""
     match = RERANK_PATTERN.match(text)
@@ -169,7 +211,7 @@ def parse_rerank(text: str) -> tuple[str, int | None]:
 def rerank(outputs: list[Output]) -> tuple[int, list[tuple[str, int | None]]]:
     """The index of the winning map output (highest score, ties to the earliest, unparsed last) and
     every output parsed."""
-    parsed = [parse_rerank(out.text) for out in outputs]
+    parsed = [parse_rerank(map_text(out)) for out in outputs]
     scores = [-1 if score is None else score for _, score in parsed]
     order = sorted(range(len(parsed)), key=lambda i: -scores[i])
     return order[0], parsed
@@ -200,6 +242,11 @@ def aggregate(pipeline: str, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _step_s(out: Output) -> float:
+    """A map step's time: prefill + decode; for a cued rerank step, the prefill + both turns."""
+    if out.turns:
+        return float(out.telemetry.get("prefill_s") or 0.0) + sum(
+            float(t.telemetry.get("turn_s") or 0.0) for t in out.turns
+        )
     return float(out.telemetry.get("ttft_s") or 0.0) + float(out.telemetry.get("decode_s") or 0.0)
 
 
@@ -215,6 +262,7 @@ def result(task: Rag, sample: Sample, outputs: list[Output]) -> SampleResult:
     steps = [
         {
             "step": "map",
+            "step_s": _step_s(out),
             "prompt_tokens": out.prompt_tokens,
             "ttft_s": out.telemetry.get("ttft_s"),
             "decode_s": out.telemetry.get("decode_s"),
@@ -222,7 +270,7 @@ def result(task: Rag, sample: Sample, outputs: list[Output]) -> SampleResult:
         }
         for out in maps
     ]
-    meta: dict[str, Any] = {**sample.meta, "pipeline": pipeline, "map_outputs": [out.text for out in maps]}
+    meta: dict[str, Any] = {**sample.meta, "pipeline": pipeline, "map_outputs": [map_text(out) for out in maps]}
     if pipeline == "mapreduce":
         final = outputs[n_maps]
         first = float(final.telemetry.get("ttft_s") or 0.0)

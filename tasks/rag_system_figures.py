@@ -270,7 +270,7 @@ def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
             "e.g. kvbench run -m method=full task=rag task.pipeline=mapreduce,maprerank ...",
         )
     _mark_differences(infos)
-    placed = {"task.pipeline", "task.map_tokens"}
+    placed = {"task.pipeline", "task.map_tokens", "task.rerank_score"}
     grouped = groups(infos)
     panels = []
     for (model, dataset), runs in grouped.items():
@@ -289,6 +289,8 @@ def pipelines(infos: list[RunInfo]) -> tuple[list[Panel], str, str, int]:
                 label = _label(info, placed)
             else:
                 name, color, marker = PIPELINE_NAMES.get(pipeline, (pipeline, "#8c564b", "X"))
+                if pipeline == "maprerank" and _setting(info, "task.rerank_score") == "cued":
+                    name, color = f"{name}, score cued", "#d62728"
                 label = name + ("" if info.method == "full" else f" ({METHODS.get(info.method, (info.method,))[0]})")
             ttft = info.ttft
             if ttft is not None:  # (every run records TTFT; one without has no place on this axis)

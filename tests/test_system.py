@@ -14,7 +14,7 @@ from kvbench.methods import create_method
 from kvbench.methods.cacheblend import Costs, LoadingController
 from kvbench.methods.reuse import ReusePrefill
 from kvbench.profile import Profile
-from kvbench.requests import FollowUp, GenerateRequest, Output, join_segments
+from kvbench.requests import FollowUp, GenerateRequest, MultiQueryRequest, Output, join_segments
 from kvbench.runner import run_sample
 from kvbench.tasks import create_task
 from kvbench.tasks.rag_pipelines import aggregate, parse_rerank, rerank
@@ -361,6 +361,35 @@ def test_maprerank_answers_the_best_scored_chunk(tiny_llama, qa_dir):  # noqa: F
     assert result.meta["chosen"] == 1 and result.meta["unparsed"] == 1 and result.meta["map_scores"][2] is None
     assert result.telemetry["ttft_s"] == pytest.approx(6.0) and result.telemetry["pipeline"]["ttft_parallel_s"] == 1.0
     assert task.aggregate([result.to_record()])["rerank_scores_parsed"] == round(5 / 6, 4)
+
+
+def test_a_cued_maprerank_feeds_the_score_cue_after_the_answer_and_ranks_by_it(tiny_llama, qa_dir):  # noqa: F811
+    cfg = {"name": "rag", "dataset": "musique", "data_dir": str(qa_dir), "pipeline": "maprerank", "limit": 2}
+    task = create_task({**cfg, "rerank_score": "cued", "map_tokens": 3})
+    sample = list(task.samples(tiny_llama))[1]  # two passages
+    requests = task.requests(sample, tiny_llama)
+    assert all(isinstance(r, MultiQueryRequest) and r.keep_answers for r in requests) and len(requests) == 2
+    free = create_task(cfg).requests(sample, tiny_llama)
+    assert [r.context_ids + list(r.queries[0].ids) for r in requests] == [r.input_ids for r in free]
+    assert tiny_llama.tokenizer.decode(list(requests[0].queries[1].ids)) == "\nScore:"
+    turns = [(["Paris", "20"], 1.0), (["London", "95"], 2.0)]
+    outs = [
+        Output(
+            text=a,
+            telemetry={"prefill_s": s, "ttft_s": s},
+            turns=[Output(text=a, telemetry={"turn_s": 0.5}), Output(text=b, telemetry={"turn_s": 0.25})],
+        )
+        for (a, b), s in turns
+    ]
+    result = task.result(sample, outs)
+    assert result.meta["map_scores"] == [20, 95] and result.meta["chosen"] == 1 and result.meta["unparsed"] == 0
+    assert result.prediction == "London" and result.meta["map_outputs"] == ["Paris\nScore: 20", "London\nScore: 95"]
+    assert result.telemetry["ttft_s"] == pytest.approx(1.75 + 2.75)
+    assert result.telemetry["pipeline"]["ttft_parallel_s"] == pytest.approx(2.75)
+    ran = run_sample(task, sample, tiny_llama, create_method({"name": "full"}), BudgetConfig(), Profile())
+    assert all("\nScore:" in text for text in ran.meta["map_outputs"]) and len(ran.meta["map_outputs"]) == 2
+    with pytest.raises(ConfigError, match="rerank_score"):
+        create_task({**cfg, "rerank_score": "forced"})
 
 
 def test_a_maprerank_run_records_and_says_how_few_scores_parsed(capsys):
