@@ -87,7 +87,7 @@ def check(cfg: dict[str, Any], dataset: str) -> None:
     tokens = cfg.get("map_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         raise ConfigError(f"task.map_tokens={tokens!r} must be a positive integer or null", "e.g. task.map_tokens=64")
-    if cfg.get("rerank_score", "free") not in RERANK_SCORES:
+    if rerank_score(cfg) not in RERANK_SCORES:
         raise ConfigError(
             f"unknown task.rerank_score {cfg.get('rerank_score')!r}", f"use one of {', '.join(RERANK_SCORES)}"
         )
@@ -121,7 +121,7 @@ def protocol(cfg: dict[str, Any]) -> dict[str, Any]:
             parser=RERANK_PATTERN.pattern,
             ranking="highest score, ties to the earliest chunk; unparsed outputs rank last",
             score_line="written by the model"
-            if cfg.get("rerank_score", "free") == "free"
+            if rerank_score(cfg) == "free"
             else f"cued: the answer's first line, then {SCORE_CUE!r} fed, then <= {SCORE_TOKENS} tokens",
         )
     return out
@@ -129,6 +129,11 @@ def protocol(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def map_tokens(cfg: dict[str, Any]) -> int:
     return int(cfg.get("map_tokens") or MAP_TOKENS[cfg["pipeline"]])
+
+
+def rerank_score(cfg: dict[str, Any]) -> str:
+    """``task.rerank_score``: who writes maprerank's score line (``free``: the model; ``cued``: prompted)."""
+    return str(cfg.get("rerank_score", "free"))
 
 
 def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
@@ -147,7 +152,7 @@ def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
     else:
         prefix = head + encode(MAP_RERANK)
         query = encode(MAP_RERANK_QUERY.format(question=question)) + tail + encode(RERANK_CUE)
-    if pipeline == "maprerank" and task.cfg.get("rerank_score", "free") == "cued":
+    if pipeline == "maprerank" and rerank_score(task.cfg) == "cued":
         return [_cued(Segment(prefix, "prefix"), chunk, query, new_tokens, encode(SCORE_CUE)) for chunk in chunks]
     maps: list[Any] = [
         _generate([Segment(prefix, "prefix"), chunk, Segment(query, "query")], new_tokens) for chunk in chunks
