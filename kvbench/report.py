@@ -13,8 +13,9 @@ out.
 from __future__ import annotations
 
 import difflib
+import json
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -266,21 +267,40 @@ def comparison_figure(
     shown = [
         c
         for c in ("model", "method", "budget", "question", "lengths")
-        if c in frame.columns and frame[c].astype(str).nunique() > 1
+        if c in frame.columns and frame[c].astype(str).nunique() > 1 and c not in task.figure_joins
     ] or ["method"]
+    joined = _joined_runs(frame, task.figure_joins)
     runs: list[tuple[str, list[dict[str, Any]]]] = []
-    for _, row in frame.iterrows():
+    for rows in joined:
+        row = rows[0]
         # first line: the method (or what else differs); second line: the rest, and the run's score
         head, rest = shown[:1], shown[1:]
         title = " · ".join(str(row[c]) for c in head)
         second = " · ".join(str(row[c]) for c in rest)
-        if row.get("score") == row.get("score") and row.get("score") is not None:
+        if len(rows) == 1 and row.get("score") == row.get("score") and row.get("score") is not None:
             second += f"  ({row['score']:.1f})"
         title = f"{title}\n{second.strip()}" if second.strip() else title
-        runs.append(FigureRun(title, run_records(row), RunDir(Path(row["run_dir"])).config()))
+        records = [record for r in rows for record in run_records(r)]
+        runs.append(FigureRun(title, records, RunDir(Path(row["run_dir"])).config()))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return task.draw_figure(runs, out, kind)
+
+
+def _joined_runs(frame, joins: Sequence[str]) -> list[list[Any]]:
+    """The rows of ``frame`` in order, grouped so that runs differing only in the ``joins`` columns
+    (and in what follows from them: run id, score, timings) share a group; one row per group without
+    joins. Runs are the same when every other config key (``config.*``) agrees."""
+    rows = [row for _, row in frame.iterrows()]
+    if not joins:
+        return [[row] for row in rows]
+    dropped = {*joins, *(f"config.task.{c}" for c in joins), "config.output_dir"}
+    renamed = {short for key, short in COLUMNS.items() if key.startswith("config.")}  # model, method, ...
+    keys = sorted(c for c in frame.columns if (c.startswith("config.") or c in renamed) and c not in dropped)
+    groups: dict[str, list[Any]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps([str(row[c]) for c in keys]), []).append(row)
+    return list(groups.values())
 
 
 def _differing_columns(frame) -> list[str]:

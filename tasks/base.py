@@ -138,6 +138,9 @@ class Task:
     #: the figures :meth:`comparison_figure` draws (``kvbench report --figure-kind``), the default first;
     #: empty for a task with a single figure
     figure_kinds: ClassVar[tuple[str, ...]] = ()
+    #: ``kvbench report`` columns that :meth:`comparison_figure` draws as one run: runs that differ
+    #: only in them have their samples joined (RULER's runs, one per length, become one curve)
+    figure_joins: ClassVar[tuple[str, ...]] = ()
     #: whether the runs of a sweep may share one chunk store (:func:`kvbench.kv.chunks.run_store`);
     #: false for a task whose runs must each start on an empty store (a request stream)
     shares_chunk_store: ClassVar[bool] = True

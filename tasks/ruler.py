@@ -155,6 +155,7 @@ def largest_fitting(measure: Callable[[int], int], budget: int, low: int, high: 
 class Ruler(Task):
     name = "ruler"
     chunked = True  # prefix / the haystack as one chunk / query
+    figure_joins = ("lengths",)  # a sweep split into one run per length draws one curve per method
     defaults = {
         "subsets": list(TASKS),
         "lengths": [4096, 8192],

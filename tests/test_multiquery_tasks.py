@@ -311,3 +311,35 @@ def test_ruler_by_length_figure(tmp_path):
     ]
     path = ruler_by_length([("full\nfull cache", records), ("snapkv\nratio 0.1", records[:2])], tmp_path / "r.png")
     assert path.stat().st_size > 5000
+
+
+def test_report_joins_ruler_runs_split_by_length_into_one_curve(tmp_path, monkeypatch):
+    """A RULER sweep run one length per run (benchmarks/multiquery.sh) draws one line per method:
+    the runs that differ only in task.lengths have their samples joined; other methods stay apart."""
+    import yaml
+
+    from kvbench.report import comparison_figure
+    from kvbench.results import RunDir
+    from kvbench.tasks.ruler import Ruler
+
+    def write(name, method, length, score):
+        config = {"model": {"name": "m"}, "method": {"name": method}, "task": {"name": "ruler", "lengths": [length]}}
+        run_dir = RunDir(tmp_path / "runs" / name)
+        run_dir.create(yaml.safe_dump(config), {}, total=1)
+        run_dir.append({"id": f"{name}-0", "score": score, "meta": {"task": "vt", "length": length}})
+        run_dir.write_metrics({"n": 1, "score": score})
+        run_dir.set_status("finished")
+
+    write("a", "full", 4096, 100.0)
+    write("b", "full", 8192, 60.0)
+    write("c", "snapkv", 4096, 20.0)
+    drawn = {}
+
+    def capture(cls, runs, path):
+        drawn["runs"] = runs
+        return path
+
+    monkeypatch.setattr(Ruler, "comparison_figure", classmethod(capture))
+    comparison_figure([tmp_path / "runs"], tmp_path / "r.png")
+    lines = {title: sorted(r["meta"]["length"] for r in records) for title, records in drawn["runs"]}
+    assert lines == {"full": [4096, 8192], "snapkv\n(20.0)": [4096]}, lines
