@@ -540,7 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pivot",
         nargs=2,
         metavar=("ROWS", "COLS"),
-        help="one metric as a grid: comma-separated columns down and across, e.g. method question",
+        help="one metric as a grid: comma-separated columns down and across, e.g. method question; "
+        "the column dataset splits runs into their subsets (dataset method: a task-by-method table)",
     )
     p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
     p_report.add_argument(

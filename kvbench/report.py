@@ -59,13 +59,21 @@ def check_paths(paths: Iterable[str | Path]) -> list[Path]:
     return folders
 
 
-def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False):
-    """Runs as a DataFrame with the short column names; ``every_column`` keeps the other keys too."""
+def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False, subsets: bool = False):
+    """Runs as a DataFrame with the short column names; ``every_column`` keeps the other keys too.
+    ``subsets`` adds one row per subset of a run that reports subsets (``dataset`` = the subset, its
+    score; the run's own row gets ``dataset=average``), as :func:`kvbench.render.long_frame` does."""
     from kvbench.results import load
 
     frame = load(list(paths))
     if frame.empty:
         return frame
+    if subsets:
+        from kvbench.render import RUN_LEVEL, long_frame
+
+        status = dict(zip(frame["run_id"], frame["status"], strict=True)) if "status" in frame.columns else {}
+        frame = long_frame(frame).drop(columns=[RUN_LEVEL])
+        frame["status"] = frame["run_id"].map(status)
     if not every_column:
         frame = frame[[c for c in COLUMNS if c in frame.columns]]
     return frame.rename(columns=COLUMNS)
@@ -174,17 +182,18 @@ def pivot_table(
     where: dict[str, str] | None = None,
     fmt: str = "md",
 ) -> str:
-    """One metric of many runs as a grid: ``rows`` keys down, ``cols`` keys across.
+    """One metric of many runs as a grid: ``rows`` keys down, ``cols`` keys across. The key ``dataset``
+    splits each run into its subsets (LongBench's datasets, RULER's tasks) plus their ``average``.
 
     Two runs landing in the same cell is an error (it would hide one of them): add a ``where`` filter
     or another key.
     """
     from kvbench.errors import ConfigError
 
-    frame = runs_frame(paths, every_column=True)
+    rows, cols, value = [COLUMNS.get(k, k) for k in rows], [COLUMNS.get(k, k) for k in cols], COLUMNS.get(value, value)
+    frame = runs_frame(paths, every_column=True, subsets="dataset" in [*rows, *cols])
     if frame.empty:
         return f"(no runs found under {', '.join(str(p) for p in paths)})"
-    rows, cols, value = [COLUMNS.get(k, k) for k in rows], [COLUMNS.get(k, k) for k in cols], COLUMNS.get(value, value)
     where = {COLUMNS.get(k, k): v for k, v in (where or {}).items()}
     check_columns(frame, [*rows, *cols, value], "report")
     frame = finished_runs(filtered(frame, where))

@@ -313,26 +313,31 @@ def test_ruler_by_length_figure(tmp_path):
     assert path.stat().st_size > 5000
 
 
+def write_ruler_run(root, name, method, length, scores):
+    """A finished synthetic RULER run at ``root/name``: one sample per (task, score) in ``scores``."""
+    import yaml
+
+    from kvbench.results import RunDir
+
+    config = {"model": {"name": "m"}, "method": {"name": method}, "task": {"name": "ruler", "lengths": [length]}}
+    run_dir = RunDir(root / name)
+    run_dir.create(yaml.safe_dump(config), {}, total=len(scores))
+    for index, (task, score) in enumerate(scores.items()):
+        run_dir.append({"id": f"{name}-{index}", "score": score, "meta": {"task": task, "length": length}})
+    mean = sum(scores.values()) / len(scores)
+    run_dir.write_metrics({"n": len(scores), "score": mean, "per_subset": {**scores, f"len{length}": mean}})
+    run_dir.set_status("finished")
+
+
 def test_report_joins_ruler_runs_split_by_length_into_one_curve(tmp_path, monkeypatch):
     """A RULER sweep run one length per run (benchmarks/multiquery.sh) draws one line per method:
     the runs that differ only in task.lengths have their samples joined; other methods stay apart."""
-    import yaml
-
     from kvbench.report import comparison_figure
-    from kvbench.results import RunDir
     from kvbench.tasks.ruler import Ruler
 
-    def write(name, method, length, score):
-        config = {"model": {"name": "m"}, "method": {"name": method}, "task": {"name": "ruler", "lengths": [length]}}
-        run_dir = RunDir(tmp_path / "runs" / name)
-        run_dir.create(yaml.safe_dump(config), {}, total=1)
-        run_dir.append({"id": f"{name}-0", "score": score, "meta": {"task": "vt", "length": length}})
-        run_dir.write_metrics({"n": 1, "score": score})
-        run_dir.set_status("finished")
-
-    write("a", "full", 4096, 100.0)
-    write("b", "full", 8192, 60.0)
-    write("c", "snapkv", 4096, 20.0)
+    write_ruler_run(tmp_path / "runs", "a", "full", 4096, {"vt": 100.0})
+    write_ruler_run(tmp_path / "runs", "b", "full", 8192, {"vt": 60.0})
+    write_ruler_run(tmp_path / "runs", "c", "snapkv", 4096, {"vt": 20.0})
     drawn = {}
 
     def capture(cls, runs, path):
@@ -343,3 +348,15 @@ def test_report_joins_ruler_runs_split_by_length_into_one_curve(tmp_path, monkey
     comparison_figure([tmp_path / "runs"], tmp_path / "r.png")
     lines = {title: sorted(r["meta"]["length"] for r in records) for title, records in drawn["runs"]}
     assert lines == {"full": [4096, 8192], "snapkv\n(20.0)": [4096]}, lines
+
+
+def test_report_pivots_a_runs_subsets_by_method(tmp_path):
+    """`kvbench report --pivot dataset method`: RULER's task-by-method table straight from the runs."""
+    from kvbench.report import pivot_table
+
+    write_ruler_run(tmp_path / "runs", "a", "full", 4096, {"vt": 100.0, "cwe": 50.0})
+    write_ruler_run(tmp_path / "runs", "b", "snapkv", 4096, {"vt": 20.0, "cwe": 0.0})
+    table = pivot_table([tmp_path / "runs"], ["dataset"], ["method"], fmt="csv").splitlines()
+    assert table == ["dataset,full,snapkv", "average,75.0,10.0", "cwe,50.0,0.0", "len4096,75.0,10.0", "vt,100.0,20.0"]
+    one = pivot_table([tmp_path / "runs"], ["dataset"], [], where={"method": "snapkv"}, fmt="csv").splitlines()
+    assert one == ["dataset,score", "average,10.0", "cwe,0.0", "len4096,10.0", "vt,20.0"]
