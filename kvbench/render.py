@@ -228,7 +228,7 @@ def long_frame(runs: Any) -> Any:
                     **{
                         k: v
                         for k, v in base.items()
-                        if k.startswith("config.") or k in ("run_id", "run_dir", "budget.label", "n", "state")
+                        if k.startswith("config.") or k in ("run_id", "run_dir", "budget.label", "n", "state", "status")
                     },
                     "dataset": name,
                     "score": score,

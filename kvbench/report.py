@@ -71,9 +71,7 @@ def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False, subse
     if subsets:
         from kvbench.render import RUN_LEVEL, long_frame
 
-        status = dict(zip(frame["run_id"], frame["status"], strict=True)) if "status" in frame.columns else {}
         frame = long_frame(frame).drop(columns=[RUN_LEVEL])
-        frame["status"] = frame["run_id"].map(status)
     if not every_column:
         frame = frame[[c for c in COLUMNS if c in frame.columns]]
     return frame.rename(columns=COLUMNS)
