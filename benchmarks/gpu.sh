@@ -5,8 +5,9 @@
 #   (cudatests: tests/test_gpu.py alone; env: LENGTHS, NEW_TOKENS, ROUNDS, REPEATS, STEP_TIMEOUT per step;
 #   PARAMS='kmeans_device=model ...' the method's parameters, TAG names their records)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
-#   bash benchmarks/gpu.sh clusterkv reuse profile decode
-#   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill)
+#   bash benchmarks/gpu.sh clusterkv reuse profile decode kmeans
+#   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill;
+#   kmeans: one layer's clustering, timed and profiled, at KMEANS_LENGTHS)
 #
 # Records land in $OUT (default benchmarks/gpu-out/). On a machine without hydra-core & co. (a bare
 # CUDA image with torch and transformers), `bash benchmarks/gpu_prepare.sh` puts their wheels in .whl/
@@ -39,8 +40,8 @@ for step in "$@"; do
       git log -1 --format='commit %H' 2>/dev/null || true ;;
     cudatests)  # tests/test_gpu.py alone: the CUDA paths (the whole suite takes minutes: `tests`)
       timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log" ;;
-    tests)
-      timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log"
+    tests|suite)  # suite: the rest of the suite alone (tests: test_gpu.py first)
+      [ "$step" = tests ] && timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log"
       # the packaged models (SmolLM2, Qwen2.5) come from PyPI: integration tests need them fetched
       timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -p no:cacheprovider --maxfail=40 --timeout=180 -n "${WORKERS:-8}" -m "${MARK:-not integration}" 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
     smoke)
@@ -54,6 +55,11 @@ for step in "$@"; do
       done ;;
     reuse)
       timeout "${STEP_TIMEOUT:-600}" $KV bench reuse_ttft --device cuda --model llama31_8b_shape --repeats "${REPEATS:-3}" --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;
+    kmeans)  # where one layer's k-means goes (ClusterKV's and PQCache's), both accumulation paths side by side
+      for length in ${KMEANS_LENGTHS:-32768 131072}; do
+        timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_kmeans.py --length "$length" --repeats "${REPEATS:-2}" \
+          --out "$OUT/kmeans-$length" 2>&1 | grep -v "^USDT" | tee -a "$OUT/kmeans.log"
+      done ;;
     decode)  # where a decode step's time goes (torch.profiler, CPU and CUDA)
       timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_decode.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-8192}" \
         --new-tokens 12 --rounds 1 --methods pqcache,clusterkv --torch-profile 25 2>&1 | tee "$OUT/decode-profile.log" ;;
@@ -62,6 +68,6 @@ for step in "$@"; do
         | tail -60 | tee "$OUT/overlap.log"
       cp "$OUT/overlap/summary.json" "$OUT/overlap-summary.json" 2>/dev/null
       cp "$OUT/overlap/trace.json.gz" "$OUT/overlap-trace.json.gz" 2>/dev/null ;;
-    *) echo "unknown step $step (info cudatests tests smoke pqcache clusterkv reuse decode profile)"; exit 2 ;;
+    *) echo "unknown step $step (info cudatests tests suite smoke pqcache clusterkv reuse kmeans decode profile)"; exit 2 ;;
   esac
 done

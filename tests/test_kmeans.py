@@ -143,6 +143,37 @@ def test_chunked_assignment_equals_one_block(metric: str, monkeypatch):
     assert torch.equal(assign(x, whole.centroids, metric, chunk=3, phi=whole.phi, extra=whole.extra), whole.labels)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"metric": "l2", **SKLEARN},
+        {"metric": "cosine", "stop_when_stable": True},
+        {"metric": "ip", "empty": "relocate"},
+    ],
+)
+def test_atomic_sums_give_the_serial_result(options: dict, monkeypatch: pytest.MonkeyPatch):
+    """The CUDA default accumulates counts and sums with atomic ``index_add_`` (no host read, no sort);
+    forced onto the CPU it gives what ``bincount`` + ``index_put_`` give: same labels, counts and
+    updates, centroids to rounding (ragged valid points, several problems per step, chunked)."""
+    x, _ = blobs(problems=3, per=50, spread=1.0, seed=9)
+    valid = torch.ones(3, 200, dtype=torch.bool)
+    valid[2, 120:] = False
+    monkeypatch.setattr(kmeans_module, "CPU_DISTANCE_BUDGET", 7 * 9 * 2)  # 2 problems per step
+    results = []
+    for atomic in (False, True):
+        monkeypatch.setattr(kmeans_module, "ATOMIC_SUMS", atomic)
+        results.append(kmeans(x, 7, iters=12, seed=3, chunk=9, valid=valid, **options))
+    serial, atomic_ = results
+    assert torch.equal(serial.labels, atomic_.labels) and torch.equal(serial.counts, atomic_.counts)
+    assert torch.equal(serial.updates, atomic_.updates) and int(serial.updates.max()) > 1
+    torch.testing.assert_close(serial.centroids, atomic_.centroids, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(serial.inertia, atomic_.inertia, rtol=1e-5, atol=1e-5)
+    assert kmeans_module._atomic_sums(torch.device("cpu")) is True  # the forced setting wins
+    monkeypatch.setattr(kmeans_module, "ATOMIC_SUMS", None)
+    assert not kmeans_module._atomic_sums(torch.device("cpu"))
+    assert kmeans_module._atomic_sums(torch.device("cuda"))
+
+
 def test_default_chunk_bounds_the_distance_block():
     # The PQCache shape of the brief: 16 problems of 131072 points, 64 clusters.
     rows = default_chunk(16, 64, 131072, "cuda")

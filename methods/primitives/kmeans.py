@@ -108,8 +108,9 @@ distances with ``empty="relocate"``), so a large fp16 input is never converted a
 float32 whatever the input dtype; centroids are float32.
 Ties in the assignment go to the lowest centroid index (both reductions keep the first maximum).
 Determinism: on CPU a call is bitwise reproducible (``index_put_`` accumulates serially); on CUDA sums
-may differ in the last bits between runs. Host reads: ``stop_when_stable`` and ``tol`` read one flag
-per problem per iteration, ``empty="relocate"`` the number of empty clusters.
+are atomic adds (``ATOMIC_SUMS``) and may differ in the last bits between runs. Host reads:
+``stop_when_stable`` and ``tol`` read one flag per problem per iteration, ``empty="relocate"`` the
+number of empty clusters; nothing else is read back (on CUDA ``bincount`` would read each step's label range).
 """
 
 from __future__ import annotations
@@ -149,6 +150,12 @@ ONEDNN_MIN_PRODUCTS = 1 << 21
 # The working copy of the points (float32, with the bias column) is built once when it is at most this
 # large, instead of being refilled chunk by chunk in every sweep.
 WORK_CACHE_BYTES = 1 << 28
+# How a sweep adds up the clusters' point counts and coordinate sums. ``None`` (the default): atomic
+# ``index_add_`` on CUDA, where ``bincount`` reads the labels' range back to the host twice per step
+# and ``index_put_(accumulate=True)`` sorts every step's indices first; ``bincount`` and the serial,
+# bitwise reproducible ``index_put_`` on CPU, where ``index_add_`` runs one op per row. ``True`` or
+# ``False`` forces one path on every device (tests compare them; tools/profile_kmeans.py times both).
+ATOMIC_SUMS: bool | None = None
 
 
 @dataclass
@@ -165,6 +172,11 @@ class KMeansResult:
 
 def _on_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
+
+
+def _atomic_sums(device: torch.device) -> bool:
+    """Whether sweeps on ``device`` accumulate with atomic ``index_add_`` (see ``ATOMIC_SUMS``)."""
+    return device.type == "cuda" if ATOMIC_SUMS is None else ATOMIC_SUMS
 
 
 def _cpu_step() -> tuple[int, int]:
@@ -425,6 +437,7 @@ def _sweep(
     changed = torch.zeros(count, dtype=torch.bool, device=device) if compare else None
     distance = torch.empty(count, n, dtype=torch.float32, device=device) if keep_distance else None
     group = min(points.group, count)
+    atomic = _atomic_sums(device)
     scores = torch.empty(group * k * min(step, n), dtype=torch.float32, device=device)
     for first in range(0, count, group):
         part = slice(first, min(count, first + group))
@@ -452,9 +465,15 @@ def _sweep(
                 inertia[part] += dist.sum(dim=1)
             if distance is not None and dist is not None:  # (keep_distance computes dist)
                 distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
-            counts += torch.bincount((index + offset).view(-1), minlength=count * (k + 1))
-            if sums is not None:  # (a [g, c, D] view of the chunk: flattening it would copy)
-                sums.index_put_((owner.expand_as(index), index), block[..., :width], accumulate=True)
+            flat = (index + offset).view(-1)
+            if atomic:  # (see ATOMIC_SUMS: no host sync, one atomic add per point and coordinate)
+                counts.index_add_(0, flat, torch.ones_like(flat))
+                if sums is not None:
+                    sums.view(-1, width).index_add_(0, flat, block[..., :width].reshape(-1, width))
+            else:
+                counts += torch.bincount(flat, minlength=count * (k + 1))
+                if sums is not None:  # (a [g, c, D] view of the chunk: flattening it would copy)
+                    sums.index_put_((owner.expand_as(index), index), block[..., :width], accumulate=True)
     return _Sweep(
         inertia=inertia,
         counts=counts.view(count, k + 1)[:, :k],
