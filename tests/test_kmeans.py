@@ -177,8 +177,8 @@ def test_atomic_sums_give_the_serial_result(options: dict, monkeypatch: pytest.M
 def test_default_chunk_bounds_the_distance_block():
     # The PQCache shape of the brief: 16 problems of 131072 points, 64 clusters.
     rows = default_chunk(16, 64, 131072, "cuda")
-    assert rows * 16 * 64 == DISTANCE_BUDGET  # 64 MiB of float32 scores at a time on CUDA
-    assert rows * 16 * 64 * 4 + rows * 16 * 65 * 4 <= 2**28  # plus one float32 chunk of 65 columns: 256 MiB
+    assert rows * 16 * 64 == DISTANCE_BUDGET  # 256 MiB of float32 scores at a time on CUDA
+    assert rows * 16 * 64 * 4 + rows * 16 * 65 * 4 <= 2**30  # plus one float32 chunk of 65 columns: 1 GiB
     assert group_size(16, 64, rows, "cuda") == 16
     cpu = default_chunk(16, 64, 131072)  # CPU: up to CPU_CHUNK points of as many problems as fit in 4 MiB
     assert cpu == CPU_CHUNK and cpu * group_size(16, 64, cpu) * 64 == CPU_DISTANCE_BUDGET

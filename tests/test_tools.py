@@ -23,10 +23,10 @@ def test_profile_kmeans_times_every_variant_and_restores_the_module(tmp_path: Pa
     from kvbench.methods.primitives import kmeans as kmeans_module
 
     tool = load("profile_kmeans")
-    before = (kmeans_module.ATOMIC_SUMS, kmeans_module.DISTANCE_BUDGET, kmeans_module.WORK_CACHE_BYTES)
+    before = {name: getattr(kmeans_module, name) for name in tool.SETTINGS}
     argv = ["--device", "cpu", "--length", "400", "--repeats", "1", "--pq-iters", "3", "--out", str(tmp_path)]
     summary = tool.main(argv)
-    assert (kmeans_module.ATOMIC_SUMS, kmeans_module.DISTANCE_BUDGET, kmeans_module.WORK_CACHE_BYTES) == before
+    assert {name: getattr(kmeans_module, name) for name in tool.SETTINGS} == before
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     ckv, pq = summary["cases"]["clusterkv"], summary["cases"]["pqcache"]
     assert ckv["problems"] == [8, 400 - 16, 128] and ckv["k"] == round(384 / 80)

@@ -37,13 +37,16 @@ import torch
 
 HEADS, HEAD_DIM = 8, 128
 
-#: the k-means module settings each timed variant runs with (the rest as the module has them):
-#: ``serial`` bincount + index_put_ sums, ``atomic`` index_add_ sums (the CUDA default), ``wide`` atomic
-#: sums with 4x larger assignment steps and the points' working copy kept up to 1 GiB
+#: the k-means module settings each timed variant runs with (the rest as the module has them). On CUDA:
+#: ``serial`` is the module's path before 2026-11-28 (bincount + index_put_ sums, 64 MiB of scores a
+#: step, points cached up to 256 MiB), ``atomic`` the same steps with index_add_ sums, ``wide`` atomic
+#: sums with 256 MiB steps and points cached up to 1 GiB (the CUDA default since; RESULTS.md §9c).
+#: On a CPU only ATOMIC_SUMS changes anything (its steps follow CPU_DISTANCE_BUDGET).
+SETTINGS = ("ATOMIC_SUMS", "DISTANCE_BUDGET", "CUDA_WORK_CACHE_BYTES")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "serial": {"ATOMIC_SUMS": False},
-    "atomic": {"ATOMIC_SUMS": True},
-    "wide": {"ATOMIC_SUMS": True, "DISTANCE_BUDGET": 1 << 26, "WORK_CACHE_BYTES": 1 << 30},
+    "serial": {"ATOMIC_SUMS": False, "DISTANCE_BUDGET": 1 << 24, "CUDA_WORK_CACHE_BYTES": 1 << 28},
+    "atomic": {"ATOMIC_SUMS": True, "DISTANCE_BUDGET": 1 << 24, "CUDA_WORK_CACHE_BYTES": 1 << 28},
+    "wide": {"ATOMIC_SUMS": True, "DISTANCE_BUDGET": 1 << 26, "CUDA_WORK_CACHE_BYTES": 1 << 30},
 }
 
 
@@ -149,13 +152,13 @@ def run(device: torch.device, length: int, repeats: int, pq_iters: int, top: int
         "length": length,
         "cases": {},
     }
-    saved = {name: getattr(kmeans_module, name) for name in ("ATOMIC_SUMS", "DISTANCE_BUDGET", "WORK_CACHE_BYTES")}
+    saved = {name: getattr(kmeans_module, name) for name in SETTINGS}
     try:
         for name, case in cases(length, pq_iters).items():
             x = problems(case, device)
             entry: dict[str, Any] = {"problems": list(x.shape), "k": case["k"], "options": case["options"]}
             for label, settings in VARIANTS.items():
-                for key, value in {**saved, **settings}.items():
+                for key, value in settings.items():
                     setattr(kmeans_module, key, value)
                 entry[label] = timed(x, case, repeats)
             for key, value in saved.items():

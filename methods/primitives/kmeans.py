@@ -139,7 +139,7 @@ SKLEARN = {"stop_when_stable": True, "tol": 1e-4, "empty": "relocate"}
 # With several threads, steps are 4x larger (16 MiB, still within the L3 cache): every step costs a
 # few thread barriers, and on a CPU shared with other busy processes a barrier can wait for a whole
 # scheduler slice (measured on the 2-core machine under load: 12 s with 4 MiB steps vs 36 s).
-DISTANCE_BUDGET = 1 << 24
+DISTANCE_BUDGET = 1 << 26
 CPU_DISTANCE_BUDGET = 1 << 20
 CPU_CHUNK = 4096
 CPU_PARALLEL_SCALE = 4
@@ -150,6 +150,10 @@ ONEDNN_MIN_PRODUCTS = 1 << 21
 # The working copy of the points (float32, with the bias column) is built once when it is at most this
 # large, instead of being refilled chunk by chunk in every sweep.
 WORK_CACHE_BYTES = 1 << 28
+# On CUDA up to 1 GiB (ClusterKV's 8 heads x 128k keys of 129 float32 columns: 541 MB), and 256 MiB of
+# scores a step (DISTANCE_BUDGET): one 128k-token layer clustered 1.67x faster on an H200 than with
+# 256 MiB and 64 MiB (fewer, larger steps; tools/profile_kmeans.py, RESULTS.md §9c).
+CUDA_WORK_CACHE_BYTES = 1 << 30
 # How a sweep adds up the clusters' point counts and coordinate sums. ``None`` (the default): atomic
 # ``index_add_`` on CUDA, where ``bincount`` reads the labels' range back to the host twice per step
 # and ``index_put_(accumulate=True)`` sorts every step's indices first; ``bincount`` and the serial,
@@ -188,8 +192,8 @@ def _cpu_step() -> tuple[int, int]:
 
 def default_chunk(problems: int, k: int, n: int | None = None, device: torch.device | str | None = None) -> int:
     """Points of each problem per assignment step (``MIN_CHUNK`` at least). CUDA: all problems at
-    once within ``DISTANCE_BUDGET`` scores (P=16, k=64: 16384 points, 64 MiB of scores plus one
-    64 MiB float32 chunk). CPU, one thread: ``CPU_DISTANCE_BUDGET // k`` points, at most
+    once within ``DISTANCE_BUDGET`` scores (P=16, k=64: 65536 points, 256 MiB of scores plus one
+    256 MiB float32 chunk). CPU, one thread: ``CPU_DISTANCE_BUDGET // k`` points, at most
     ``CPU_CHUNK``, of ``group_size`` problems at a time (larger with several threads)."""
     if _on_cuda(device):
         rows = max(MIN_CHUNK, DISTANCE_BUDGET // max(1, problems * k))
@@ -282,7 +286,7 @@ class _Points:
         self.width = d + (phi is not None)
         self.raw = torch.cat([_sq_norm(x[:, s : s + step].float()) for s in range(0, n, step)], dim=1)  # [P, n]
         self._cache: Tensor | None = None
-        if problems * n * (self.width + 1) * 4 <= WORK_CACHE_BYTES:
+        if problems * n * (self.width + 1) * 4 <= (CUDA_WORK_CACHE_BYTES if x.is_cuda else WORK_CACHE_BYTES):
             self._buffer = torch.empty(problems * n * (self.width + 1), dtype=torch.float32, device=x.device)
             self._cache = self._fill(slice(None), 0, n)
         else:
