@@ -245,10 +245,16 @@ def _pin_device(resolved: dict[str, Any]) -> None:
     try:
         import torch
         from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
 
         if not torch.cuda.is_available():
             return
-        index = pinned_device(int(HydraConfig.get().job.num or 0), torch.cuda.device_count())
+        # a single run (no --multirun) has no job number: hydra.job.num is MISSING there, and reading
+        # it raised, which stopped every plain `kvbench run` on a CUDA machine
+        number = OmegaConf.select(HydraConfig.get(), "job.num", default=None, throw_on_missing=False)
+        if number is None:
+            return
+        index = pinned_device(int(number), torch.cuda.device_count())
     except (ImportError, ValueError):
         return
     if index is not None:

@@ -534,22 +534,24 @@ class ReusePrefill(PrefillPlan):
         """
         assert self.reference is not None  # (called only with profile.deviation)
         keys_f, values_f, queries_f = self.reference
-        cached = torch.nonzero(self.cached_mask).flatten()
+        # per-token deviations are computed where the KV lives and read on the host (curves, ranks)
+        device = keys_f[0].device if keys_f else torch.device("cpu")
+        cached = torch.nonzero(self.cached_mask).flatten().cpu()
         curves, means, top15, per_layer = [], [], [], []
         blended, attention_dev = [], []
         scale = self.ctx.spec.head_dim**-0.5
-        positions = torch.arange(self.n)
-        query_positions = positions[self.query_mask]
+        positions = torch.arange(self.n, device=device)
+        query_positions = positions[self.query_mask.to(device)]
         for layer in range(len(keys_f)):
-            dev = torch.zeros(self.n)
+            dev = torch.zeros(self.n, device=device)
             for span in self.spans:
                 assert span.reader is not None
                 _, v = span.reader.layer(layer)
-                v = v[:, span.rows].float()
+                v = v[:, span.rows].to(device).float()
                 dev[span.begin : span.end] = (
                     (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
                 )
-            tokens = dev[cached]
+            tokens = dev.cpu()[cached]
             per_layer.append(tokens)
             ordered = torch.sort(tokens).values
             curves.append(
@@ -562,7 +564,7 @@ class ReusePrefill(PrefillPlan):
             total = float(tokens.sum())
             top15.append(float(ordered[-k:].sum()) / total if total > 0 else 0.0)
             kv = self.ctx.store[layer]
-            blend_k, blend_v = kv.keys[:, : self.n].float(), kv.values[:, : self.n].float()
+            blend_k, blend_v = kv.keys[:, : self.n].to(device).float(), kv.values[:, : self.n].to(device).float()
             blended.append(
                 float(
                     (

@@ -177,3 +177,39 @@ def test_device_pinning_spreads_jobs_over_gpus():
 
     assert [pinned_device(i, 4) for i in range(6)] == [0, 1, 2, 3, 0, 1]
     assert pinned_device(3, 1) is None and pinned_device(0, 0) is None
+
+
+def test_device_pinning_leaves_a_single_run_alone_and_pins_sweep_jobs(monkeypatch: pytest.MonkeyPatch):
+    """On a CUDA node, a plain `kvbench run` (no --multirun: Hydra's job number is MISSING) runs where it
+    is, and sweep job i takes GPU i mod n. (Reading the MISSING job number used to raise, which stopped
+    every single run on a CUDA machine; CI has no GPU, so CUDA is faked here.)"""
+    import torch
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from kvbench.cli import _pin_device
+    from kvbench.compose import CONFIG_MODULE, register_method_configs
+
+    register_method_configs()
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        cfg = compose("config", return_hydra_config=True)
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("KVBENCH_PIN_DEVICES", raising=False)
+    saved = HydraConfig.instance().cfg
+    try:
+        HydraConfig.instance().set_config(cfg)
+        _pin_device({"model": {"device": "auto"}})  # a single run: job.num is MISSING
+        assert chosen == []
+        OmegaConf.set_readonly(cfg.hydra, False)  # (set_config made it read-only)
+        with open_dict(cfg):
+            cfg.hydra.job.num = 3
+        HydraConfig.instance().set_config(cfg)
+        _pin_device({"model": {"device": "auto"}})
+        _pin_device({"model": {"device": "cuda:0"}})  # an explicit device is kept
+        assert chosen == [1]
+    finally:
+        HydraConfig.instance().cfg = saved

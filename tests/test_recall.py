@@ -96,6 +96,7 @@ def test_the_oracle_per_query_head_covering_its_own_selection_scores_one(fixture
 def reference_recall(query, keys, positions, slots, prompt, b):
     """ClusterKV's ``stat_topk`` written with Python sets: per query head, top-b of raw q·k over the
     prompt keys, overlap with the attended prompt slots, divided by b; mean over heads."""
+    query, keys, positions, slots = query.cpu(), keys.cpu(), positions.cpu(), slots.cpu()
     heads = query.shape[1]
     group = heads // keys.shape[0]
     per_row = heads // slots.shape[0]

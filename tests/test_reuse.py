@@ -43,12 +43,12 @@ def _layer0_keys(loaded, ids, start):
     """Layer-0 post-RoPE keys of ``ids`` placed at positions ``start..`` (computed directly, no reuse)."""
     model = loaded.model
     layer = model.model.layers[0]
-    hidden = layer.input_layernorm(model.model.embed_tokens(torch.tensor([ids])))
+    hidden = layer.input_layernorm(model.model.embed_tokens(torch.tensor([ids], device=loaded.device)))
     attn = layer.self_attn
     k = attn.k_proj(hidden).view(1, len(ids), -1, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "k_norm"):
         k = attn.k_norm(k)
-    positions = torch.arange(start, start + len(ids)).view(1, -1)
+    positions = torch.arange(start, start + len(ids), device=loaded.device).view(1, -1)
     cos, sin = model.model.rotary_emb(k, positions)
     import sys
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
 from kvbench.results import RunDir, load, run_id_for
@@ -46,7 +47,7 @@ def test_a_run_writes_its_directory_and_resumes(tmp_path, niah_config):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["n"] == 4 and metrics["ttft_s"] > 0 and metrics["grid"]["600"]["0"] >= 0
     env = json.loads((run_dir / "env.json").read_text())
-    assert env["torch"] and env["device"] == "cpu"
+    assert env["torch"] and env["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     status = (run_dir / "status.json").read_bytes()
     again = run(cfg)
     assert again.ran == 0 and again.metrics["n"] == 4
