@@ -49,6 +49,8 @@ for step in "$@"; do
         --lengths 4096 --new-tokens 8 --save "$OUT/smoke.json" 2>&1 | tee "$OUT/smoke.log" ;;
     pqcache|clusterkv)  # one process per length: a length that runs out of time keeps the others
       for length in ${LENGTHS:-32768 65536 131072}; do
+        # the prompt and the new tokens share Llama-3.1's 131072 positions: "128k" is 131072 - new tokens
+        [ $((length + ${NEW_TOKENS:-256})) -gt 131072 ] && length=$((131072 - ${NEW_TOKENS:-256}))
         timeout "${STEP_TIMEOUT:-600}" $KV bench ${step}_e2e --device cuda --model llama31_8b_shape --lengths "$length" \
           --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" $(for p in ${PARAMS:-}; do echo --param "$p"; done) \
           --save "$OUT/bench-gpu-$step${TAG:+-$TAG}-$length.json" 2>&1 | tee -a "$OUT/$step.log"

@@ -112,6 +112,7 @@ def timed(x: torch.Tensor, case: dict[str, Any], repeats: int) -> dict[str, Any]
 
 def profiled(x: torch.Tensor, case: dict[str, Any], top: int) -> dict[str, Any]:
     """One profiled call: the ``top`` ops by self device time and by self CPU time, and the host reads."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from kvbench.methods.primitives.kmeans import kmeans
@@ -138,7 +139,8 @@ def profiled(x: torch.Tensor, case: dict[str, Any], top: int) -> dict[str, Any]:
         "by_device": [row(e) for e in sorted(events, key=device_us, reverse=True)[:top] if device_us(e) > 0],
         "by_cpu": [row(e) for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]],
         "host_reads": {e.key: int(e.count) for e in events if e.key in reads},
-        "device_ms": sum(device_us(e) for e in events) / 1e3,
+        # kernels only: an op's row repeats the time of the kernels it launched
+        "device_ms": sum(device_us(e) for e in events if e.device_type == DeviceType.CUDA) / 1e3,
         "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
     }
 
