@@ -251,7 +251,8 @@ def _pin_device(resolved: dict[str, Any]) -> None:
             return
         # a single run (no --multirun) has no job number: hydra.job.num is MISSING there, and reading
         # it raised, which stopped every plain `kvbench run` on a CUDA machine
-        number = OmegaConf.select(HydraConfig.get(), "job.num", default=None, throw_on_missing=False)
+        hydra_cfg: Any = HydraConfig.get()  # (typed HydraConf; a DictConfig at run time)
+        number = OmegaConf.select(hydra_cfg, "job.num", default=None, throw_on_missing=False)
         if number is None:
             return
         index = pinned_device(int(number), torch.cuda.device_count())
