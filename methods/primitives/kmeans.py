@@ -110,7 +110,8 @@ Ties in the assignment go to the lowest centroid index (both reductions keep the
 Determinism: on CPU a call is bitwise reproducible (``index_put_`` accumulates serially); on CUDA sums
 are atomic adds (``ATOMIC_SUMS``) and may differ in the last bits between runs. Host reads:
 ``stop_when_stable`` and ``tol`` read one flag per problem per iteration, ``empty="relocate"`` the
-number of empty clusters; nothing else is read back (on CUDA ``bincount`` would read each step's label range).
+number of empty clusters; nothing else is read back (on CUDA ``bincount`` would read each step's
+label range: hence ``ATOMIC_SUMS``).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ EMPTY_RULES = ("keep", "relocate")
 # scikit-learn's KMeans(algorithm="lloyd", tol=1e-4) semantics (PQCache's reference clustering).
 SKLEARN = {"stop_when_stable": True, "tol": 1e-4, "empty": "relocate"}
 
-# float32 scores in flight in one assignment step: 64 MiB on CUDA (over all problems), 4 MiB on CPU
+# float32 scores in flight in one assignment step: 256 MiB on CUDA (over all problems), 4 MiB on CPU
 # (a block that stays in the L2/L3 cache between the GEMM that writes it and the reduction that reads
 # it is ~3x faster than one that streams through memory). On CPU a step covers up to CPU_CHUNK points
 # of as many problems as fit: MKL's GEMM is ~1.4x faster on one [256, 4096] block than on 32 [256, 128].
@@ -150,9 +151,10 @@ ONEDNN_MIN_PRODUCTS = 1 << 21
 # The working copy of the points (float32, with the bias column) is built once when it is at most this
 # large, instead of being refilled chunk by chunk in every sweep.
 WORK_CACHE_BYTES = 1 << 28
-# On CUDA up to 1 GiB (ClusterKV's 8 heads x 128k keys of 129 float32 columns: 541 MB), and 256 MiB of
-# scores a step (DISTANCE_BUDGET): one 128k-token layer clustered 1.67x faster on an H200 than with
-# 256 MiB and 64 MiB (fewer, larger steps; tools/profile_kmeans.py, RESULTS.md §9c).
+# On CUDA the working copy is kept up to 1 GiB (ClusterKV's 8 heads x 128k keys of 129 float32 columns:
+# 541 MB). With this and 256 MiB steps (DISTANCE_BUDGET), one 128k-token ClusterKV layer clustered
+# 1.67x faster on an H200 than with 256 MiB and 64 MiB: fewer, larger steps (tools/profile_kmeans.py,
+# RESULTS.md §9c).
 CUDA_WORK_CACHE_BYTES = 1 << 30
 # How a sweep adds up the clusters' point counts and coordinate sums. ``None`` (the default): atomic
 # ``index_add_`` on CUDA, where ``bincount`` reads the labels' range back to the host twice per step
