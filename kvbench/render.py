@@ -554,6 +554,23 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     return None if result is None else result * scale
 
 
+def _check_metric(frame: Any, metric: str) -> None:
+    """A claim's metric must name a column of the rows it reads (else every "ours" would print as
+    missing, which reads like a run that measured nothing): the error lists the columns ending alike."""
+    import difflib
+
+    if column(frame, metric) is not None:
+        return
+    leaf = metric.rsplit(".", 1)[-1]
+    close = [c for c in frame.columns if str(c).endswith(leaf)] or difflib.get_close_matches(
+        metric, [str(c) for c in frame.columns], n=3
+    )
+    raise ConfigError(
+        f"claims: metric {metric!r} is not a column of the rows it reads",
+        f"use one of {', '.join(map(str, close))}" if close else "fix the claim's ours.metric",
+    )
+
+
 def render_claims(
     exp: Any, spec: Mapping[str, Any], runs: Any, bench_rows: Any = None, samples: Any = None
 ) -> list[Section]:
@@ -568,6 +585,9 @@ def render_claims(
     else:
         frame = select(long_frame(runs), spec.get("where")) if not runs.empty else pd.DataFrame()
     split = list(spec.get("split", ["model"] if bench_rows is None else []))
+    if not frame.empty:
+        for claim in spec.get("rows") or []:
+            _check_metric(frame, claim["ours"].get("metric", "score"))
     out = []
     for label, group in groups(frame, split) if not frame.empty else [("", frame)]:
         for claim in spec.get("rows") or []:

@@ -181,6 +181,20 @@ def test_claim_ops_against_hand_computed_values():
     )
 
 
+def test_a_claim_metric_that_names_no_column_is_refused_with_the_likely_one():
+    """A claim reading a column its rows lack printed "–" for ours, as if nothing were measured
+    (clusterkv/cache_hit_rate read telemetry.cluster_hit_rate; the samples hold
+    telemetry.method.cluster_hit_rate): now it is a config error naming the column that fits."""
+    from kvbench.render import _check_metric
+
+    samples = pd.DataFrame({"telemetry.method.cluster_hit_rate": [0.8], "telemetry.hit_rate": [0.7], "score": [1.0]})
+    _check_metric(samples, "telemetry.method.cluster_hit_rate")
+    _check_metric(samples, "score")
+    with pytest.raises(ConfigError, match="telemetry.method.cluster_hit_rate") as refused:
+        _check_metric(samples, "telemetry.cluster_hit_rate")
+    assert "is not a column" in str(refused.value)
+
+
 def test_bad_render_item_is_refused():
     from kvbench.render import check_render
 
