@@ -554,9 +554,10 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     return None if result is None else result * scale
 
 
-def _check_metric(frame: Any, metric: str) -> None:
-    """A claim's metric must name a column of the rows it reads (else every "ours" would print as
-    missing, which reads like a run that measured nothing): the error lists the columns ending alike."""
+def _check_metric(frame: Any, metric: str, kind: str = "claims") -> None:
+    """A claim's metric (a curve's y) must name a column of the rows it reads, else every "ours" would
+    print as missing (a curve as "no data yet"), which reads like runs that measured nothing: the error
+    lists the columns ending alike."""
     import difflib
 
     if column(frame, metric) is not None:
@@ -566,8 +567,8 @@ def _check_metric(frame: Any, metric: str) -> None:
         metric, [str(c) for c in frame.columns], n=3
     )
     raise ConfigError(
-        f"claims: metric {metric!r} is not a column of the rows it reads",
-        f"use one of {', '.join(map(str, close))}" if close else "fix the claim's ours.metric",
+        f"{kind}: metric {metric!r} is not a column of the rows it reads",
+        f"use one of {', '.join(map(str, close))}" if close else f"fix the {kind} item's metric",
     )
 
 
@@ -638,10 +639,12 @@ def render_curve(
         "bench": lambda: bench_rows,
     }[source]()
     frame = select(frame, spec.get("where")) if frame is not None and not frame.empty else pd.DataFrame()
-    if spec.get("explode") and not frame.empty:
-        frame = _explode(frame, spec["y"], spec["x"])
     x = spec["x"]
     ys = spec["y"] if isinstance(spec["y"], list) else [spec["y"]]
+    for y in ys if not frame.empty else []:
+        _check_metric(frame, y, "curve")
+    if spec.get("explode") and not frame.empty:
+        frame = _explode(frame, spec["y"], spec["x"])
     series = list(spec.get("series") or [])
     split = list(spec.get("split", ["model"] if source != "bench" else []))
     title = spec.get("title") or f"{', '.join(ys)} vs {x}"

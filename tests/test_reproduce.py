@@ -193,6 +193,8 @@ def test_a_claim_metric_that_names_no_column_is_refused_with_the_likely_one():
     with pytest.raises(ConfigError, match="telemetry.method.cluster_hit_rate") as refused:
         _check_metric(samples, "telemetry.cluster_hit_rate")
     assert "is not a column" in str(refused.value)
+    with pytest.raises(ConfigError, match="^curve: metric 'telemetry.hit'"):
+        _check_metric(samples, "telemetry.hit", "curve")
 
 
 def test_bad_render_item_is_refused():
