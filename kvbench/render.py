@@ -29,7 +29,9 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
 
 ``curve`` — y against x, one line per ``series``, one panel per ``split`` (recall vs budget, PPL,
 latency vs context, quality vs TTFT); ``source: samples`` reads per-sample columns (``meta.length``,
-``telemetry.tt2t_s``), ``source: bench`` the benchmark's rows; ``y`` may list several columns.
+``telemetry.tt2t_s``), ``source: bench`` the benchmark's rows; ``y`` may list several columns; ``per``
+names a column every ``y`` is divided by (``per: telemetry.decode_steps`` turns a request's decode-time
+totals into per-step times).
 
 ``figure`` — the task's own comparison figure of the runs (NIAH heatmap panels like PQCache Fig. 9,
 PG19 perplexity curves), titled by the ``title`` columns, one per ``split`` group; ``kind`` picks one
@@ -89,6 +91,7 @@ _ITEM_KEYS = {
         "logy",
         "label",
         "explode",
+        "per",
     },
     "figure": {"title", "split", "where", "panels", "kind"},
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
@@ -641,7 +644,8 @@ def render_curve(
     frame = select(frame, spec.get("where")) if frame is not None and not frame.empty else pd.DataFrame()
     x = spec["x"]
     ys = spec["y"] if isinstance(spec["y"], list) else [spec["y"]]
-    for y in ys if not frame.empty else []:
+    per = spec.get("per")
+    for y in [*ys, *([per] if per else [])] if not frame.empty else []:
         _check_metric(frame, y, "curve")
     if spec.get("explode") and not frame.empty:
         frame = _explode(frame, spec["y"], spec["x"])
@@ -662,9 +666,10 @@ def render_curve(
                 continue
             line = names + (f" · {y}" if len(ys) > 1 or not series else "")
             line = line.str.strip(" ·")
-            part = pd.DataFrame(
-                {"split": label, "series": line, "x": xs, "y": pd.to_numeric(group[y_col], errors="coerce")}
-            )
+            ys_of = pd.to_numeric(group[y_col], errors="coerce")
+            if per:  # (a zero divisor gives NaN: the point is dropped, never infinite)
+                ys_of = ys_of / pd.to_numeric(group[column(group, per)], errors="coerce").replace(0, float("nan"))
+            part = pd.DataFrame({"split": label, "series": line, "x": xs, "y": ys_of})
             if spec.get("label"):
                 part["label"] = values(group, spec["label"]).values
             points.append(part)

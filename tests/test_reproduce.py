@@ -197,6 +197,38 @@ def test_a_claim_metric_that_names_no_column_is_refused_with_the_likely_one():
         _check_metric(samples, "telemetry.hit", "curve")
 
 
+def test_a_curve_per_column_turns_request_totals_into_per_step_times(tmp_path):
+    """``per: telemetry.decode_steps`` divides every y by the sample's decode steps (PQCache Fig. 12b:
+    select/fetch/compute/decode_s are request totals over a number of steps that differs by sample), so
+    the parts add up to the mean step time; a zero divisor drops the point instead of plotting inf."""
+    from kvbench.experiments import load_experiment
+    from kvbench.render import check_render, render_curve
+
+    spec = {
+        "source": "samples",
+        "x": "meta.length",
+        "y": ["telemetry.select_s", "telemetry.decode_s"],
+        "per": "telemetry.decode_steps",
+        "split": [],
+    }
+    check_render({"curve": spec})
+    samples = pd.DataFrame(
+        {
+            "meta.length": [1024, 1024, 2048, 4096],
+            "telemetry.select_s": [1.0, 3.0, 2.0, 5.0],
+            "telemetry.decode_s": [4.0, 8.0, 6.0, 9.0],
+            "telemetry.decode_steps": [10, 20, 30, 0],
+        }
+    )
+    exp = load_experiment("pqcache/fig12b")
+    [section] = render_curve(exp, spec, pd.DataFrame(), samples, None, tmp_path, "t")
+    rows = {line.split("|")[1].strip(): line for line in section.markdown.splitlines() if line.startswith("| tele")}
+    # 1024: the mean over the samples of 1/10 and 3/20 = 0.125; 2048: 2/30; 4096: no steps, no point
+    assert "0.125" in rows["telemetry.select_s"] and "0.067" in rows["telemetry.select_s"]
+    assert "0.400" in rows["telemetry.decode_s"] and "0.200" in rows["telemetry.decode_s"]
+    assert "inf" not in section.markdown
+
+
 def test_bad_render_item_is_refused():
     from kvbench.render import check_render
 
