@@ -444,6 +444,8 @@ def _sweep(
     distance = torch.empty(count, n, dtype=torch.float32, device=device) if keep_distance else None
     group = min(points.group, count)
     atomic = _atomic_sums(device)
+    # the counts' increments, made once per sweep (a step's chunk never holds more points)
+    ones = torch.ones(group * min(step, n), dtype=torch.long, device=device) if atomic else None
     scores = torch.empty(group * k * min(step, n), dtype=torch.float32, device=device)
     for first in range(0, count, group):
         part = slice(first, min(count, first + group))
@@ -473,7 +475,8 @@ def _sweep(
                 distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
             flat = (index + offset).view(-1)
             if atomic:  # (see ATOMIC_SUMS: no host sync, one atomic add per point and coordinate)
-                counts.index_add_(0, flat, torch.ones_like(flat))
+                assert ones is not None
+                counts.index_add_(0, flat, ones[: flat.numel()])
                 if sums is not None:
                     sums.view(-1, width).index_add_(0, flat, block[..., :width].reshape(-1, width))
             else:
