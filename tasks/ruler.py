@@ -155,7 +155,9 @@ def largest_fitting(measure: Callable[[int], int], budget: int, low: int, high: 
 class Ruler(Task):
     name = "ruler"
     chunked = True  # prefix / the haystack as one chunk / query
-    figure_joins = ("lengths",)  # a sweep split into one run per length draws one curve per method
+    # a sweep split into one run per length draws one curve per method, also when the lengths were run
+    # with different sample counts (a draw depends only on seed, task, length and index)
+    figure_joins = ("lengths", "num_samples")
     defaults = {
         "subsets": list(TASKS),
         "lengths": [4096, 8192],

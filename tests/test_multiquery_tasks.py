@@ -313,13 +313,15 @@ def test_ruler_by_length_figure(tmp_path):
     assert path.stat().st_size > 5000
 
 
-def write_ruler_run(root, name, method, length, scores):
-    """A finished synthetic RULER run at ``root/name``: one sample per (task, score) in ``scores``."""
+def write_ruler_run(root, name, method, length, scores, **task):
+    """A finished synthetic RULER run at ``root/name``: one sample per (task, score) in ``scores``;
+    ``task`` adds task config keys."""
     import yaml
 
     from kvbench.results import RunDir
 
-    config = {"model": {"name": "m"}, "method": {"name": method}, "task": {"name": "ruler", "lengths": [length]}}
+    task_cfg = {"name": "ruler", "lengths": [length], **task}
+    config = {"model": {"name": "m"}, "method": {"name": method}, "task": task_cfg}
     run_dir = RunDir(root / name)
     run_dir.create(yaml.safe_dump(config), {}, total=len(scores))
     for index, (task, score) in enumerate(scores.items()):
@@ -331,13 +333,15 @@ def write_ruler_run(root, name, method, length, scores):
 
 def test_report_joins_ruler_runs_split_by_length_into_one_curve(tmp_path, monkeypatch):
     """A RULER sweep run one length per run (benchmarks/multiquery.sh) draws one line per method:
-    the runs that differ only in task.lengths have their samples joined; other methods stay apart."""
+    the runs that differ only in task.lengths (and task.num_samples: the longer length is often run with
+    fewer draws) have their samples joined; other methods, and runs with another seed, stay apart."""
     from kvbench.report import comparison_figure
     from kvbench.tasks.ruler import Ruler
 
-    write_ruler_run(tmp_path / "runs", "a", "full", 4096, {"vt": 100.0})
-    write_ruler_run(tmp_path / "runs", "b", "full", 8192, {"vt": 60.0})
-    write_ruler_run(tmp_path / "runs", "c", "snapkv", 4096, {"vt": 20.0})
+    write_ruler_run(tmp_path / "runs", "a", "full", 4096, {"vt": 100.0}, num_samples=5)
+    write_ruler_run(tmp_path / "runs", "b", "full", 8192, {"vt": 60.0}, num_samples=2)
+    write_ruler_run(tmp_path / "runs", "c", "snapkv", 4096, {"vt": 20.0}, num_samples=5)
+    write_ruler_run(tmp_path / "runs", "d", "snapkv", 8192, {"vt": 10.0}, num_samples=2, seed=7)
     drawn = {}
 
     def capture(cls, runs, path):
@@ -347,7 +351,7 @@ def test_report_joins_ruler_runs_split_by_length_into_one_curve(tmp_path, monkey
     monkeypatch.setattr(Ruler, "comparison_figure", classmethod(capture))
     comparison_figure([tmp_path / "runs"], tmp_path / "r.png")
     lines = {title: sorted(r["meta"]["length"] for r in records) for title, records in drawn["runs"]}
-    assert lines == {"full": [4096, 8192], "snapkv\n(20.0)": [4096]}, lines
+    assert lines == {"full": [4096, 8192], "snapkv\n(20.0)": [4096], "snapkv\n(10.0)": [8192]}, lines
 
 
 def test_report_pivots_a_runs_subsets_by_method(tmp_path):
