@@ -30,6 +30,10 @@ Schema (one file)::
         note: "..."
         metric: "..."               # what the values are; or {quantity: description} when the rows
         unit: "score (0-100)"       #   carry a `quantity` dim; same for unit
+        column: score               # optional: the kvbench result column the values are (score,
+                                    #   hit_rate, recall...); a `table` sets its cells beside the paper's
+                                    #   only when its value is this column. Without it (a deviation, a
+                                    #   reduction, a ratio) the numbers are compared through `claims`.
         dims: [dataset, method, token_ratio, comm_ratio]
         values:
           - {dataset: narrativeqa, dataset_label: NarrativeQA, method: full, token_ratio: null, comm_ratio: null,
@@ -124,6 +128,7 @@ _ARTIFACT_KEYS = (
     "note",
     "metric",
     "unit",
+    "column",
     "dims",
     "values",
 )
@@ -154,6 +159,7 @@ class Artifact:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     metric: str | Mapping[str, str] | None = None
     unit: str | Mapping[str, str] | None = None
+    column: str | None = None  # the result column the values are directly comparable with
     dims: tuple[str, ...] = ()
     values: tuple[Mapping[str, Any], ...] = ()
 
@@ -353,6 +359,8 @@ def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, 
             raise bad(f"{key} must be a non-empty string")
     if not isinstance(spec.get("numbers"), bool):
         raise bad("numbers must be true or false")
+    if spec.get("column") is not None and not _text(spec["column"]):
+        raise bad("column must name a result column (score, hit_rate, recall, ...)")
     model = spec.get("model")
     models = model if isinstance(model, list) else [] if model is None else [model]
     for name in models:
@@ -404,6 +412,7 @@ def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, 
         fixed=MappingProxyType(fixed),
         metric=_frozen(spec.get("metric")),
         unit=_frozen(spec.get("unit")),
+        column=spec.get("column"),
         dims=tuple(dims),
         values=tuple(MappingProxyType(row) for row in values),
     )

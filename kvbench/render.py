@@ -14,7 +14,9 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
   ``budget_tokens``, ``question_position``, method parameters such as ``cache_policy``) and on its
   ``fixed`` keys; ``reproduce.join`` renames a dim, ``reproduce.stand_ins`` maps one of our values to
   the paper's (a staged Chinese QA set standing in for an English one), and shows it. One table per
-  ``split`` group (default: per model, since the paper's model is not ours).
+  ``split`` group (default: per model, since the paper's model is not ours). The paper's numbers join
+  only a table whose ``value`` is the artifact's declared ``column`` (``results/papers``: ``column:
+  score``): a hit-rate table is not set beside a TPOT reduction. ``compare: none`` shows ours alone.
 
 ``claims`` — numbers the paper states in prose (ranges, bounds) against ours, computed by an ``op``::
 
@@ -324,7 +326,9 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
     value, digits = spec.get("value", "score"), int(spec.get("digits", 2))
     split = list(spec.get("split", ["model"]))
     art, paper = paper_rows(exp, None if spec.get("compare") in (None, "none") else spec["compare"])
-    if spec.get("compare") == "none" or "quantity" in art.dims:  # the paper's numbers are claims, not cells
+    # cells sit beside the paper's only when they measure what its numbers measure (its `column`);
+    # deviations, reductions and ratios are compared through `claims`
+    if spec.get("compare") == "none" or "quantity" in art.dims or art.column != value:
         paper = paper.iloc[0:0]
     shown_keys = [*rows_keys, *cols_keys, *split, *(spec.get("where") or {})]
     ours = select(rows_for(long_frame(runs), shown_keys), spec.get("where")) if not runs.empty else pd.DataFrame()
