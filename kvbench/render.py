@@ -24,7 +24,8 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
                ours: {op: ratio, metric: ttft_s, a: {method: full}, b: {method: cacheblend}}}]}
 
   The row's keys besides ``ours`` pick the paper's row. Ops: ``value`` (mean of ``a``), ``ratio``
-  (a / b), ``diff`` (a − b), ``max_diff`` (largest a − b over rows aligned on ``over``),
+  (a / b), ``diff`` (a − b), ``max_diff`` (largest a − b over rows aligned on ``over``; a side
+  without that key, one run, meets every row),
   ``rel_gain_over_best`` (100 · (a / max over the ``among`` rows − 1)), ``rel_gap`` (100 · (b − a) / b,
   the reduction of a from b);
   ``scale`` multiplies the result. ``holds`` says whether ours satisfies the paper's bound or range.
@@ -542,6 +543,11 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
             return None
         a_map = dict(zip(values(left, over), left[name_l]))
         b_map = dict(zip(values(right, over), right[name_r]))
+        # a side without the key (full recompute has no recompute ratio) is one run: it meets every row
+        if len(a_map) == 1 and all(is_missing(k) or k == "–" for k in a_map):
+            a_map = dict.fromkeys(b_map, next(iter(a_map.values())))
+        elif len(b_map) == 1 and all(is_missing(k) or k == "–" for k in b_map):
+            b_map = dict.fromkeys(a_map, next(iter(b_map.values())))
         diffs = [
             float(a_map[k]) - float(b_map[k])
             for k in a_map

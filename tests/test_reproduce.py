@@ -175,6 +175,17 @@ def test_claim_ops_against_hand_computed_values():
         frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"}, "b": {"method": "full"}}
     ) == pytest.approx(0.4)
     assert claim_value(frame, {"op": "value", "a": {"method": "snapkv"}, "scale": 0.5}) == pytest.approx(20.0)
+    # CacheBlend Fig. 16's quality drop: full recompute (no ratio, one run) against every recompute ratio
+    ratios = pd.DataFrame(
+        {
+            "config.method.name": ["full", "cacheblend", "cacheblend"],
+            "config.method.recompute_ratio": [None, 0.05, 0.15],
+            "score": [21.0, 20.5, 19.0],
+        }
+    )
+    drop = {"op": "max_diff", "over": "recompute_ratio", "a": {"method": "full"}, "b": {"method": "cacheblend"}}
+    assert claim_value(ratios, drop) == pytest.approx(2.0)
+    assert claim_value(ratios, {**drop, "a": drop["b"], "b": drop["a"]}) == pytest.approx(-0.5)
     assert (
         claim_value(frame, {"op": "ratio", "metric": "ttft_s", "a": {"method": "nope"}, "b": {"method": "full"}})
         is None
