@@ -22,8 +22,8 @@ if want ruler; then  # RULER's 11 synthetic tasks (QA needs SQuAD/HotpotQA: skip
   $RUN -m model=smollm2_135m method=$METHODS task=ruler 'task.lengths=[4096]' task.num_samples=5 $BUDGET
   # Qwen2.5-0.5B: one length per run, so each finished (method, length) run can be kept on its own
   # (measured on 2 cores: about 2.5 h at 4k for the nine methods, `full` ~45 s a sample and the methods
-  # that replay its shared prefill 7-30 s). 8k was measured with 2 samples per task (22 per method, about
-  # 2 h); RULER_8K_SAMPLES=5 gives the 4k count, roughly 5 h on 2 cores.
+  # that replay its shared prefill 7-30 s). 8k was measured with 2 samples per task (22 per method, 1 h 8 min
+  # in one process); RULER_8K_SAMPLES=5 gives the 4k count, roughly 3 h on 2 cores.
   $RUN -m model=qwen25_05b method=$METHODS task=ruler "task.lengths=[4096]" task.num_samples=5 $BUDGET
   $RUN -m model=qwen25_05b method=$METHODS task=ruler "task.lengths=[8192]" \
     task.num_samples="${RULER_8K_SAMPLES:-2}" $BUDGET
