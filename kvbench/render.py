@@ -543,11 +543,12 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
             return None
         a_map = dict(zip(values(left, over), left[name_l]))
         b_map = dict(zip(values(right, over), right[name_r]))
-        # a side without the key (full recompute has no recompute ratio) is one run: it meets every row
-        if len(a_map) == 1 and all(is_missing(k) or k == "–" for k in a_map):
-            a_map = dict.fromkeys(b_map, next(iter(a_map.values())))
-        elif len(b_map) == 1 and all(is_missing(k) or k == "–" for k in b_map):
-            b_map = dict.fromkeys(a_map, next(iter(b_map.values())))
+        # a side without the key (full recompute has no recompute ratio; `values` gives "–") is one
+        # run: it meets every row of the other side
+        if list(a_map) == [norm(None)]:
+            a_map = dict.fromkeys(b_map, a_map[norm(None)])
+        elif list(b_map) == [norm(None)]:
+            b_map = dict.fromkeys(a_map, b_map[norm(None)])
         diffs = [
             float(a_map[k]) - float(b_map[k])
             for k in a_map
