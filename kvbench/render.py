@@ -476,9 +476,13 @@ def _table_section(
 
 
 def _axis_order(merged: Any, key: str) -> list[str]:
-    """The order of ``key``'s values along a table axis: those of the paper's rows first, in the paper's
-    order; then ours — by value when they are numbers (budgets, chunk counts: 2, 4, 8, 16, not the order
-    the runs were found in; a run without the key, "–", before them), else in the order of the sweep."""
+    """The order of ``key``'s values along a table axis. Numbers (budgets, chunk counts) go by value,
+    whichever side has them — 8, 16, 32, 64, not the paper's one stated row first — after the unset
+    ones ("–": a run without the key, a published number that holds across the axis). Otherwise the
+    paper's rows come first in the paper's order, then ours in the order of the sweep."""
+    every = [v for v in dict.fromkeys(merged[key]) if v not in ("–", "None", "")]
+    if every and all(_as_number(v) is not None for v in every):
+        return [v for v in dict.fromkeys(merged[key]) if v not in every] + sorted(every, key=float)
     published = list(dict.fromkeys(merged.loc[merged["_row"].notna(), key]))
     rest = [v for v in dict.fromkeys(merged[key]) if v not in published]
     unset = [v for v in rest if v in ("–", "None", "")]

@@ -348,14 +348,17 @@ def test_a_table_meets_the_papers_numbers_only_in_the_column_they_measure(tmp_pa
 
 def test_axis_order_puts_numbers_in_order_after_runs_without_the_key():
     """A ratio column of `full` (no ratio: "–") and CacheBlend at 0.15, 0.05, 0.3 (the sweep's order)
-    reads –, 0.05, 0.15, 0.3; text keeps the sweep's order; the paper's values come first."""
+    reads –, 0.05, 0.15, 0.3; text keeps the sweep's order. Numbers stay in order when the paper states
+    one of them (PQCache Fig. 11d's one stated block count, 32, among our 8-64 read 32, 8, 16, 64
+    before); the paper's text values come first."""
     from kvbench.render import _axis_order
 
     frame = pd.DataFrame({"r": ["–", "0.15", "0.05", "0.3"], "m": ["full", "cb", "cb", "cb"], "_row": [None] * 4})
     assert _axis_order(frame, "r") == ["–", "0.05", "0.15", "0.3"]
     assert _axis_order(frame, "m") == ["full", "cb"]
     frame["_row"] = [None, None, None, 0.0]
-    assert _axis_order(frame, "r") == ["0.3", "–", "0.05", "0.15"]
+    assert _axis_order(frame, "r") == ["–", "0.05", "0.15", "0.3"]
+    assert _axis_order(frame, "m") == ["cb", "full"]
 
 
 # ---------------------------------------------------------------------- the HTML report
