@@ -192,13 +192,17 @@ def select(frame: Any, selector: Mapping[str, Any] | None) -> Any:
     return frame[keep]
 
 
-def fmt(value: Any, digits: int = 2) -> str:
+def fmt(value: Any, digits: int = 2, measured: bool = False) -> str:
+    """``value`` for a table: integers bare (counts, budgets), others to ``digits`` places.
+    ``measured``: a measured float keeps its places even when whole (a column reads 75.00 beside
+    90.83, not 75)."""
     if is_missing(value):
         return "–"
     if isinstance(value, (int, float)):
-        if float(value).is_integer() and abs(value) < 1e6:
+        if float(value).is_integer() and abs(value) < 1e6 and not (measured and isinstance(value, float)):
             return f"{int(value)}"
-        return f"{value:.{digits}f}" if 1e-2 <= abs(value) < 1e5 else f"{value:.3g}"
+        fixed = 1e-2 <= abs(value) < 1e5 or (measured and value == 0)
+        return f"{value:.{digits}f}" if fixed else f"{value:.3g}"
     return str(value)
 
 
@@ -376,6 +380,7 @@ def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
                 digits,
                 split_label=label,
                 split=split,
+                value=value,
             )
         )
     return sections
@@ -389,14 +394,17 @@ def _merge(ours: Any, paper: Any, join: list[str], shown: list[str]) -> Any:
         merged = ours.assign(_row=None)
         merged = merged.assign(**{k: merged[k] for k in shown})
         return merged
-    left = ours.copy()
+    left = ours.assign(_ours_pos=range(len(ours)))
     right = (
         paper[[*join, "_row", *[k for k in shown if k not in left.columns or k not in join]]].copy()
         if len(paper)
         else pd.DataFrame(columns=[*join, "_row"])
     )
     right = right.rename(columns={k: f"{k}_paper" for k in shown if k in right.columns})
+    # an outer merge sorts by the join keys ("–", an unset budget, after "0.1"): keep our runs' order
+    # (the sweep's), then the paper's rows that match none of ours in the paper's order
     merged = left.merge(right, on=join, how="outer")
+    merged = merged.sort_values(["_ours_pos", "_row"], na_position="last", kind="stable").drop(columns="_ours_pos")
     for key in shown:
         theirs = f"{key}_paper"
         if theirs in merged.columns:
@@ -417,15 +425,16 @@ def _table_section(
     digits: int,
     split_label: str,
     split: list[str],
+    value: str = "score",
 ) -> Section:
     import pandas as pd
 
     def cell(r: Any) -> str:
         ours = r.get("ours")
         if paper.empty:  # nothing published to compare with: ours alone
-            return fmt(ours, digits)
+            return fmt(ours, digits, measured=True)
         theirs = paper.iloc[int(r["_row"])] if not is_missing(r.get("_row")) else None
-        text = f"{fmt(ours, digits)} / {paper_text(theirs, digits) if theirs is not None else '–'}"
+        text = f"{fmt(ours, digits, measured=True)} / {paper_text(theirs, digits) if theirs is not None else '–'}"
         if theirs is not None and not is_missing(ours) and not is_missing(theirs.get("value")):
             text += f" ({float(ours) - float(theirs['value']):+.{digits}f})"
         return text
@@ -469,7 +478,7 @@ def _table_section(
         grid.columns = [" · ".join(c) if isinstance(c, tuple) else str(c) for c in grid.columns]
         grid = grid.reset_index()
     else:
-        grid = merged.set_index(rows)[["cell"]]
+        grid = merged.set_index(rows)[["cell"]].rename(columns={"cell": value if paper.empty else f"{value}: ours / paper"})
         grid = grid.reindex(_ordered(grid.index, [order[k] for k in rows])).reset_index()
     grid.columns = [str(c) for c in grid.columns]
     return Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=csv, frame=grid)
@@ -705,7 +714,7 @@ def render_curve(
         logx=bool(spec.get("logx")),
         logy=bool(spec.get("logy")),
     )
-    table = data.assign(y=data["y"].map(lambda v: fmt(v, 3)))
+    table = data.assign(y=data["y"].map(lambda v: fmt(v, 3, measured=True)))
     index = ["split", "series"] if data["split"].nunique() > 1 else ["series"]
     grid = table.pivot_table(
         index=index + (["label"] if "label" in data.columns else []),
@@ -769,7 +778,7 @@ def render_figure(exp: Any, spec: Mapping[str, Any], runs: Any, out_dir: Path, s
         for _, row in group.iterrows():
             name = " · ".join(norm(row.get(column(group, t)) if column(group, t) else "–") for t in titles)
             score = row.get("score")
-            title = f"{name}\n({fmt(score, 1)})" if not is_missing(score) else name
+            title = f"{name}\n({fmt(score, 1, measured=True)})" if not is_missing(score) else name
             shards = row.get("shard_dirs")
             first = Path(shards[0] if isinstance(shards, list) and shards else row["run_dir"])
             panels.append(FigureRun(title, run_records(row), RunDir(first).config()))

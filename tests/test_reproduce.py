@@ -346,6 +346,34 @@ def test_a_table_meets_the_papers_numbers_only_in_the_column_they_measure(tmp_pa
     assert "0.89" in fig11c and "26.30" not in fig11c and "32.80" not in fig11c
 
 
+def test_a_measured_value_keeps_its_places_when_whole():
+    """A score column reads 75.00 beside 90.83 (PQCache Fig. 10b's 8x4 cell read "75"); counts and
+    budgets stay bare integers; a measured 0.0 is 0.000, not 0."""
+    import numpy as np
+
+    from kvbench.render import fmt
+
+    assert fmt(75.0, 2, measured=True) == "75.00" and fmt(np.float64(75.0), 2, measured=True) == "75.00"
+    assert fmt(90.833, 2, measured=True) == "90.83" and fmt(0.0, 3, measured=True) == "0.000"
+    assert fmt(75, 2, measured=True) == "75" and fmt(1024.0) == "1024"
+
+
+def test_a_table_keeps_the_sweeps_method_order_when_full_has_no_budget():
+    """PQCache Fig. 9 listed `full` last: the outer join with the paper's rows sorted by the join key,
+    and `full`'s unset ratio "–" sorts after "0.1". Our rows keep the sweep's order."""
+    from kvbench.render import _axis_order, _merge
+
+    ours = pd.DataFrame(
+        {"method": ["full", "oracle", "h2o"], "_join_token_ratio": ["–", "0.1", "0.1"], "ours": [90.0, 90.0, 20.0]}
+    )
+    paper = pd.DataFrame({"_join_token_ratio": ["0.1"], "method": ["oracle"], "_row": [0]})
+    merged = _merge(ours, paper, ["_join_token_ratio"], ["method"])
+    assert list(merged["method"]) == ["full", "oracle", "h2o"]
+    assert _axis_order(merged, "method")[0] == "oracle" and set(_axis_order(merged, "method")) == {"full", "oracle", "h2o"}
+    merged = _merge(ours, paper.iloc[0:0], ["_join_token_ratio"], ["method"])
+    assert _axis_order(merged, "method") == ["full", "oracle", "h2o"]
+
+
 def test_axis_order_puts_numbers_in_order_after_runs_without_the_key():
     """A ratio column of `full` (no ratio: "–") and CacheBlend at 0.15, 0.05, 0.3 (the sweep's order)
     reads –, 0.05, 0.15, 0.3; text keeps the sweep's order. Numbers stay in order when the paper states
