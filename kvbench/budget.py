@@ -156,7 +156,11 @@ def resolve_budget(
     """Apply ``cfg`` to a prompt of ``context`` tokens for a method with ``defaults``.
 
     ``capacity`` is the most tokens the cache will hold (prompt + generation; default the prompt).
-    Raises :class:`BudgetError` when no budget is given, or when ``budget.tokens`` exceeds ``capacity``.
+    A ``budget.tokens`` beyond ``capacity`` covers the prompt: every token is attended, as the papers'
+    code does for a sample shorter than its budget (ClusterKV's and Quest's 2048-token budgets on
+    LongBench, whose samples vary in length); ``source`` says so. Where every prompt has a known
+    length (needle tasks) a budget beyond the shortest is refused before the model loads
+    (:mod:`kvbench.validate`). Raises :class:`BudgetError` when no budget is given.
     """
     capacity = max(capacity or context, context)
     if context <= 0:
@@ -166,17 +170,13 @@ def resolve_budget(
             f"method {method} compresses the KV cache and needs a budget",
             "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
         )
-    if cfg.tokens is not None and int(cfg.tokens) > capacity:
-        raise BudgetError(
-            f"budget.tokens={cfg.tokens} is larger than the context ({context} prompt tokens"
-            f"{f' + {capacity - context} generated' if capacity > context else ''})",
-            f"use budget.tokens <= {capacity}, or a relative budget such as budget.token_ratio=0.1",
-        )
     sink = min(int(cfg.sink if cfg.sink is not None else defaults.sink), context)
     room = context - sink
     if cfg.tokens is not None:
         budget = min(int(cfg.tokens), capacity - sink)
         source = f"budget.tokens={int(cfg.tokens)}"
+        if int(cfg.tokens) > capacity:
+            source += f" covers the context ({context} prompt tokens + {capacity - context} generated): all attended"
     else:
         assert cfg.token_ratio is not None  # a budget is set (checked above) and it is not budget.tokens
         budget = math.floor(float(cfg.token_ratio) * room)
