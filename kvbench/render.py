@@ -800,6 +800,8 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
     split, by = list(spec.get("split", ["model"])), list(spec.get("by", ["method", "budget"]))
     match = list(spec.get("match", []))
     frame = select(samples, spec.get("where"))
+    # the row keys come from the run (samples carry the config but not the run's budget label)
+    by_run = {k: dict(zip(runs["run_id"], values(runs, k))) for k in by}
     out = []
     for label, group in groups(frame, split):
         base_rows = select(group, spec["baseline"])
@@ -821,7 +823,7 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
             out.append(
                 {
                     **({"split": label} if split else {}),
-                    **{k: values(run, k).iloc[0] for k in by},
+                    **{k: by_run[k].get(run_id, values(run, k).iloc[0]) for k in by},
                     "n": result.n,
                     "mean": fmt(result.mean_a),
                     "baseline": fmt(result.mean_b),

@@ -252,6 +252,33 @@ def test_bad_render_item_is_refused():
 
 
 # ---------------------------------------------------------------------- paired statistics
+def test_paired_rows_name_each_runs_budget():
+    """ClusterKV Table I's paired table printed "–" for every budget: the samples carry no budget
+    label, so four quest rows looked alike. The row's keys come from its run."""
+    from kvbench.render import render_paired
+
+    runs = pd.DataFrame(
+        {
+            "run_id": ["f", "q256", "q512"],
+            "budget.label": ["full cache", "256 tokens", "512 tokens"],
+            "config.method.name": ["full", "quest", "quest"],
+            "config.model.name": ["m"] * 3,
+        }
+    )
+    samples = pd.DataFrame(
+        {
+            "run_id": [r for r in ("f", "q256", "q512") for _ in range(3)],
+            "id": ["a", "b", "c"] * 3,
+            "score": [50.0, 40.0, 30.0, 50.0, 30.0, 30.0, 40.0, 40.0, 30.0],
+            "config.method.name": [m for m in ("full", "quest", "quest") for _ in range(3)],
+            "config.model.name": ["m"] * 9,
+        }
+    )
+    (section,) = render_paired(None, {"baseline": {"method": "full"}}, runs, samples)
+    assert list(section.frame["budget"]) == ["256 tokens", "512 tokens"]
+    assert list(section.frame["Δ"]) == ["-3.33", "-3.33"]
+
+
 def test_mcnemar_exact_matches_the_binomial_tail():
     from kvbench.stats import mcnemar_exact, paired
 
