@@ -729,7 +729,7 @@ def render_curve(
         ]
     else:
         grid = grid.sort_index(axis=1).reset_index()  # x ascending, whatever order the runs came in
-        grid.columns = [fmt(c, 3) if isinstance(c, float) else str(c) for c in grid.columns]
+        grid.columns = [f"{c:g}" if isinstance(c, float) else str(c) for c in grid.columns]  # 0, 0.05, 0.1
         grid = grid.fillna("–")
     return [
         Section(
