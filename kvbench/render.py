@@ -478,7 +478,9 @@ def _table_section(
         grid.columns = [" · ".join(c) if isinstance(c, tuple) else str(c) for c in grid.columns]
         grid = grid.reset_index()
     else:
-        grid = merged.set_index(rows)[["cell"]].rename(columns={"cell": value if paper.empty else f"{value}: ours / paper"})
+        grid = merged.set_index(rows)[["cell"]].rename(
+            columns={"cell": value if paper.empty else f"{value}: ours / paper"}
+        )
         grid = grid.reindex(_ordered(grid.index, [order[k] for k in rows])).reset_index()
     grid.columns = [str(c) for c in grid.columns]
     return Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=csv, frame=grid)

@@ -396,7 +396,11 @@ def test_a_table_keeps_the_sweeps_method_order_when_full_has_no_budget():
     paper = pd.DataFrame({"_join_token_ratio": ["0.1"], "method": ["oracle"], "_row": [0]})
     merged = _merge(ours, paper, ["_join_token_ratio"], ["method"])
     assert list(merged["method"]) == ["full", "oracle", "h2o"]
-    assert _axis_order(merged, "method")[0] == "oracle" and set(_axis_order(merged, "method")) == {"full", "oracle", "h2o"}
+    assert _axis_order(merged, "method")[0] == "oracle" and set(_axis_order(merged, "method")) == {
+        "full",
+        "oracle",
+        "h2o",
+    }
     merged = _merge(ours, paper.iloc[0:0], ["_join_token_ratio"], ["method"])
     assert _axis_order(merged, "method") == ["full", "oracle", "h2o"]
 
