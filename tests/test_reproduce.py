@@ -277,6 +277,7 @@ def test_paired_rows_name_each_runs_budget():
     (section,) = render_paired(None, {"baseline": {"method": "full"}}, runs, samples)
     assert list(section.frame["budget"]) == ["256 tokens", "512 tokens"]
     assert list(section.frame["Δ"]) == ["-3.33", "-3.33"]
+    assert list(section.frame["baseline"]) == ["40.00", "40.00"]  # a whole mean keeps its places
 
 
 def test_mcnemar_exact_matches_the_binomial_tail():
