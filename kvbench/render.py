@@ -486,17 +486,20 @@ def _table_section(
     return Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=csv, frame=grid)
 
 
+_UNSET = ("–", "None", "")  # how a missing value reads once normalised: no key, a null, an empty cell
+
+
 def _axis_order(merged: Any, key: str) -> list[str]:
     """The order of ``key``'s values along a table axis. Numbers (budgets, chunk counts) go by value,
     whichever side has them — 8, 16, 32, 64, not the paper's one stated row first — after the unset
     ones ("–": a run without the key, a published number that holds across the axis). Otherwise the
     paper's rows come first in the paper's order, then ours in the order of the sweep."""
-    every = [v for v in dict.fromkeys(merged[key]) if v not in ("–", "None", "")]
+    every = [v for v in dict.fromkeys(merged[key]) if v not in _UNSET]
     if every and all(_as_number(v) is not None for v in every):
         return [v for v in dict.fromkeys(merged[key]) if v not in every] + sorted(every, key=float)
     published = list(dict.fromkeys(merged.loc[merged["_row"].notna(), key]))
     rest = [v for v in dict.fromkeys(merged[key]) if v not in published]
-    unset = [v for v in rest if v in ("–", "None", "")]
+    unset = [v for v in rest if v in _UNSET]
     given = [v for v in rest if v not in unset]
     if given and all(_as_number(v) is not None for v in given):
         rest = unset + sorted(given, key=float)
