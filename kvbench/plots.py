@@ -451,6 +451,14 @@ def ruler_by_length(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) ->
 
 
 # ---------------------------------------------------------------------- curves (kvbench reproduce)
+def _tick_label(x: float) -> str:
+    """A swept value as a reader knows it: ``1/128`` for a fraction that is one over a whole number
+    (communication ratios, token ratios like 1/5), else the shortest decimal (``0.3``, ``2048``)."""
+    if 0 < x < 1 and abs(1 / x - round(1 / x)) < 1e-6 * (1 / x):
+        return f"1/{round(1 / x)}"
+    return f"{x:g}"
+
+
 def curves_figure(
     points: Any,
     path: Path,
@@ -483,6 +491,10 @@ def curves_figure(
                     ax.annotate(str(text), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log" if logx else "linear")
         ax.set_yscale("log" if logy else "linear")
+        xs = sorted(set(part["x"]))
+        if logx and len(xs) <= 8:  # a few swept values (1/128 ... 1/16): label those, not powers of ten
+            ax.set_xticks(xs, [_tick_label(x) for x in xs])
+            ax.minorticks_off()
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(_wrap(" · ".join(p for p in (title, str(split)) if p), 60), fontsize=9)

@@ -474,3 +474,21 @@ def test_html_report_is_self_contained(tmp_path, table3_smoke):
         parsed.feed(page.read_text())
         assert all(src.startswith("data:") for src in parsed.sources), page
         assert all(link and not link.startswith(("http", "//", "/")) for link in parsed.links), page
+
+
+def test_a_log_axis_over_a_few_swept_values_labels_those_values(tmp_path, monkeypatch):
+    """Communication ratios 1/128-1/16 on a log axis read as 1/128 ... 1/16, not as powers of ten."""
+    from kvbench import plots
+
+    assert [plots._tick_label(x) for x in (1 / 128, 0.2, 0.4, 2048.0, 0.05)] == ["1/128", "1/5", "0.4", "2048", "1/20"]
+    drawn = {}
+
+    def keep(fig, path):
+        drawn["labels"] = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        return path
+
+    monkeypatch.setattr(plots, "_save", keep)
+    xs = [1 / 128, 1 / 64, 1 / 32, 1 / 16]
+    points = pd.DataFrame({"x": xs, "y": [1.0, 2.0, 3.0, 4.0], "series": "pqcache", "split": "m"})
+    plots.curves_figure(points, tmp_path / "c.png", logx=True)
+    assert drawn["labels"] == ["1/128", "1/64", "1/32", "1/16"]
