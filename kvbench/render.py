@@ -429,13 +429,18 @@ def _table_section(
 ) -> Section:
     import pandas as pd
 
+    unlike = _unlike_averages(merged, rows + cols) if not merged.empty else {}
+
     def cell(r: Any) -> str:
         ours = r.get("ours")
         if paper.empty:  # nothing published to compare with: ours alone
             return fmt(ours, digits, measured=True)
         theirs = paper.iloc[int(r["_row"])] if not is_missing(r.get("_row")) else None
         text = f"{fmt(ours, digits, measured=True)} / {paper_text(theirs, digits) if theirs is not None else '–'}"
-        if theirs is not None and not is_missing(ours) and not is_missing(theirs.get("value")):
+        if r.name in unlike and theirs is not None and not is_missing(ours):
+            n_ours, n_paper = unlike[r.name]
+            text += f" (means of {n_ours} and {n_paper} sets)"
+        elif theirs is not None and not is_missing(ours) and not is_missing(theirs.get("value")):
             text += f" ({float(ours) - float(theirs['value']):+.{digits}f})"
         return text
 
@@ -460,7 +465,7 @@ def _table_section(
                 "paper_high": theirs.get("high") if theirs is not None else None,
                 "relation": theirs.get("relation") if theirs is not None else None,
                 "delta": float(ours) - float(paper_value)
-                if not is_missing(ours) and not is_missing(paper_value)
+                if not is_missing(ours) and not is_missing(paper_value) and r.name not in unlike
                 else None,
             }
         )
@@ -484,6 +489,28 @@ def _table_section(
         grid = grid.reindex(_ordered(grid.index, [order[k] for k in rows])).reset_index()
     grid.columns = [str(c) for c in grid.columns]
     return Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=csv, frame=grid)
+
+
+def _unlike_averages(merged: Any, keys: list[str]) -> dict[Any, tuple[int, int]]:
+    """The ``average`` cells whose two means cover different data sets: ``{row index: (our count, the
+    paper's count)}``. Our average is the mean over the subsets we ran (one staged LongBench set, say),
+    the paper's over its own rows (14 for PQCache's Table 2); their difference mixes the model's gap
+    with the choice of sets, so such a cell shows both means and no Δ. Cells are grouped by the
+    table's other keys (method, budget); a paper that publishes only its average cannot be checked
+    and keeps the Δ."""
+    if "dataset" not in keys:
+        return {}
+    name = "_join_dataset" if "_join_dataset" in merged.columns else "dataset"
+    others = [k for k in keys if k != "dataset"]
+    unlike: dict[Any, tuple[int, int]] = {}
+    for _, group in merged.groupby(others, dropna=False, sort=False) if others else [(None, merged)]:
+        sets = group[group[name] != "average"]
+        ours = set(sets.loc[sets["ours"].map(lambda v: not is_missing(v)), name])
+        published = set(sets.loc[sets["_row"].map(lambda v: not is_missing(v)), name])
+        if published and ours != published:
+            for index in group.index[group[name] == "average"]:
+                unlike[index] = (len(ours), len(published))
+    return unlike
 
 
 _UNSET = ("–", "None", "")  # how a missing value reads once normalised: no key, a null, an empty cell
@@ -1031,7 +1058,10 @@ def _environments(runs: Any) -> tuple[str, str]:
         if env.exists():
             data = json.loads(env.read_text())
             dtypes.add(str((data.get("model") or {}).get("dtype", "?")))
-            devices.add(f"{data.get('device_name')} ({data.get('device')}, {data.get('torch_threads')} threads)")
+            threads = data.get("torch_threads")
+            devices.add(
+                f"{data.get('device_name')} ({data.get('device')}, {threads} thread{'' if threads == 1 else 's'})"
+            )
     return ", ".join(sorted(dtypes)) or "–", ", ".join(sorted(devices)) or "–"
 
 

@@ -109,7 +109,7 @@ def test_table3_smoke_renders_ours_beside_the_paper(table3_smoke):
     text = out.stdout
     assert "Runs: 4 of 4 finished" in text
     # the paper's Table 3 numbers beside ours, with the stand-in named
-    assert "multifieldqa_zh → multifieldqa_en" in text and "/ 47.99 (" in text and "/ 32.44 (" in text
+    assert "multifieldqa_zh → multifieldqa_en" in text and "/ 47.99 (" in text
     assert "## protocol differences (scale smoke)" in text and "| model | Llama-3.1-8B | tiny_llama |" in text
     assert "paired against method=full" in text
     assert "## our runs" in text and "| model | method | task |" in text  # only the method varies: no setting
@@ -117,8 +117,12 @@ def test_table3_smoke_renders_ours_beside_the_paper(table3_smoke):
     assert (report / "report.md").read_text().startswith("# pqcache/table3")
     assert r"\begin{tabular}" in (report / "report.tex").read_text()
     table = pd.read_csv(report / "section-1.csv")
+    mine = table[(table["dataset"] == "multifieldqa_zh → multifieldqa_en") & (table["method"] == "pqcache")].iloc[0]
+    assert mine["paper"] == pytest.approx(47.99) and mine["delta"] == pytest.approx(mine["ours"] - 47.99)
+    # our average is over the one staged set, the paper's over six: both shown, no Δ between them
     row = table[(table["dataset"] == "average") & (table["method"] == "pqcache")].iloc[0]
-    assert row["paper"] == pytest.approx(32.44) and row["delta"] == pytest.approx(row["ours"] - 32.44)
+    assert row["paper"] == pytest.approx(32.44) and math.isnan(row["delta"])
+    assert "/ 32.44 (means of 1 and 6 sets)" in text
     # resumable: a second call computes nothing
     again = kvbench(
         "reproduce",
@@ -492,3 +496,20 @@ def test_a_log_axis_over_a_few_swept_values_labels_those_values(tmp_path, monkey
     points = pd.DataFrame({"x": xs, "y": [1.0, 2.0, 3.0, 4.0], "series": "pqcache", "split": "m"})
     plots.curves_figure(points, tmp_path / "c.png", logx=True)
     assert drawn["labels"] == ["1/128", "1/64", "1/32", "1/16"]
+
+
+def test_averages_over_different_sets_are_not_differenced():
+    """Our mean over the sets we ran and the paper's over its own are shown, with no Δ, unless the sets
+    agree; a paper that publishes only its average keeps the Δ (nothing to check it against)."""
+    from kvbench.render import _unlike_averages
+
+    merged = pd.DataFrame(
+        {
+            "dataset": ["a", "b", "average", "a", "b", "average", "average"],
+            "method": ["m", "m", "m", "n", "n", "n", "o"],
+            "ours": [1.0, None, 1.0, 1.0, 2.0, 1.5, 3.0],
+            "_row": [0, 1, 2, 3, 4, 5, 6],
+        }
+    )
+    assert _unlike_averages(merged, ["dataset", "method"]) == {2: (1, 2)}
+    assert _unlike_averages(merged, ["method"]) == {}  # no dataset axis: nothing to compare
