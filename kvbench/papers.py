@@ -280,13 +280,14 @@ def values_frame(paper: str, artifact: str) -> pd.DataFrame:
 
 @functools.lru_cache(maxsize=1)
 def _vocabulary() -> dict[str, frozenset[str]]:
+    from kvbench.render import AVERAGE
     from kvbench.tasks.infinitebench_protocol import TASKS
     from kvbench.tasks.longbench_protocol import DATASETS
 
     return {
         "method": frozenset(KVBENCH_METHODS),
         "model": frozenset(KVBENCH_MODELS),
-        "dataset": frozenset(DATASETS) | frozenset(TASKS) | {"average"},
+        "dataset": frozenset(DATASETS) | frozenset(TASKS) | {AVERAGE},
     }
 
 

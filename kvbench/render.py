@@ -245,11 +245,12 @@ def long_frame(runs: Any) -> Any:
                     RUN_LEVEL: False,
                 }
             )
-        rows.append({**base, "dataset": "average" if subsets else None, RUN_LEVEL: True})
+        rows.append({**base, "dataset": AVERAGE if subsets else None, RUN_LEVEL: True})
     return pd.DataFrame(rows)
 
 
 RUN_LEVEL = "_run_level"  # long_frame: the run's own row (not a subset's)
+AVERAGE = "average"  # long_frame: the dataset name of a run's own row when it has per-set scores
 
 
 def rows_for(frame: Any, keys: Sequence[str]) -> Any:
@@ -504,11 +505,11 @@ def _unlike_averages(merged: Any, keys: list[str]) -> dict[Any, tuple[int, int]]
     others = [k for k in keys if k != "dataset"]
     unlike: dict[Any, tuple[int, int]] = {}
     for _, group in merged.groupby(others, dropna=False, sort=False) if others else [(None, merged)]:
-        sets = group[group[name] != "average"]
+        sets = group[group[name] != AVERAGE]
         ours = set(sets.loc[sets["ours"].map(lambda v: not is_missing(v)), name])
         published = set(sets.loc[sets["_row"].map(lambda v: not is_missing(v)), name])
         if published and ours != published:
-            for index in group.index[group[name] == "average"]:
+            for index in group.index[group[name] == AVERAGE]:
                 unlike[index] = (len(ours), len(published))
     return unlike
 
