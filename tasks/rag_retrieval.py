@@ -75,8 +75,11 @@ class MiniLMRetriever:
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoModel, AutoTokenizer
 
+        from kvbench.models.loading import quiet_loading_bar
+
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+        with quiet_loading_bar():
+            self.model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
 
     def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
         import torch

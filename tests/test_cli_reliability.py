@@ -336,10 +336,10 @@ def test_no_weight_loading_bar_in_a_log(capsys):
     after (kvbench.progress's rule for the sample loop)."""
     from transformers.utils import logging as hf_logging
 
-    from kvbench.models.loading import _quiet_loading_bar
+    from kvbench.models.loading import quiet_loading_bar
 
     assert hf_logging.is_progress_bar_enabled()
-    with _quiet_loading_bar():  # capsys: stderr is not a terminal
+    with quiet_loading_bar():  # capsys: stderr is not a terminal
         assert not hf_logging.is_progress_bar_enabled()
     assert hf_logging.is_progress_bar_enabled()
 

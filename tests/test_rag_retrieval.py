@@ -70,3 +70,13 @@ def test_minilm_matches_sentence_transformers_semantics():
         states = minilm.model(**batch).last_hidden_state[0]
     mean = states.mean(dim=0)
     assert np.allclose(vectors[3], (mean / mean.norm()).numpy(), atol=1e-5)
+
+
+@pytest.mark.integration
+def test_the_retriever_loads_without_a_weight_bar_in_a_log(capsys):
+    """Built with stderr redirected (a run's log), the MiniLM retriever prints no "Loading weights" bar."""
+    from kvbench.assets import fetch_asset
+    from kvbench.tasks.rag_retrieval import MINILM_ASSET, MiniLMRetriever
+
+    MiniLMRetriever(str(fetch_asset(MINILM_ASSET)))  # not the cached retriever(): a fresh load
+    assert "Loading weights" not in capsys.readouterr().err

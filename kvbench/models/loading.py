@@ -161,14 +161,14 @@ def _load_pretrained(path: str, dtype: torch.dtype, device: torch.device, *, loc
     is_local = Path(path).expanduser().is_dir()
     kwargs = {"local_files_only": True} if (local_only or is_local) else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    with _quiet_loading_bar():
+    with quiet_loading_bar():
         # Any: transformers wraps PreTrainedModel.to in a decorator whose type mypy reads as taking the model
         model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device), tokenizer
 
 
 @contextmanager
-def _quiet_loading_bar() -> Iterator[None]:
+def quiet_loading_bar() -> Iterator[None]:
     """No "Loading weights" bar when stderr is not a terminal: in a log its redraws are one long line
     per model load (kvbench.progress makes the same choice for the sample loop)."""
     from transformers.utils import logging as hf_logging
