@@ -11,14 +11,8 @@ K="${KVBENCH_CMD:-.venv/bin/kvbench}"
 SCALE="${1:-cpu}"; shift || true
 read -r -a EXTRA <<< "${KVBENCH_OVERRIDES:-}"
 ARTIFACTS=("$@")
-if [ ${#ARTIFACTS[@]} -eq 0 ]; then
-  ARTIFACTS=(
-    pqcache/fig9 pqcache/table3 pqcache/table2 pqcache/table4 pqcache/fig10a pqcache/fig10b pqcache/fig10c
-    pqcache/fig10d pqcache/fig11a pqcache/fig11b pqcache/fig11c pqcache/fig11d pqcache/fig12c
-    clusterkv/table1 clusterkv/fig9 clusterkv/fig10 clusterkv/fig11a clusterkv/fig11b clusterkv/fig12
-    clusterkv/cache_hit_rate
-    cacheblend/fig2 cacheblend/fig6 cacheblend/fig7 cacheblend/fig8 cacheblend/fig12 cacheblend/fig16 cacheblend/fig17
-  )
+if [ ${#ARTIFACTS[@]} -eq 0 ]; then  # every experiment file, as `kvbench reproduce --list` names them
+  mapfile -t ARTIFACTS < <($K reproduce --list | awk '{print $1}')
 fi
 for artifact in "${ARTIFACTS[@]}"; do
   echo "== kvbench reproduce $artifact scale=$SCALE" >&2
