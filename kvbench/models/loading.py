@@ -252,7 +252,8 @@ def converted_model_dir(asset_name: str) -> Path:
     hf_logging.set_verbosity_error()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with quiet_loading_bar():
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
     config = loaded.config
