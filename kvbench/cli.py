@@ -481,6 +481,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise ConfigError(f"--param {item!r} is not KEY=VALUE", "e.g. --param kmeans_device=model")
         params[key] = yaml.safe_load(value)
+    engine = {}
+    for item in args.engine:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--engine {item!r} is not KEY=VALUE", "e.g. --engine decode=dynamic")
+        engine[key] = yaml.safe_load(value)
+    from kvbench.engine.settings import engine_settings
+
+    engine_settings(engine)  # a bad key or value: one line, before anything runs
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds} runs nothing", "give --rounds 1 or more")
     options = BenchOptions(
@@ -493,6 +502,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         params=params,
         save=args.save,
+        methods=tuple(m for m in args.methods.split(",") if m) if args.methods else None,
+        engine=engine,
     )
     results = [benches[name](options) for name in names]
     from kvbench.runner import device_name
@@ -635,6 +646,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_bench.add_argument(
         "--rounds", type=int, default=None, help="end-to-end benchmarks: timed rounds, best kept (default 2; --quick 1)"
+    )
+    p_bench.add_argument("--methods", default=None, help="per-method benchmarks: the methods, e.g. full,quest")
+    p_bench.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="end-to-end benchmarks: an engine setting (repeatable), e.g. decode=dynamic",
     )
     args = parser.parse_args(argv)
     handlers = {

@@ -100,12 +100,16 @@ class Selection:
     exact top-k); ``candidates``: 1-D slots it chose from (``None`` when the method did not rank);
     ``cached``: like ``slots``, true where the method keeps the token on the device itself (a
     cluster cache), so the store counts a hit instead of a fetch.
+    ``valid``: like ``slots``, true where an entry is attended: a selection of fixed shape (the static
+    decode step's) pads the entries it does not use (they point at any held slot and are masked);
+    ``None``: every entry is attended.
     """
 
     slots: torch.Tensor
     selected: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     cached: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -133,6 +137,12 @@ class KVMethod:
     budget_defaults: ClassVar[MethodBudgetDefaults] = MethodBudgetDefaults()
     #: the method needs the decode step's attention probabilities (H2O's accumulated scores)
     needs_attention_probs: ClassVar[bool] = False
+    #: the method's decode hooks fit the static decode step (:mod:`kvbench.engine.decode`): ``select`` and
+    #: ``after_attention`` read lengths from the store's device counters (``kv.length``, ``kv.bucket_end``)
+    #: rather than from ``kv.n``, issue the same ops at every step of one :meth:`decode_key`, read nothing
+    #: back to the host and change no Python state (host-side work goes in :meth:`before_step`). A method
+    #: that evicts during decode (H2O, StreamingLLM) keeps the earlier per-layer step (``False``).
+    static_decode: ClassVar[bool] = True
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         """``cfg``: the method's parameters (its config node without ``name``); an unknown key, a wrong
@@ -271,6 +281,24 @@ class KVMethod:
         """Tokens to attend at a decode step (``query`` ``[1, q_heads, 1, d]``; ``kv`` holds the
         current token in its last slot). ``None`` attends every held token."""
         return None
+
+    def decode_key(self) -> Any:
+        """What, besides the length buckets, fixes the ops of a static decode step: a value that changes only
+        when the method's selection changes form (a budget that starts to leave tokens out, a recluster
+        epoch). Read on the host before every step (the store's ``n`` already counts the step's token);
+        steps with equal keys must issue equal op streams."""
+        return ()
+
+    def recall_candidates(self, kv: LayerKV) -> torch.Tensor | None:
+        """1-D slots a static selection chose from, for the earlier recall rule (``profile.recall_rule``
+        other than ``attended``; eager, host-side): what a dynamic ``select`` put in
+        :attr:`Selection.candidates`."""
+        return None
+
+    def before_step(self, ctx: GenerationContext) -> None:
+        """Host-side work before a decode step (the store's ``n`` already counts the step's token, whose K/V
+        the step writes): reclustering, building a completed block. May read ``kv.n`` and issue any ops;
+        runs outside a captured graph."""
 
     def after_attention(
         self, layer: int, query: torch.Tensor, selection: Selection | None, kv: LayerKV, probs: torch.Tensor | None

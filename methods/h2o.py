@@ -60,6 +60,7 @@ class H2O(EvictionMethod):
     params: H2OParams
     budget_defaults = MethodBudgetDefaults(compensable=True)
     needs_attention_probs = True
+    static_decode = False  # evicts at every decode step from the scores it reads back
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)

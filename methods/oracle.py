@@ -18,8 +18,9 @@ from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.base import Selection
 from kvbench.methods.params import OracleParams
+from kvbench.methods.primitives.pq import group_scores
 from kvbench.methods.retrieval import RetrievalMethod
-from kvbench.methods.selection import compose, exact_topk
+from kvbench.methods.selection import group_logits, topk_keyed
 
 
 @register
@@ -28,22 +29,26 @@ class Oracle(RetrievalMethod):
     Params = OracleParams
     params: OracleParams
 
-    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
-        budget = self.ctx.budget
-        spec = self.ctx.spec
-        lay = self.layout(kv)
-        per_query_head = self.params.per_query_head
-        if budget.select >= lay.middle:
-            rows = spec.n_heads if per_query_head else spec.n_kv_heads
-            return compose(lay, lay.candidates(kv.home).expand(rows, -1), ascending=True)
-        chosen = exact_topk(
-            query,
-            kv.keys,
-            slice(lay.sink_end, lay.middle_end),  # the middle: a view of the logits, not a gather
-            budget.select,
-            group=spec.group,
-            per_query_head=per_query_head,
-            rule=self.params.gqa,
-            scale=spec.head_dim**-0.5,
-        )
-        return compose(lay, chosen, ascending=True)  # exact_topk's rows are ascending
+    static_decode = True
+
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:
+        """The exact top-``select`` middle tokens (static step: scores over the layer's bucket, the slots
+        outside the middle masked; ties to the lower slot, as :func:`~kvbench.methods.selection.exact_topk`)."""
+        if self.covers(kv):
+            return None
+        spec, select = self.ctx.spec, self.ctx.budget.select
+        lay = self.static_layout(kv)
+        keys, _ = kv.bucket()
+        logits = group_logits(query, keys, spec.group)  # [kv_heads, group, end]
+        rule, scale = self.params.gqa, spec.head_dim**-0.5
+        if self.params.per_query_head:
+            scores = logits[..., lay.sink :].reshape(spec.n_heads, lay.width)
+        elif rule == "softmax_sum":  # softmax over the held tokens, as the authors' Oracle
+            held = torch.softmax((logits * scale).masked_fill(lay.unheld(), float("-inf")), dim=-1)
+            scores = held[..., lay.sink :].sum(dim=1)
+        else:
+            scores = group_scores(logits[..., lay.sink :], rule, scale)
+        middle_end = lay.middle_end()
+        scores = scores.masked_fill(~lay.candidates(middle_end), float("-inf"))
+        chosen = topk_keyed(scores, select) + lay.sink
+        return lay.compose(chosen, middle_end)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvbench.errors import CompressionNotApplied
 from kvbench.kv.block_cache import BlockCache
 from kvbench.kv.store import LayerKV
 from kvbench.methods.base import KVMethod
 from kvbench.methods.params import RetrievalParams
-from kvbench.methods.selection import Layout, layout
+from kvbench.methods.selection import Layout, StaticLayout, layout, static_layout
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -37,6 +39,7 @@ class RetrievalMethod(KVMethod):
     needs_budget = True
     extends_with_many_tokens = False
     Params = RetrievalParams
+    static_decode = False  # a method whose select() has the static form sets it (kvbench.engine.decode)
     params: RetrievalParams
 
     @property
@@ -70,6 +73,27 @@ class RetrievalMethod(KVMethod):
 
     def layout(self, kv: LayerKV) -> Layout:
         return layout(kv, self.ctx.budget.sink, self.ctx.budget.local)
+
+    def static_layout(self, kv: LayerKV) -> StaticLayout:
+        return static_layout(kv, self.ctx.budget.sink, self.ctx.budget.local)
+
+    def compressing_kv(self) -> LayerKV:
+        """A layer the method selects in (every one holds as many tokens: retrieval never evicts)."""
+        dense = set(self.dense_layers)
+        layers = self.ctx.store.layers
+        return next((kv for i, kv in enumerate(layers) if i not in dense), layers[0])
+
+    def covers(self, kv: LayerKV) -> bool:
+        """Whether the budget attends every middle token of ``kv`` (the dense path: ``select`` returns None)."""
+        return self.ctx.budget.select >= self.layout(kv).middle
+
+    def recall_candidates(self, kv: LayerKV) -> torch.Tensor | None:
+        """The middle slots (the legacy layout's candidates)."""
+        return self.layout(kv).candidates(kv.home)
+
+    def decode_key(self) -> tuple[bool, ...]:
+        """A static step's selection changes form only when the budget starts to leave tokens out."""
+        return (self.covers(self.compressing_kv()),)
 
     def check_after_first_step(self, ctx: GenerationContext) -> None:
         budget, tele = ctx.budget, ctx.telemetry

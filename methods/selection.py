@@ -16,13 +16,16 @@ import torch
 
 from kvbench.kv.store import LayerKV
 from kvbench.methods.base import Selection
-from kvbench.methods.primitives.pq import GQA_RULES, group_scores
+from kvbench.methods.primitives.pq import GQA_RULES, group_scores, topk_keyed
 from kvbench.methods.primitives.pq import topk_ascending as topk_sorted
 
 __all__ = [
     "GQA_RULES",
     "Layout",
     "layout",
+    "StaticLayout",
+    "static_layout",
+    "topk_keyed",
     "compose",
     "aggregate",
     "topk_sorted",
@@ -59,6 +62,55 @@ def layout(kv: LayerKV, sink: int, local: int) -> Layout:
     sink_end = min(sink, max(n - 1, 0))
     middle_end = max(sink_end, n - 1 - local)
     return Layout(n=n, sink_end=sink_end, middle_end=middle_end)
+
+
+@dataclass(frozen=True)
+class StaticLayout:
+    """The layout of a static decode step (:mod:`kvbench.engine.decode`): the same three parts as
+    :class:`Layout`, from host constants and the device-side length only, so that every step of a
+    regime issues the same ops. Candidates are the ``width`` slots ``[sink, end)`` of the layer's bucket,
+    of which those from ``middle_end`` on are masked (the local window, the current token, unheld slots).
+
+    Valid while the budget leaves tokens out (``n - 1 - local > sink``, the method's regime): a covering
+    budget attends the layer densely and has no layout."""
+
+    kv: LayerKV
+    sink: int
+    local: int
+
+    @property
+    def end(self) -> int:
+        return self.kv.bucket_end
+
+    @property
+    def width(self) -> int:
+        return self.end - self.sink
+
+    def middle_end(self) -> torch.Tensor:
+        """``[1]``: the first slot after the middle (the local window's first), on the device."""
+        assert self.kv.length is not None, "a static layout needs the decoder's counters"
+        return self.kv.length - (1 + self.local)
+
+    def candidates(self, middle_end: torch.Tensor) -> torch.Tensor:
+        """``[width]`` bool: which slots of ``[sink, end)`` are middle tokens (below ``middle_end``)."""
+        return self.kv.iota(self.end)[self.sink :] < middle_end
+
+    def unheld(self) -> torch.Tensor:
+        """``[end]`` bool: the slots of the bucket that hold no token yet (from the length on)."""
+        assert self.kv.length is not None
+        return self.kv.iota(self.end) >= self.kv.length
+
+    def compose(self, selected: torch.Tensor, middle_end: torch.Tensor) -> Selection:
+        """Sinks, ``selected`` (``[rows, k]`` middle slots, ascending per row) and the local window with the
+        current token: ``[rows, sink + k + local + 1]`` slots, ascending (no sort: the parts are ordered)."""
+        rows = selected.shape[0]
+        sinks = self.kv.iota(self.sink).expand(rows, -1)
+        local = (middle_end + self.kv.iota(self.local + 1)).expand(rows, -1)
+        return Selection(slots=torch.cat([sinks, selected, local], dim=1), selected=selected)
+
+
+def static_layout(kv: LayerKV, sink: int, local: int) -> StaticLayout:
+    return StaticLayout(kv=kv, sink=sink, local=local)
 
 
 def compose(lay: Layout, selected: torch.Tensor, *, ascending: bool = False) -> Selection:

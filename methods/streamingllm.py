@@ -25,6 +25,7 @@ class StreamingLLM(EvictionMethod):
     name = "streamingllm"
     Params = StreamingLLMParams
     budget_defaults = MethodBudgetDefaults(compensable=True)
+    static_decode = False  # evicts the oldest window token at every decode step (host-side slots)
 
     def _limit(self) -> int:
         return self.ctx.budget.sink + self.ctx.budget.budget

@@ -128,7 +128,9 @@ class _Watch(PyramidKV):
         self.kept[layer] = [set(row) for row in kv.positions.tolist()]
 
     def after_attention(self, layer, query, selection, kv, probs):
-        assert selection is None and probs.shape == (self.ctx.spec.n_heads, kv.n)
+        # the static step attends a bucket of slots with the ones past the held tokens masked (no weight)
+        assert selection is None and probs.shape[0] == self.ctx.spec.n_heads and probs.shape[1] >= kv.n
+        assert float(probs[:, kv.n :].abs().sum()) == 0.0
         generated = set(range(self.ctx.budget.context, kv.seen))
         for head, row in enumerate(kv.positions.tolist()):
             assert set(row) == self.kept[layer][head] | generated and len(row) == kv.n

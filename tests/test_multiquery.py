@@ -10,6 +10,7 @@ import torch
 from kvbench.budget import BudgetConfig
 from kvbench.engine.context import GenerationContext
 from kvbench.engine.conversation import converse
+from kvbench.engine.decode import StaticDecoder
 from kvbench.engine.generate import generate
 from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
@@ -99,9 +100,17 @@ class Recorder:
             recorder.outputs[-1].append(out.clone())
             return out
 
+        def static_step(decoder, layer, query, key, value):
+            out = static_attend(decoder, layer, query, key, value)
+            if decoder.kinds[layer] != "dynamic":  # (a dynamic layer's step is recorded by _decode)
+                recorder.outputs[-1].append(out.clone())
+            return out
+
+        static_attend = StaticDecoder.attend
         monkeypatch.setattr(KVStore, "snapshot", snap)
         monkeypatch.setattr(KVStore, "restore", back)
-        monkeypatch.setattr(GenerationContext, "_decode", step)
+        monkeypatch.setattr(GenerationContext, "_decode", step)  # (a dynamic step: H2O, StreamingLLM)
+        monkeypatch.setattr(StaticDecoder, "attend", static_step)
 
     @staticmethod
     def copy(store):

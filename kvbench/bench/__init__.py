@@ -38,6 +38,8 @@ class BenchOptions:
     rounds: int | None = None  # end-to-end benchmarks: timed rounds (default 2; 1 with quick)
     params: dict[str, Any] = field(default_factory=dict)  # end-to-end benchmarks: the method's parameters
     save: str | None = None  # --save FILE.json: a benchmark that draws a figure writes it beside FILE
+    methods: tuple[str, ...] | None = None  # --methods: the methods a per-method benchmark runs (default: its own)
+    engine: dict[str, Any] = field(default_factory=dict)  # --engine KEY=VALUE: engine settings (engine.*)
 
     def figure_path(self, name: str) -> Path:
         """Where a bench saved with ``--save FILE.json`` puts its figure ``name``: ``FILE.<name>.png``

@@ -79,25 +79,63 @@ def dense(
     return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)[0]
 
 
-def selected(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode attention over a per-head selection.
+def selected(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention over a per-head selection (an index list, gathered).
 
     ``query`` ``[1, H, 1, d]``; ``keys``/``values`` ``[rows, k, d]`` with rows = KV heads (shared by a
-    query group) or rows = H (one selection per query head). Returns ``[1, 1, H, d]``.
-    """
+    query group) or rows = H (one selection per query head); ``valid`` ``[rows, k]`` (optional) marks the
+    entries to attend (a fixed-shape selection pads with masked entries). Returns ``[1, 1, H, d]``.
+
+    The group's query heads are the query rows of one 4-D SDPA call per KV head (``[1, rows, g, d]``),
+    which PyTorch runs on its flash kernel, not the math path, and with no repeated K/V."""
     n_heads, d = query.shape[1], query.shape[-1]
     rows = keys.shape[0]
-    q = query[0, :, 0, :].reshape(rows, n_heads // rows, d)
-    out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
+    q = query.reshape(1, rows, n_heads // rows, d)
+    mask = None
+    if valid is not None:
+        mask = torch.zeros(valid.shape, dtype=query.dtype, device=query.device).masked_fill_(~valid, float("-inf"))
+        mask = mask[None, :, None, :]
+    out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(1, 1, n_heads, values.shape[-1])
 
 
-def probabilities(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Softmax attention ``[H, k]`` of a decode query over ``keys`` ``[rows, k, d]`` (fp32)."""
+def decode_dense(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Decode attention over a layer's buffer prefix ``keys``/``values`` ``[rows, B, d]`` (static decode):
+    ``mask`` ``[1, 1, 1, B]`` is 0 on held slots and -inf past the length. As :func:`selected`, one
+    4-D SDPA call with the group's query heads as rows. Returns ``[1, 1, H, d]``."""
+    n_heads, d = query.shape[1], query.shape[-1]
+    rows = keys.shape[0]
+    q = query.reshape(1, rows, n_heads // rows, d)
+    out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
+    return out.reshape(1, 1, n_heads, values.shape[-1])
+
+
+def length_mask(iota: torch.Tensor, length: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, 1, 1, B]``: 0 for slots below ``length`` (``[1]``, device), -inf from it on."""
+    return torch.zeros(1, 1, 1, iota.shape[0], dtype=dtype, device=iota.device).masked_fill_(
+        iota >= length, float("-inf")
+    )
+
+
+def probabilities(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Softmax attention ``[H, k]`` of a decode query over ``keys`` ``[rows, k, d]`` (fp32); entries not
+    ``valid`` (``[rows, k]``) get none."""
     n_heads, d = query.shape[1], query.shape[-1]
     rows = keys.shape[0]
     q = query[0, :, 0, :].reshape(rows, n_heads // rows, d).float()
     logits = torch.einsum("rgd,rkd->rgk", q, keys.float()) * scaling
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1).reshape(n_heads, -1)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from kvbench.budget import ResolvedBudget
 from kvbench.engine import attention
 from kvbench.engine.driver import ModelDriver
+from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
 from kvbench.methods.selection import attended_recall, exact_topk
@@ -27,6 +29,7 @@ from kvbench.profile import Profile
 from kvbench.telemetry import Clock, Telemetry
 
 if TYPE_CHECKING:
+    from kvbench.engine.decode import StaticDecoder
     from kvbench.engine.prefill import PrefillPlan
     from kvbench.engine.prefill_cache import PrefillEntry
     from kvbench.methods.base import KVMethod, QueryStatistic, Selection
@@ -43,8 +46,10 @@ class GenerationContext:
         *,
         profile: Profile,
         capacity: int,
+        engine: EngineSettings | None = None,
     ) -> None:
         self.loaded = loaded
+        self.engine = engine or EngineSettings()
         self.model = loaded.model
         self.spec = loaded.spec
         self.method = method
@@ -70,6 +75,9 @@ class GenerationContext:
         self._positions: torch.Tensor | None = None  # positions of the rows in the running layer
         self._replaying: PrefillEntry | None = None  # the shared prefill being installed
         self._statistic_s = 0.0  # seconds its statistics took when it was made (the ones read)
+        self.next_position = 0  # where the next token goes (the prompt's length after its prefill)
+        self._decoder: StaticDecoder | None = None  # the static decode step (engine.decode=static)
+        self.decoder_active: StaticDecoder | None = None  # set while a static step runs module layers
 
     # ------------------------------------------------------------------ model
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, after_layer=None) -> torch.Tensor:
@@ -111,6 +119,7 @@ class GenerationContext:
         from kvbench.engine import prefill_cache
 
         clock, tele = self.clock, self.telemetry
+        self.next_position = int(input_ids.numel())
         cache = prefill_cache.active()
         if cache is None or not self.method.shares_prefill:
             start = clock.now()
@@ -186,12 +195,28 @@ class GenerationContext:
         self, input_ids: torch.Tensor, *, start: int = 0, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits ``[1, vocab]`` of the last of ``input_ids`` (``[1, t]``) appended to the held cache,
-        placed at positions ``start..start+t-1`` or at explicit ``positions`` (``[t]``)."""
+        placed at positions ``start..start+t-1`` or at explicit ``positions`` (``[t]``). One token at the
+        next position is a static decode step (``engine.decode=static``)."""
         t = input_ids.shape[1]
+        if t == 1 and positions is None and self.engine.decode == "static":
+            self.next_position = start
+            return self.decoder().step(int(input_ids.reshape(-1)[0]), timed=False)  # (the caller times it)
         if positions is None:
             positions = torch.arange(start, start + t)
         hidden = self.driver.embed(input_ids)
-        return self.driver.logits(self._layers(hidden, positions.cpu()))
+        logits = self.driver.logits(self._layers(hidden, positions.cpu()))
+        self.next_position = int(positions.max()) + 1
+        return logits
+
+    def decoder(self, steps: int | None = None) -> StaticDecoder:
+        """This generation's static decode step, made at its first use with room for ``steps`` more tokens
+        (default: what the context's capacity leaves)."""
+        from kvbench.engine.decode import StaticDecoder
+
+        if self._decoder is None:
+            room = self.capacity - max(layer.n for layer in self.store.layers)
+            self._decoder = StaticDecoder(self, self.engine, max(steps or 0, room, 1))
+        return self._decoder
 
     # ------------------------------------------------------------------ attention
     def attend(
@@ -203,6 +228,8 @@ class GenerationContext:
         layer = cast(int, module.layer_idx)
         if self.plan is not None:
             return self.plan.attend(layer, module, query, key, value, scaling)
+        if self.decoder_active is not None:
+            return self.decoder_active.attend(layer, query, key, value)
         kv = self.store[layer]
         positions = self._positions
         t = query.shape[2]
@@ -220,19 +247,51 @@ class GenerationContext:
             return attention.with_past(query, keys, values, kv.positions, positions, scaling)
         return self._decode(module, layer, query, kv, scaling)
 
+    def dynamic_decode(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, position: int
+    ) -> torch.Tensor:
+        """A layer of a method without a static step (decode-time eviction) inside a static decoder's
+        step: the earlier per-layer code, with the position given by the host."""
+        kv = self.store[layer]
+        kv.append(key[0], value[0], torch.tensor([position]))
+        return self._decode(self.driver.layers[layer].self_attn, layer, query, kv, scaling)
+
+    def profile_step(self, layer: int, query: torch.Tensor, selection: Selection | None, kv, scaling: float) -> None:
+        """``profile.recall`` / ``profile.selection_digest`` of a static step's layer (eager: host reads)."""
+        if self.profile.selection_digest:
+            self._digest_step(layer, selection, kv)
+        if selection is not None and selection.candidates is None and self.profile.recall_rule != "attended":
+            selection = replace(selection, candidates=self.method.recall_candidates(kv))
+        if selection is not None and selection.valid is not None:  # padded entries attend nothing
+            filler = torch.full_like(selection.slots, kv.n - 1)  # (the current token: attended anyway)
+            selection = replace(selection, slots=torch.where(selection.valid, selection.slots, filler), valid=None)
+        recall = self._recall(layer, query, selection, kv, scaling) if self.profile.recall else None
+        if recall is not None:
+            self.telemetry.recall[layer].append(float(recall))
+
     def _decode(self, module: torch.nn.Module, layer: int, query: torch.Tensor, kv, scaling: float) -> torch.Tensor:
+        if self.method.static_decode:  # (engine.decode=dynamic: counters made from the host's, every step)
+            bucket = self.engine.bucket_tokens
+            length = torch.full((1,), kv.n, dtype=torch.long, device=kv.device)
+            kv.bind(length, length - 1, min(kv.capacity, -(-kv.n // bucket) * bucket))
         # host-side timers (no device sync, so they never serialise a CUDA pipeline)
         started = time.perf_counter()
         selection = None if layer in self.method.dense_layers else self.method.select(layer, query, kv)
         selected_at = time.perf_counter()
         self.telemetry.select_s += selected_at - started
         if selection is None or selection.attended == kv.n:
-            # Nothing left out (slots are unique): the dense path, bit-identical to ``full``.
+            # Nothing left out (slots are unique): the dense path, the static step's kernel on the same
+            # bucket of slots (bit-identical to ``full``)
             keys, values = kv.held()  # (an offloaded layer's budget covers it: all of it crosses)
-            if kv.repeat > 1:  # one stored row per query head (per-query-head eviction): no GQA repeat
+            if kv.offload:
                 out = attention.selected(query, keys, values, scaling)
             else:
-                out = attention.dense(module, query, keys[None], values[None], scaling)
+                bucket = self.engine.bucket_tokens
+                kv.bucket_end = min(kv.capacity, -(-kv.n // bucket) * bucket)
+                length = torch.full((1,), kv.n, dtype=torch.long, device=kv.device)
+                mask = attention.length_mask(kv.iota(kv.bucket_end), length, query.dtype)
+                keys_b, values_b = kv.bucket()
+                out = attention.decode_dense(query, keys_b, values_b, mask, scaling)
             attended = kv.n
         else:
             keys, values = kv.gather(selection.slots, selection.cached)
@@ -252,11 +311,13 @@ class GenerationContext:
         untimed). A dense step (nothing left out) folds every held position."""
         start = self.clock.now()
         held = kv.positions  # [kv_heads or query heads, n]
-        if selection is None or selection.attended == kv.n:
+        if selection is None or (selection.valid is None and selection.attended == kv.n):
             attended = held
         else:
             rows = held if held.shape[0] == selection.rows else held.repeat_interleave(self.spec.group, dim=0)
             attended = rows.gather(1, selection.slots.to(rows.device))
+            if selection.valid is not None:  # a fixed-shape selection's padding attends nothing
+                attended = attended[selection.valid.to(rows.device)].view(selection.rows, -1)
         self.telemetry.digest_positions("step", layer, attended)
         self.telemetry.excluded_s += self.clock.now() - start
 

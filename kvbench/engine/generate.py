@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
+from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ContextTooLongError
 from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
@@ -46,11 +47,17 @@ def _check_length(loaded: LoadedModel, total: int) -> None:
 
 
 def _new_context(
-    loaded: LoadedModel, method: KVMethod, budget: BudgetConfig, prompt_len: int, extra: int, profile: Profile
+    loaded: LoadedModel,
+    method: KVMethod,
+    budget: BudgetConfig,
+    prompt_len: int,
+    extra: int,
+    profile: Profile,
+    engine: EngineSettings | None = None,
 ) -> GenerationContext:
     _check_length(loaded, prompt_len + extra)
     resolved = method.resolve_budget(budget, prompt_len, prompt_len + extra, loaded.spec.n_layers)
-    ctx = GenerationContext(loaded, method, resolved, profile=profile, capacity=prompt_len + extra)
+    ctx = GenerationContext(loaded, method, resolved, profile=profile, capacity=prompt_len + extra, engine=engine)
     method.start(ctx)
     return ctx
 
@@ -67,6 +74,7 @@ def generate(
     min_new_tokens: int = 0,
     segments: Sequence[Segment] | None = None,
     profile: Profile | None = None,
+    engine: EngineSettings | None = None,
 ) -> Generation:
     """Greedy generation of up to ``max_new_tokens`` tokens with ``method`` managing the KV cache.
 
@@ -78,8 +86,9 @@ def generate(
     """
     profile = profile or Profile()
     budget = budget or BudgetConfig()
+    engine = engine or EngineSettings()
     prompt_len = len(input_ids)
-    ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile)
+    ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile, engine)
     stops = set(loaded.spec.stop_ids) | {int(i) for i in stop_ids}
     device = torch.device(loaded.spec.device)
     stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=device)
@@ -100,6 +109,12 @@ def generate(
         with torch.inference_mode(), activate(ctx):
             with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
                 logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
+            if engine.decode == "static":
+                tokens, stop_reason = _static_generation(
+                    ctx, logits, max_new_tokens, min_new_tokens, stops, stop_texts, loaded.tokenizer
+                )
+                method.after_request(ctx, tuple(segments) if segments is not None else None)
+                return _generation(ctx, method, loaded, tokens, stop_reason, stop_texts, prompt_len)
             picked_at = clock.now()
             token = pick(logits, 0)
             assert tele.prefill_s is not None  # (measured by the prefill)
@@ -128,6 +143,49 @@ def generate(
             method.after_request(ctx, tuple(segments) if segments is not None else None)
     finally:
         method.release()  # (threads and pools, also when the request failed)
+    return _generation(ctx, method, loaded, tokens, stop_reason, stop_texts, prompt_len)
+
+
+def _static_generation(
+    ctx: GenerationContext,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    stops: set[int],
+    stop_texts: Sequence[str],
+    tokenizer: Any,
+) -> tuple[list[int], str]:
+    """The decode loop on the static step (:mod:`kvbench.engine.decode`): the first token chosen on the
+    device from the prefill's logits (inside TTFT, as the dynamic loop's pick), then :func:`greedy`."""
+    from kvbench.engine.decode import greedy
+
+    clock, tele = ctx.clock, ctx.telemetry
+    decoder = ctx.decoder(max_new_tokens)  # buffers for the whole generation, before the clock
+    decoder.begin(0, min_new_tokens, sorted(stops))
+    picked_at = clock.now()
+    decoder.choose_first(logits)
+    assert tele.prefill_s is not None  # (measured by the prefill)
+    tele.prefill_s += clock.now() - picked_at
+    ctx.check_after_prefill()
+    return greedy(
+        decoder,
+        max_new_tokens=max_new_tokens,
+        stops=stops,
+        stop_texts=stop_texts,
+        tokenizer=tokenizer,
+        on_first_step=ctx.check_after_first_step,
+    )
+
+
+def _generation(
+    ctx: GenerationContext,
+    method: KVMethod,
+    loaded: LoadedModel,
+    tokens: list[int],
+    stop_reason: str,
+    stop_texts: Sequence[str],
+    prompt_len: int,
+) -> Generation:
     body = tokens[:-1] if stop_reason == "stop" else tokens
     text = loaded.tokenizer.decode(body, skip_special_tokens=True)
     cut = _find_stop(text, stop_texts)
@@ -166,6 +224,7 @@ def teacher_force(
     *,
     budget: BudgetConfig | None = None,
     profile: Profile | None = None,
+    engine: EngineSettings | None = None,
 ) -> Scoring:
     """Negative log-likelihood of each continuation token, decode mode.
 
@@ -177,7 +236,8 @@ def teacher_force(
     budget = budget or BudgetConfig()
     prefix_len = len(prefix_ids)
     targets = list(continuation_ids)
-    ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile)
+    engine = engine or EngineSettings()
+    ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile, engine)
     device = torch.device(loaded.spec.device)
     nll: list[float] = []
     ids = torch.tensor(list(prefix_ids), dtype=torch.long)
@@ -187,6 +247,9 @@ def teacher_force(
         with torch.inference_mode(), activate(ctx):
             logits = ctx.prefill(ids, None)
             ctx.check_after_prefill()
+            if engine.decode == "static" and targets:
+                nll = _static_scoring(ctx, logits, targets)
+                targets = []
             for i, target in enumerate(targets):
                 nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
                 if i == len(targets) - 1:
@@ -199,7 +262,21 @@ def teacher_force(
                     ctx.check_after_first_step()
     finally:
         method.release()  # (threads and pools, also when the request failed)
-    return Scoring(nll=nll, budget=ctx.budget, telemetry=_telemetry(ctx, method, len(targets)))
+    return Scoring(nll=nll, budget=ctx.budget, telemetry=_telemetry(ctx, method, len(nll)))
+
+
+def _static_scoring(ctx: GenerationContext, logits: torch.Tensor, targets: list[int]) -> list[float]:
+    """Teacher forcing on the static step: every target's NLL computed on the device, read once."""
+    decoder = ctx.decoder(len(targets))
+    decoder.begin(0)
+    decoder.start_scoring(targets)
+    decoder.score_first(logits)
+    for i in range(len(targets) - 1):
+        decoder.step()
+        if i == 0:
+            decoder.flush()
+            ctx.check_after_first_step()
+    return decoder.read_scores(len(targets))
 
 
 def _telemetry(ctx: GenerationContext, method: KVMethod, new_tokens: int) -> dict[str, Any]:

@@ -102,11 +102,19 @@ class LayerKV:
         self._v = self._alloc(capacity, head_dim, dtype)
         self._pos = self._alloc(capacity, None, torch.long)
         self._bases: dict[tuple[int, int, int], torch.Tensor] = {}  # see _row_base
+        # static decode (kvbench.engine.decode): device-side counters bound by the decoder
+        self.length: torch.Tensor | None = None  # [1] held slots, the current token's included
+        self.current: torch.Tensor | None = None  # [1] the current token's slot (length - 1)
+        self.bucket_end = 0  # attention reads slots [0, bucket_end); the ones from length on are masked
+        self._iota: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, capacity: int, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``capacity`` slots, filled: zero K/V, position -1. A static decode step reads a bucket
+        of slots and masks the ones not held yet, and a masked slot must still hold a finite number
+        (``0 · NaN`` is NaN; ``torch.empty`` can hold anything)."""
         shape = (self.n_kv_heads, capacity) if dim is None else (self.n_kv_heads, capacity, dim)
-        return torch.empty(shape, dtype=dtype, device=self.home, pin_memory=self._pin)
+        return torch.full(shape, -1 if dim is None else 0, dtype=dtype, device=self.home, pin_memory=self._pin)
 
     @property
     def capacity(self) -> int:
@@ -269,6 +277,48 @@ class LayerKV:
         self._pos[heads, dst] = self._pos[heads, src]
         self.n = m
         return dst, src
+
+    # ------------------------------------------------------------------ static decode
+    def bind(self, length: torch.Tensor, current: torch.Tensor, bucket_end: int) -> None:
+        """The decoder's device-side counters (``[1]`` views) and this step's bucket (static decode)."""
+        self.length, self.current, self.bucket_end = length, current, bucket_end
+
+    def iota(self, n: int) -> torch.Tensor:
+        """``arange(n)`` on the compute device, made once per size (a decode step asks every layer)."""
+        found = self._iota.get(n)
+        if found is None:
+            found = self._iota[n] = torch.arange(n, device=self.device)
+        return found
+
+    def write_current(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """Put the current token's K/V ``[kv_heads, 1, head_dim]`` at slot :attr:`current` and its
+        ``position`` (``[1]``, device) beside them, in place (static decode: no host value involved).
+        A per-query-head layer (``repeat > 1``) stores the rows once per query head."""
+        assert self.current is not None, "write_current needs the decoder's counters (bind)"
+        if self.repeat > 1:
+            heads, t, d = keys.shape
+            keys = keys[:, None].expand(heads, self.repeat, t, d).reshape(heads * self.repeat, t, d)
+            values = values[:, None].expand(heads, self.repeat, t, d).reshape(heads * self.repeat, t, d)
+        self._k.index_copy_(1, self.current, keys)
+        self._v.index_copy_(1, self.current, values)
+        self._pos.index_copy_(1, self.current, position.view(1, 1).expand(self._pos.shape[0], 1))
+
+    def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """:meth:`write_current` at a host-known ``slot`` (a host-tier layer: the copy to pinned memory is
+        asynchronous, and the offload is counted)."""
+        if self.repeat > 1:
+            heads, t, d = keys.shape
+            keys = keys[:, None].expand(heads, self.repeat, t, d).reshape(heads * self.repeat, t, d)
+            values = values[:, None].expand(heads, self.repeat, t, d).reshape(heads * self.repeat, t, d)
+        self._k[:, slot : slot + 1].copy_(keys, non_blocking=True)
+        self._v[:, slot : slot + 1].copy_(values, non_blocking=True)
+        self._pos[:, slot : slot + 1].copy_(position.view(1, 1).expand(self._pos.shape[0], 1), non_blocking=True)
+        if self.offload:
+            self.stats.bytes_d2h += self.n_kv_heads * self.token_bytes()
+
+    def bucket(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots ``[0, bucket_end)`` (views; slots from :attr:`length` on hold no token yet)."""
+        return self._k[:, : self.bucket_end], self._v[:, : self.bucket_end]
 
     # ------------------------------------------------------------------ reads
     def set_residency(self, sink: int, recent: int) -> None:

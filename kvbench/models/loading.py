@@ -97,6 +97,9 @@ def load_model(cfg: Any) -> LoadedModel:
     else:
         raise ConfigError(f"unknown model.source {source!r}", "use asset, pretrained or random")
     model.eval()
+    from kvbench.engine.lean import fuse_weights
+
+    fuse_weights(model)  # CPU: projection weights re-laid for one-row products (no copy kept)
     arch = model.config.model_type
     if arch not in SUPPORTED_ARCHS:
         print(

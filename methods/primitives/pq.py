@@ -256,6 +256,34 @@ def topk_ascending(values: Tensor, k: int) -> Tensor:
     return out.scatter_(-1, slot, positions)[..., :k]
 
 
+def topk_keyed(values: Tensor, k: int, *, reversed_iota: Tensor | None = None, nonnegative: bool = False) -> Tensor:
+    """:func:`topk_ascending` with no host read and one ``topk``: the same indices, ties alike.
+
+    Each value becomes an int64 key ``(order(value) << 32) | (n - 1 - index)``, where ``order`` maps a
+    float32 to an int32 of the same order (negative floats: all bits but the sign flipped; ``-0.0`` is
+    made ``+0.0`` first, NaN counts as −inf). The ``k`` largest keys are the ``k`` largest values, equal
+    values taken lowest index first; their indices are sorted ascending (a sort of ``k``, not ``n``). Every
+    shape is fixed by ``values.shape`` and ``k``, so a decode step that calls it can be captured.
+    ``reversed_iota`` (``n - 1, ..., 0``, int64, optional) saves making it; ``nonnegative``: the caller
+    knows no value is negative or NaN (a softmax), which skips the mapping."""
+    n = values.shape[-1]
+    k = min(k, n)
+    if k <= 0:
+        return torch.empty(*values.shape[:-1], 0, dtype=torch.long, device=values.device)
+    v = values.float()
+    if nonnegative:
+        ordered = v.view(torch.int32).to(torch.int64)
+    else:
+        v = v.nan_to_num(nan=-float("inf"), posinf=float("inf"), neginf=-float("inf")) + 0.0  # (-0.0 -> +0.0)
+        bits = v.view(torch.int32)
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    if reversed_iota is None:
+        reversed_iota = torch.arange(n - 1, -1, -1, device=values.device)
+    key = torch.bitwise_or(ordered << 32, reversed_iota)
+    top = torch.topk(key, k, dim=-1, sorted=False).values
+    return torch.sort((n - 1) - (top & 0xFFFFFFFF), dim=-1).values
+
+
 def gqa_topk(scores: Tensor, k: int, rule: str = "softmax_sum", scale: float | None = None) -> Tensor:
     """The ``k`` tokens ``[G, min(k, n)]`` (ascending) each KV head fetches, from its query heads'
     scores ``[G, R, n]`` combined by ``rule`` (see ``group_scores``); ties go to the lower index."""
@@ -270,6 +298,7 @@ def comm_ratio(m: int, b: int, head_dim: int, key_bits: int = 16) -> float:
 
 __all__ = [
     "GQA_RULES",
+    "topk_keyed",
     "PQCodebook",
     "code_dtype",
     "codebook_from",

@@ -1,0 +1,139 @@
+"""The static decode step: the same tokens and selections as the earlier step, no host reads, a fixed op stream.
+
+* **equivalence** — every method converted to the static step attends exactly the positions its earlier
+  (dynamic, host-driven) implementation attended, at every decode step and layer (the selection
+  digest), and generates the same tokens (``tests/reference_selection.py`` keeps those implementations);
+  ``full`` and the eviction methods give the same tokens under ``engine.decode=static`` and ``dynamic``;
+* **no host reads** — a steady step issues no sync-prone op and builds no tensor from host data
+  (:mod:`kvbench.engine.ops`), and the counter catches one that does;
+* **a static op stream** — consecutive steps of one regime issue the same ops with the same shapes and
+  arguments (what a CUDA graph replays), and the counter catches a step that bakes in a host value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.budget import BudgetConfig
+from kvbench.engine.generate import generate, teacher_force
+from kvbench.engine.settings import EngineSettings
+from kvbench.methods import create_method
+from kvbench.methods.oracle import Oracle
+from tests.reference_selection import LEGACY
+from tests.static_helpers import assert_same_as_legacy, assert_static_step, digest_run, recorded_steps, registered
+
+NEW = 24
+STATIC_METHODS = ["full", "oracle"]
+
+
+def _method(name: str, **params):
+    return create_method({"name": name, **params})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _test_methods_registered():
+    with registered(*LEGACY.values(), _SyncingOracle, _BakingOracle):
+        yield
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"gqa": "logit_sum"}, {"gqa": "max"}, {"per_query_head": True}, {"offload": True}],
+    ids=["softmax_sum", "logit_sum", "max", "per_query_head", "offload"],
+)
+def test_static_oracle_attends_what_the_earlier_oracle_attended(fixture, params, request, random_ids):
+    loaded = request.getfixturevalue(fixture)
+    assert_same_as_legacy(loaded, "oracle", LEGACY["oracle"].name, random_ids(700, seed=11), params=params, tokens=96)
+
+
+def test_a_covering_budget_is_the_dense_step(tiny_llama, random_ids):
+    ids = random_ids(300, seed=16)
+    full = digest_run(tiny_llama, "full", ids)
+    covered = digest_run(tiny_llama, "oracle", ids, tokens=400)
+    assert covered.tokens == full.tokens
+    assert covered.telemetry["attended_per_layer"] == full.telemetry["attended_per_layer"]
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "pyramidkv", "streamingllm", "h2o"])
+def test_static_and_dynamic_steps_give_the_same_tokens(name, tiny_llama, random_ids):
+    ids = random_ids(600, seed=12)
+    budget = {} if name == "full" else {"token_ratio": 0.2}
+    static = digest_run(tiny_llama, name, ids, engine=EngineSettings(decode="static"), **budget)
+    dynamic = digest_run(tiny_llama, name, ids, engine=EngineSettings(decode="dynamic"), **budget)
+    assert static.tokens == dynamic.tokens
+    assert static.telemetry["selection_digest"] == dynamic.telemetry["selection_digest"]
+    assert static.telemetry["attended_per_layer"] == dynamic.telemetry["attended_per_layer"]
+
+
+def test_static_teacher_forcing_matches_the_dynamic_one(tiny_llama, random_ids):
+    ids = random_ids(400, seed=13)
+    runs = [
+        teacher_force(tiny_llama, _method("oracle"), ids[:300], ids[300:], budget=BudgetConfig(tokens=64), engine=e)
+        for e in (EngineSettings(decode="static"), EngineSettings(decode="dynamic"))
+    ]
+    assert runs[0].nll == pytest.approx(runs[1].nll, rel=1e-5)
+    assert runs[0].telemetry["decode_steps"] == runs[1].telemetry["decode_steps"] == 99
+
+
+def test_a_later_readback_keeps_the_tokens_and_drops_the_steps_past_a_stop(tiny_llama, random_ids):
+    ids = random_ids(300, seed=14)
+    every = digest_run(tiny_llama, "full", ids, n=30)
+    stop = every.tokens[9]  # the 10th token ends the generation when it is a stop id
+    first_at = every.tokens.index(stop)
+    runs = [
+        generate(
+            tiny_llama,
+            _method("full"),
+            ids,
+            max_new_tokens=30,
+            stop_ids=[stop],
+            engine=EngineSettings(readback_every=r),
+        )
+        for r in (1, 8)
+    ]
+    for out in runs:
+        assert out.tokens == every.tokens[: first_at + 1] and out.stop_reason == "stop"
+        assert out.telemetry["decode_steps"] == first_at
+        assert len(out.telemetry["attended_per_layer"]) == tiny_llama.spec.n_layers
+
+
+# ---------------------------------------------------------------------- the op stream
+@pytest.mark.parametrize("name", STATIC_METHODS)
+def test_a_steady_step_reads_nothing_back_and_repeats_its_ops(name, tiny_llama, random_ids):
+    budget = {} if name == "full" else {"tokens": 96, "comm_ratio": 1 / 64}
+    assert_static_step(
+        tiny_llama, name, random_ids(700, seed=15), None if name == "full" else {"offload": False}, **budget
+    )
+
+
+class _SyncingOracle(Oracle):
+    """An Oracle that reads its budget back from the device at every step (a regression the test must catch)."""
+
+    name = "_syncing_oracle"
+
+    def select(self, layer, query, kv):
+        selection = super().select(layer, query, kv)
+        assert kv.length is not None
+        int(kv.length)  # a host read
+        return selection
+
+
+class _BakingOracle(Oracle):
+    """An Oracle whose step bakes the host's length into an op (what a graph replay would freeze)."""
+
+    name = "_baking_oracle"
+
+    def select(self, layer, query, kv):
+        selection = super().select(layer, query, kv)
+        torch.arange(kv.n, device=kv.device)
+        return selection
+
+
+def test_the_counter_catches_a_host_read_and_a_baked_length(tiny_llama, random_ids):
+    ids = random_ids(700, seed=15)
+    syncing = recorded_steps(tiny_llama, _SyncingOracle.name, ids, tokens=96)
+    assert syncing[4].syncs["item"] == tiny_llama.spec.n_layers
+    baking = recorded_steps(tiny_llama, _BakingOracle.name, ids, tokens=96)
+    assert baking[4].first_difference(baking[5]) is not None
