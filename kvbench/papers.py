@@ -104,6 +104,7 @@ KVBENCH_MODELS = (
     "tiny_qwen2",
     "llama31_8b_instruct",
     "llama31_8b_shape",
+    "llama2_7b_shape",
     "mistral7b_instruct_v02",
     "glm4_9b_chat",
     "hf",

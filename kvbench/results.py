@@ -51,7 +51,7 @@ ENV = "env.json"
 STATUS = "status.json"
 LOG = "run.log"
 #: config keys that do not change results: not hashed, and free to differ when a run is resumed
-UNHASHED = ("output_dir", "progress", "prefill_cache")
+UNHASHED = ("output_dir", "progress", "prefill_cache", "engine")
 
 
 def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvbench.budget import BudgetConfig
 from kvbench.errors import BudgetError, ConfigError, Interrupted
+from kvbench.engine.settings import EngineSettings, engine_settings
 from kvbench.profile import Profile
 from kvbench.results import RunDir, run_id_for
 
@@ -77,6 +78,7 @@ class Plan:
     budget: BudgetConfig
     profile: Profile
     run_dir: RunDir
+    engine: EngineSettings
 
 
 def plan(resolved: dict[str, Any]) -> Plan:
@@ -104,7 +106,8 @@ def plan(resolved: dict[str, Any]) -> Plan:
         # only reuse methods read store.*: other methods' run ids do not depend on it
         resolved = {key: value for key, value in resolved.items() if key != "store"}
     output_dir = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
-    return Plan(resolved, task, method, budget, profile, RunDir(output_dir / run_id_for(resolved)))
+    engine = engine_settings(resolved.get("engine"))
+    return Plan(resolved, task, method, budget, profile, RunDir(output_dir / run_id_for(resolved)), engine)
 
 
 def check_sources(configs: Sequence[dict[str, Any]]) -> None:
@@ -158,7 +161,7 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
                     + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
                     + (f"; command: {command}" if command else "")
                 )
-                ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done)
+                ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done, p.engine)
             records = run_dir.records()
             if known is not None:
                 wanted = set(known)
@@ -199,6 +202,7 @@ def _run_samples(
     profile: Profile,
     run_dir: RunDir,
     done: set[str],
+    engine: EngineSettings | None = None,
 ) -> int:
     import yaml
 
@@ -227,7 +231,7 @@ def _run_samples(
                 if sample.id in done:
                     continue
                 clock = time.perf_counter()
-                result = run_sample(task, sample, model, method, budget, profile)
+                result = run_sample(task, sample, model, method, budget, profile, engine)
                 record = result.to_record()
                 record["protocol"] = task.protocol()
                 if ran == 0:
@@ -240,7 +244,15 @@ def _run_samples(
     return ran
 
 
-def run_sample(task: Any, sample: Any, model: Any, method: Any, budget: BudgetConfig, profile: Profile) -> Any:
+def run_sample(
+    task: Any,
+    sample: Any,
+    model: Any,
+    method: Any,
+    budget: BudgetConfig,
+    profile: Profile,
+    engine: EngineSettings | None = None,
+) -> Any:
     """Execute the sample's requests with the engine, in order, and let the task score the outputs; a
     :class:`~kvbench.requests.FollowUp` is expanded, when reached, into the requests it builds from the
     outputs so far."""
@@ -254,7 +266,7 @@ def run_sample(task: Any, sample: Any, model: Any, method: Any, budget: BudgetCo
         if isinstance(request, FollowUp):
             pending = list(request.build(list(outputs))) + pending
             continue
-        outputs.append(execute(model, method, request, budget, profile))
+        outputs.append(execute(model, method, request, budget, profile, engine))
     return task.result(sample, outputs)
 
 

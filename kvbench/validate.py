@@ -101,6 +101,20 @@ def check_budget(resolved: dict[str, Any]) -> None:
     BudgetConfig.from_mapping(budget)  # unknown keys and ranges
 
 
+def check_engine(resolved: dict[str, Any]) -> None:
+    """``engine.*`` (:class:`~kvbench.engine.settings.EngineSettings`): known keys, types and ranges; graphs
+    asked for on a model placed on the CPU."""
+    from kvbench.engine.settings import engine_settings
+
+    settings = engine_settings(resolved.get("engine"))
+    device = str((resolved.get("model") or {}).get("device") or "auto")
+    if settings.cuda_graph is True and device == "cpu":
+        raise ConfigError(
+            "engine.cuda_graph=true needs a CUDA device, but model.device=cpu",
+            "use engine.cuda_graph=auto (graphs on CUDA only) or model.device=cuda",
+        )
+
+
 def check_profile(resolved: dict[str, Any]) -> None:
     from dataclasses import fields
 
@@ -319,6 +333,7 @@ CONFIG_CHECKS: list[Check] = [
     check_store,
     check_groups,
     check_prefill_cache,
+    check_engine,
     check_budget,
     check_profile,
     check_task_types,

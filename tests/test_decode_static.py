@@ -137,3 +137,39 @@ def test_the_counter_catches_a_host_read_and_a_baked_length(tiny_llama, random_i
     assert syncing[4].syncs["item"] == tiny_llama.spec.n_layers
     baking = recorded_steps(tiny_llama, _BakingOracle.name, ids, tokens=96)
     assert baking[4].first_difference(baking[5]) is not None
+
+
+# ---------------------------------------------------------------------- the lean layers
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_lean_layers_compute_exactly_what_the_stock_layers_compute(fixture, request):
+    """engine/lean.py's decoder layer, over the CPU-fused weights the models load with, is bit-identical to
+    the model's own layer (the same attention plugged into both)."""
+    import torch.nn.functional as F
+
+    from kvbench.engine import lean
+
+    loaded = request.getfixturevalue(fixture)
+    model, spec = loaded.model, loaded.spec
+    assert lean.supports(model) and getattr(model, "_kvbench_fused", False)
+    x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    position = torch.tensor([[37]])
+    rotary = model.model.rotary_emb(x, position)
+    cos, signed_sin = lean.rotary_tables(*rotary)
+
+    def attend(layer, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=spec.head_dim**-0.5).transpose(1, 2)
+
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.inference_mode():
+            for index, layer in enumerate(model.model.layers):
+                weights = lean.layer_weights(layer)
+                assert weights.fused
+                stock = layer(x, attention_mask=None, position_ids=position, position_embeddings=rotary)
+                ours = lean.lean_layer(
+                    index, weights, x[0], cos, signed_sin, (spec.n_heads, spec.n_kv_heads, spec.head_dim), attend
+                )
+                assert torch.equal(stock[0], ours)
+    finally:
+        model.config._attn_implementation = previous

@@ -89,3 +89,45 @@ def test_selection_metadata_lives_on_the_device(cuda_llama, random_ids, name):
     tensors = INDEXES[name](method)
     assert tensors and all(t.is_cuda for t in tensors)
     assert out.telemetry["bytes_h2d_fetch"] > 0
+
+
+@pytest.mark.parametrize("name", ["full", "oracle"])
+def test_graph_replay_is_the_eager_static_step_and_never_syncs(cuda_llama, random_ids, name, monkeypatch):
+    """engine.cuda_graph=true replays the captured static step: the same tokens as the eager static step, and
+    no step after the first waits for the device (sync debug mode 'error' raises on any sync)."""
+    from kvbench.engine.decode import StaticDecoder
+    from kvbench.engine.settings import EngineSettings
+
+    ids = random_ids(700, seed=53)
+    budget = BudgetConfig() if name == "full" else BudgetConfig(tokens=96)
+    original = StaticDecoder.step
+    replays = []
+
+    def step(self, feed=None, timed=True):
+        if self.steps == 0:
+            return original(self, feed, timed)
+        replays.append(bool(self.graphs))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, feed, timed)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def run(graphs):
+        method = create_method({"name": name} if name == "full" else {"name": name, "offload": False})
+        return generate(
+            cuda_llama,
+            method,
+            ids,
+            max_new_tokens=40,
+            min_new_tokens=40,
+            budget=budget,
+            engine=EngineSettings(cuda_graph=graphs),
+        )
+
+    eager = run(False)
+    monkeypatch.setattr(StaticDecoder, "step", step)
+    graph = run(True)
+    assert graph.tokens == eager.tokens
+    assert any(replays), "no step replayed a captured graph"
+    assert graph.telemetry["attended_per_layer"] == eager.telemetry["attended_per_layer"]

@@ -13,13 +13,21 @@ from kvbench.requests import GenerateRequest, MultiQueryRequest, Output, Request
 
 if TYPE_CHECKING:
     from kvbench.budget import BudgetConfig
+    from kvbench.engine.settings import EngineSettings
     from kvbench.methods.base import KVMethod
     from kvbench.models.loading import LoadedModel
     from kvbench.profile import Profile
 
 
-def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: BudgetConfig, profile: Profile) -> Output:
-    """Run ``request`` with ``method`` managing the KV cache."""
+def execute(
+    loaded: LoadedModel,
+    method: KVMethod,
+    request: Request,
+    budget: BudgetConfig,
+    profile: Profile,
+    engine: EngineSettings | None = None,
+) -> Output:
+    """Run ``request`` with ``method`` managing the KV cache (``engine``: how decode steps run)."""
     from kvbench.engine.generate import generate, teacher_force
 
     if isinstance(request, GenerateRequest):
@@ -34,6 +42,7 @@ def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: Bud
             segments=request.segments,
             budget=budget,
             profile=profile,
+            engine=engine,
         )
         return Output(
             text=out.text,
@@ -45,7 +54,7 @@ def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: Bud
         )
     if isinstance(request, ScoreRequest):
         scoring = teacher_force(
-            loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile
+            loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile, engine=engine
         )
         return Output(
             nll=scoring.nll,
@@ -56,7 +65,7 @@ def execute(loaded: LoadedModel, method: KVMethod, request: Request, budget: Bud
     if isinstance(request, MultiQueryRequest):
         from kvbench.engine.conversation import converse
 
-        talk = converse(loaded, method, request, budget=budget, profile=profile)
+        talk = converse(loaded, method, request, budget=budget, profile=profile, engine=engine)
         turns = [
             Output(
                 text=t.text,

@@ -57,6 +57,7 @@ from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
 from kvbench.engine.generate import _find_stop, _new_context, _telemetry
 from kvbench.engine.prefill import PrefillPlan
+from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ConfigError
 from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
@@ -106,6 +107,7 @@ def converse(
     *,
     budget: BudgetConfig | None = None,
     profile: Profile | None = None,
+    engine: EngineSettings | None = None,
 ) -> Conversation:
     """Answer every question of ``request`` about its shared context, compressing the context once
     (see the module docs for the protocol)."""
@@ -126,7 +128,7 @@ def converse(
         extra = sum(extents)
     else:
         extra = extents[0] + max(extents[1:]) if kept_first else max(extents)
-    ctx = _new_context(loaded, method, budget, len(prompt), extra, profile)
+    ctx = _new_context(loaded, method, budget, len(prompt), extra, profile, engine)
     clock, tele = ctx.clock, ctx.telemetry
     device = torch.device(loaded.spec.device)
     ids = torch.tensor(prompt, dtype=torch.long)

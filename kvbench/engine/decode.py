@@ -139,7 +139,21 @@ class StaticDecoder:
         self.row = torch.zeros(1, dtype=torch.long, device=d)
         self.attended = torch.zeros(self.rows, len(self.store.layers), dtype=torch.float32, device=d)
         self.capacity = [kv.capacity for kv in self.store.layers]
+        self.rotary = self._rotary_tables(self.ctx.next_position + steps + 1)
         self.sync()
+
+    def _rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, ±sin)`` ``[positions, d]`` of every position a step may take, made once (the model's own
+        rotary embedding over all of them: the same per-element products and cos/sin as at one position),
+        for a rotary embedding that depends on the position only; ``None`` for one that rescales with the
+        length (``dynamic``, ``longrope``), which runs per step."""
+        rotary = self.driver.base.rotary_emb
+        if self.weights is None or getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3"):
+            return None
+        probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)
+        cos, sin = self.driver.rotary(probe, torch.arange(positions, device=self.device))
+        half = sin.shape[-1] // 2
+        return cos[0].contiguous(), torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     def sync(self) -> None:
         """Set the device counters from the host's (at the start, and after the host changed the store:
@@ -201,6 +215,10 @@ class StaticDecoder:
         step runs eagerly) or ``None``: the token the previous step chose on the device. ``timed``: the
         step's time goes into the telemetry's step times (a caller that times its own steps says no)."""
         self._check_host()
+        if self.rotary is not None and self.host_position >= self.rotary[0].shape[0]:  # (a long conversation)
+            self.rotary = self._rotary_tables(2 * self.host_position + 1)
+            self.graphs.clear()
+            self.traces.clear()
         tele = self.ctx.telemetry
         tele.excluded_s = 0.0
         started = self.timer.start() if timed else None
@@ -214,7 +232,7 @@ class StaticDecoder:
             logits = self._replay(key, choose)
         else:
             self._trace = {}
-            logits = self._device_step(choose)
+            logits = self._warm_up(choose) if self.graphs_on else self._device_step(choose)
             self.traces[key] = self._trace
         if timed:
             self.timer.stop(started, tele.excluded_s)
@@ -268,21 +286,29 @@ class StaticDecoder:
         self.lengths.add_(1)
         torch.sub(self.lengths, 1, out=self.current)
         hidden = self.driver.embed(self.token)
-        cos, sin = self.driver.rotary(hidden, self.position)
-        if self.weights is not None:
-            c, s = lean.rotary_tables(cos, sin)
+        if self.weights is not None and self.rotary is not None:  # this position's row of the tables
+            c = self.rotary[0].index_select(0, self.position)[0]
+            s = self.rotary[1].index_select(0, self.position)[0]
             x = hidden[0]
             for index, weights in enumerate(self.weights):
                 x = lean.lean_layer(index, weights, x, c, s, self.shape, self.attend)
-            hidden = x[None]
+            norm = self.driver.base.norm
+            logits = self.driver.model.lm_head(lean.rms_norm(x, norm.weight, float(norm.variance_epsilon)))
+        elif self.weights is not None:
+            c, s = lean.rotary_tables(*self.driver.rotary(hidden, self.position))
+            x = hidden[0]
+            for index, weights in enumerate(self.weights):
+                x = lean.lean_layer(index, weights, x, c, s, self.shape, self.attend)
+            logits = self.driver.logits(x[None])
         else:
+            cos, sin = self.driver.rotary(hidden, self.position)
             self.ctx.decoder_active = self
             try:
                 for index in range(self.driver.n_layers):
                     hidden = self.driver.layer(index, hidden, (cos, sin), self.position)
             finally:
                 self.ctx.decoder_active = None
-        logits = self.driver.logits(hidden)
+            logits = self.driver.logits(hidden)
         if choose:
             self._choose(logits)
         if self.scoring is not None:
@@ -387,6 +413,18 @@ class StaticDecoder:
         return (kv.iota(kv.bucket_end) < kv.length).expand(kv._k.shape[0], -1)
 
     # ------------------------------------------------------------------ CUDA graphs
+    def _warm_up(self, choose: bool) -> torch.Tensor:
+        """A regime's first step, eager, on a side stream (PyTorch's rule before a capture: lazy library
+        state is made off the capturing stream); the model's stream waits for it."""
+        current = torch.cuda.current_stream(self.device)
+        if not hasattr(self, "_side"):
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            logits = self._device_step(choose)
+        current.wait_stream(self._side)
+        return logits
+
     def _replay(self, key: Any, choose: bool) -> torch.Tensor:
         graph = self.graphs.get(key)
         if graph is None:

@@ -26,12 +26,13 @@ graph replays the eager step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from kvbench.errors import ConfigError
 from kvbench.params import Params, param
+
+if TYPE_CHECKING:  # (this module is read by `kvbench run`'s checks, which must not import torch)
+    import torch
 
 
 @dataclass(frozen=True)

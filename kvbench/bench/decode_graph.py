@@ -1,0 +1,185 @@
+"""``decode_graph``: the static decode step eager and replayed as a CUDA graph, against the memory roofline.
+
+On a GPU, per method and prompt length (``--model``, ``--lengths``, ``--methods``, ``--new-tokens``;
+default ``full`` on ``llama31_8b_shape`` at 32k, bf16):
+
+* ``eager_tpot_ms`` / ``graph_tpot_ms`` — TPOT of the static step run eagerly (``engine.cuda_graph=false``)
+  and replayed from captured graphs (``true``), best of the rounds, the two modes interleaved;
+  ``tokens_identical``: the two generate the same tokens;
+* ``replay_syncs`` — ``torch.cuda.set_sync_debug_mode("error")`` is on while every decode step after the
+  first runs (graph replays and the eager steps that warm a regime up): a step that waits for the device
+  fails the row (``sync: <error>``), reads between steps (every ``engine.readback_every`` tokens) excepted;
+* ``roofline_ms`` — the bytes a step must read (the weights once, and the K/V the step attends: the whole
+  cache for ``full``, the attended tokens for a selection) over the device's copy bandwidth, measured here
+  with a 1 GiB device-to-device copy; ``graph / roofline`` is how close the step runs to it;
+* with ``--param compile=true``, transformers' ``StaticCache`` decode under
+  ``torch.compile(mode="reduce-overhead")`` on the same prompt (``hf_compiled_tpot_ms``), the field's
+  reference for a captured decode step.
+
+On a CPU the bench runs its path at a small size (``tiny_llama``, 1k tokens) with graphs marked ``n/a``:
+what ``benchmarks/gpu.sh decode_graph`` runs is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvbench.bench import BenchOptions, BenchResult, bench_device, benchmark, niah_ids
+
+WARM_TOKENS = 16
+
+
+@contextmanager
+def _sync_errors(on: bool) -> Any:
+    """Sync debug mode ``error`` around every decode step after a generation's first (CUDA only)."""
+    from kvbench.engine.decode import StaticDecoder
+
+    if not on:
+        yield
+        return
+    original = StaticDecoder.step
+
+    def step(self: StaticDecoder, feed: int | None = None, timed: bool = True) -> torch.Tensor:
+        if self.steps == 0:  # the first step of a generation may allocate (buffers, lazy library state)
+            return original(self, feed, timed)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, feed, timed)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    StaticDecoder.step = step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StaticDecoder.step = original  # type: ignore[method-assign]
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes per second a device-to-device copy of 1 GiB moves (read + write), best of 5; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def step_bytes(loaded: Any, telemetry: dict[str, Any]) -> int:
+    """Bytes a decode step reads at least: every weight once, and the K/V of the tokens each layer attends."""
+    model = loaded.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    element = next(model.parameters()).element_size()
+    spec = loaded.spec
+    attended = sum(a for a in telemetry["attended_per_layer"] if a is not None)
+    return weights + int(attended * 2 * spec.n_kv_heads * spec.head_dim * element)
+
+
+def _hf_compiled(loaded: Any, ids: list[int], new_tokens: int) -> float:
+    """TPOT of transformers' StaticCache decode under torch.compile(mode="reduce-overhead")."""
+    model = loaded.model
+    device = torch.device(loaded.spec.device)
+    prompt = torch.tensor([ids], device=device)
+    forward = model.forward
+    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    try:
+
+        def timed(n: int) -> float:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
+            torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+        timed(WARM_TOKENS)  # compilation and capture
+        timed(WARM_TOKENS)
+        return (timed(new_tokens) - timed(2)) / (new_tokens - 2)
+    finally:
+        model.forward = forward
+
+
+@benchmark("decode_graph")
+def decode_graph(options: BenchOptions) -> BenchResult:
+    from kvbench.budget import BudgetConfig
+    from kvbench.compose import compose
+    from kvbench.engine.generate import generate
+    from kvbench.engine.settings import engine_settings
+    from kvbench.methods import create_method
+    from kvbench.models.loading import load_model
+
+    device = bench_device(options)
+    cuda = device.type == "cuda"
+    model_name = options.model or ("llama31_8b_shape" if cuda else "tiny_llama")
+    lengths = options.lengths or ((32768,) if cuda else (1024,))
+    new_tokens = options.new_tokens or (256 if cuda else 12)
+    rounds = options.e2e_rounds()
+    methods = list(options.methods or ("full",))
+    loaded = load_model(compose([f"model={model_name}", f"model.device={device.type}"])["model"])
+    bandwidth = copy_bandwidth(device)
+    params = {k: v for k, v in options.params.items() if k != "compile"}
+    modes = {"eager": False, "graph": True} if cuda else {"eager": False}
+
+    def run(name: str, ids: list[int], n: int, graphs: bool) -> Any:
+        engine = engine_settings({**options.engine, "cuda_graph": graphs})
+        budget = BudgetConfig() if name == "full" else BudgetConfig(tokens=1024, comm_ratio=1 / 128)
+        method = create_method({"name": name} if name == "full" else {"offload": False, **params, "name": name})
+        with _sync_errors(cuda and graphs):
+            return generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=budget, engine=engine)
+
+    rows = []
+    for length in lengths:
+        ids = niah_ids(loaded, length)
+        for name in methods:
+            outs: dict[str, list[Any]] = {mode: [] for mode in modes}
+            errors: dict[str, str] = {}
+            for mode, graphs in modes.items():
+                try:
+                    run(name, ids, WARM_TOKENS, graphs)  # warm-up: kernels, allocator, cost models
+                except RuntimeError as error:
+                    errors[mode] = str(error).splitlines()[0][:160]
+            for _ in range(rounds):
+                for mode, graphs in modes.items():
+                    if mode not in errors:
+                        outs[mode].append(run(name, ids, new_tokens, graphs))
+            row: dict[str, Any] = {"model": model_name, "prompt": len(ids), "method": name}
+            for mode in modes:
+                tpots = [o.telemetry["tpot_s"] for o in outs[mode]]
+                row[f"{mode}_tpot_ms"] = 1e3 * min(tpots) if tpots else errors.get(mode)
+            if not cuda:
+                row["graph_tpot_ms"] = "n/a (no CUDA)"
+            elif outs["eager"] and outs["graph"]:
+                row["graph / eager"] = row["graph_tpot_ms"] / row["eager_tpot_ms"]
+                row["tokens_identical"] = outs["eager"][0].tokens == outs["graph"][0].tokens
+            row["replay_syncs"] = "error: " + errors["graph"] if "graph" in errors else ("0" if cuda else "n/a")
+            best = min((o for mode in modes for o in outs[mode]), key=lambda o: o.telemetry["tpot_s"], default=None)
+            if bandwidth and best is not None:
+                roofline = step_bytes(loaded, best.telemetry) / bandwidth
+                row["roofline_ms"] = 1e3 * roofline
+                row["best / roofline"] = best.telemetry["tpot_s"] / roofline
+            if name == "full" and cuda and options.params.get("compile"):
+                row["hf_compiled_tpot_ms"] = 1e3 * _hf_compiled(loaded, ids, new_tokens)
+            rows.append(row)
+    full_rows = {r["prompt"]: r for r in rows if r["method"] == "full"}
+    for row in rows:
+        base = full_rows.get(row["prompt"])
+        key = "graph_tpot_ms" if cuda else "eager_tpot_ms"
+        if base is not None and row is not base and isinstance(row.get(key), float):
+            row["tpot / full"] = row[key] / base[key]
+    notes = [
+        f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'CPU'}), {loaded.spec.dtype}; "
+        f"{new_tokens} new tokens, best of {rounds} round(s) per mode after a {WARM_TOKENS}-token warm-up",
+        "methods other than full: budget.tokens=1024, comm_ratio=1/128, offload false (device-resident KV)",
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (1 GiB device copy)" if bandwidth else "no GPU: graph rows n/a",
+        f"engine: {options.engine or 'defaults'}; method parameters: {params or 'defaults'}",
+    ]
+    return BenchResult("decode_graph", "static decode: eager vs CUDA graph replay, and the roofline", rows, notes)
