@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.budget import BudgetConfig
-from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.engine.settings import EngineSettings, engine_settings
+from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.profile import Profile
 from kvbench.results import RunDir, run_id_for
 

@@ -76,7 +76,7 @@ class Telemetry:
     def __init__(self, n_layers: int, clock: Clock) -> None:
         self.clock = clock
         self.n_layers = n_layers
-        self.attended: list[list[int]] = [[] for _ in range(n_layers)]
+        self.attended: list[list[float]] = [[] for _ in range(n_layers)]  # tokens per head, per step
         self.available: list[list[int]] = [[] for _ in range(n_layers)]
         self.recall: list[list[float]] = [[] for _ in range(n_layers)]
         self.recall_b: int | None = None  # B of the ``attended`` recall rule (the last layer's)
@@ -101,8 +101,9 @@ class Telemetry:
         self._digest.update(f"{tag}:{layer}:{tuple(rows.shape)};".encode())
         self._digest.update(rows.numpy().tobytes())
 
-    def record_decode(self, layer: int, attended: int, available: int, recall: float | None = None) -> None:
-        self.attended[layer].append(int(attended))
+    def record_decode(self, layer: int, attended: float, available: int, recall: float | None = None) -> None:
+        """``attended``: tokens per head (a mean over heads when a padded selection's rows differ)."""
+        self.attended[layer].append(int(attended) if float(attended).is_integer() else float(attended))
         self.available[layer].append(int(available))
         if recall is not None:
             self.recall[layer].append(float(recall))

@@ -24,6 +24,37 @@ maximum-inner-product search:
   ``m·b / (16·d_h)`` is recorded. Centroids stay on the device; on CUDA the host codes are pinned and
   layer l+1's codes are copied on a side stream while layer l computes (the paper's prefetch).
 
+Static decode step (:mod:`kvbench.engine.decode`): the same positions, ties and tokens as the earlier
+per-layer step (``tests/legacy_pqcache.py``), with fixed shapes and no host read.
+
+* **host side** (:meth:`PQCache.before_step`, eager): at the first step that leaves tokens out, the
+  wait for every layer's codebook (:meth:`PQCache._codebook`; the earlier step waited in each layer's
+  first ``select``, a covering budget waits for none) and a code buffer with a row for every slot the
+  store can hold (on the compute device with ``offload: false``, pinned host memory with ``offload:
+  true`` on CUDA); then, every step, the earlier step's rule for which tokens need codes.
+* **new codes**: a token's code depends on its key and the codebook only, so the step codes a token
+  one step before it leaves the local window: the window's first token, slot ``length - 1 - local``
+  (read from the device-side length), with :func:`~kvbench.methods.primitives.pq.pq_encode_static`
+  (``pq_encode``'s labels for one token), written in place with ``index_copy_`` — the token the
+  earlier step coded alone at the next step. The index it reads is the number of middle tokens, which
+  also masks the scores and places the window, so the step spends one op on it. Whether a step codes
+  (not while the window still holds prompt tokens, which the k-means coded) is part of
+  :meth:`PQCache.decode_key`; when several tokens need codes at once (a budget that stops covering
+  the cache), ``before_step`` codes them with the earlier single ``pq_encode`` of the range.
+* **scores**: every column of the layer's bucket (slots ``[sink, bucket_end)``) is scored
+  (:func:`~kvbench.methods.primitives.pq.pq_scores_static`: ``pq_scores``' numbers in a third of its
+  ops); the columns that are not middle tokens are masked with ``-inf`` before the softmax (the
+  authors' softmax over the candidates only: a masked column adds an exact 0 to its sum) or after the
+  group reduction (``logit_sum``/``max``); the group sum is
+  :func:`~kvbench.methods.primitives.pq.prefix_group_sum`, which adds a group's query heads in the
+  order torch's CPU sum used over the middle columns alone (it differs in the last ``middle % 32``
+  columns from five heads on, and tokens with equal codes rank by those last bits); the top ``select``
+  come from :func:`~kvbench.methods.primitives.pq.topk_keyed`, one ``topk`` over the whole score row
+  instead of ``kthvalue`` per row, ties to the lower slot.
+
+Exact where the earlier step's softmax saw at least 16 middle tokens and its group sum 8 (torch's
+short-row paths round otherwise). A covering budget attends densely (``select`` returns ``None``).
+
 ``m``/``b`` default from ``budget.comm_ratio``: the code bits per token and head may be
 ``T = comm_ratio · 16 · d_h``; T ≥ 32 → 4×8 (InfiniteBench, 1/64 at d_h 128), T ≥ 16 → 2×6
 (LongBench, 1/128 at d_h 128: the paper's choice within 16 bits), T ≥ 8 → 2×4, else 1×T.
@@ -67,9 +98,17 @@ from kvbench.methods.base import Selection
 from kvbench.methods.params import PQCACHE_PROTOCOL_ITERS, PQCacheParams
 from kvbench.methods.pqcache_workers import KMeansWorkers, LayerJob
 from kvbench.methods.primitives.kmeans import SKLEARN
-from kvbench.methods.primitives.pq import PQCodebook, comm_ratio, gqa_topk, pq_encode, pq_scores
+from kvbench.methods.primitives.pq import (
+    PQCodebook,
+    comm_ratio,
+    pq_encode,
+    pq_encode_static,
+    pq_encode_table,
+    pq_scores_static,
+    prefix_group_sum,
+    topk_keyed,
+)
 from kvbench.methods.retrieval import RetrievalMethod
-from kvbench.methods.selection import compose
 
 
 def default_pq(comm: float, head_dim: int) -> tuple[int, int]:
@@ -84,45 +123,62 @@ def default_pq(comm: float, head_dim: int) -> tuple[int, int]:
     return 1, max(1, int(bits))
 
 
-#: room for new tokens' codes allocated with a layer's code buffer (it doubles when a generation needs more)
-CODE_SPARE_TOKENS = 256
-
-
 class CodeBuffer:
-    """A layer's codes ``[kv_heads, n, m]`` in one preallocated host buffer, pinned on CUDA.
+    """A layer's codes ``[kv_heads, n, m]`` in one preallocated buffer (row ``i``: slot ``sink + i``),
+    pinned on CUDA when it lives on the host.
 
-    Decode appends the codes of the tokens that leave the local window every step. Concatenating
-    them (``torch.cat``) would allocate a fresh, unpinned tensor per step, and the next step's copy of
-    the codes to the device (the prefetch on a side stream) would then be synchronous: the buffer is
-    allocated once with room to grow (doubling when a generation outgrows it, rare), written in place,
-    and :attr:`codes` is a view of its first ``n`` rows (a view of pinned memory is pinned).
+    Decode writes the codes of new tokens in place: a static step writes its one token's row at a
+    device-side index, so the buffer has a row for every slot the store can hold (:meth:`reserve`,
+    sized with the store before the first step that selects) and never moves while a regime's steps
+    run. Concatenating instead (``torch.cat``) would allocate a fresh, unpinned tensor per step, and
+    the next step's copy of the codes to the device (the prefetch on a side stream) would then be
+    synchronous. :attr:`codes` is a view of the first ``n`` rows, the coded prefix (a view of pinned
+    memory is pinned). Rows past it hold zeros or codes of tokens a rollback dropped: valid indices
+    into the lookup table, which a static step reads for every column of its bucket and masks.
+
+    The memory is sub-space major (:attr:`by_subspace`, ``[kv_heads, m, rows]``; :attr:`data` is its
+    ``[kv_heads, rows, m]`` view): each sub-space's codes of a bucket are then one contiguous run, and
+    a gather of the lookup table with a contiguous index runs twice as fast on a CPU.
     """
 
     def __init__(self, codes: torch.Tensor, spare: int, pin: bool) -> None:
         heads, n, m = codes.shape
         self.pin = pin
-        self.data = torch.empty(heads, n + max(spare, 1), m, dtype=codes.dtype, device=codes.device, pin_memory=pin)
+        self.by_subspace = torch.zeros(
+            heads, m, n + max(spare, 1), dtype=codes.dtype, device=codes.device, pin_memory=pin
+        )
         self.data[:, :n] = codes
         self.n = n
+
+    @property
+    def data(self) -> torch.Tensor:
+        """``[kv_heads, rows, m]``: every row (a view)."""
+        return self.by_subspace.transpose(1, 2)
 
     @property
     def codes(self) -> torch.Tensor:
         return self.data[:, : self.n]
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows (doubling when it grows: rare, and only between steps)."""
+        heads, m, size = self.by_subspace.shape
+        if rows <= size:
+            return
+        grown = torch.zeros(
+            heads,
+            m,
+            max(rows, 2 * size),
+            dtype=self.by_subspace.dtype,
+            device=self.by_subspace.device,
+            pin_memory=self.pin,
+        )
+        grown[:, :, :size] = self.by_subspace
+        self.by_subspace = grown
+
     def append(self, fresh: torch.Tensor) -> torch.Tensor:
         """Write ``fresh`` ``[kv_heads, k, m]`` after the current codes; returns :attr:`codes`."""
         end = self.n + fresh.shape[1]
-        if end > self.data.shape[1]:
-            grown = torch.empty(
-                self.data.shape[0],
-                max(end, 2 * self.data.shape[1]),
-                self.data.shape[2],
-                dtype=self.data.dtype,
-                device=self.data.device,
-                pin_memory=self.pin,
-            )
-            grown[:, : self.n] = self.codes
-            self.data = grown
+        self.reserve(end)
         self.data[:, self.n : end] = fresh
         self.n = end
         return self.codes
@@ -139,17 +195,26 @@ class _Layer:
     def __init__(self, job: LayerJob) -> None:
         self.job = job
         self.book: PQCodebook | None = None
-        self.buffer: CodeBuffer | None = None  # holds book.codes (book.codes is a view of it)
+        # holds the codes; book.codes is a view of its coded prefix, set again after a request and a rollback
+        # (a step that codes a token only moves the prefix's end, buffer.n: a new view would be an op per step)
+        self.buffer: CodeBuffer | None = None
         self.coded_end = 0  # codes exist for slots [sink, coded_end)
         self.iterations = 0
-        self.prefetched: torch.Tensor | None = None  # this step's device copy of the codes (CUDA)
+        self.prefetched: torch.Tensor | None = None  # this step's device copy, [kv_heads, m, width] (CUDA offload)
         self.event: Any = None
+        # the static step's constants (made with the codebook) and this step's host-side decisions
+        self.table: torch.Tensor | None = None  # pq_encode_table of the codebook
+        self.transposed: torch.Tensor | None = None  # the centroids as pq_scores_static reads them
+        self.phi: torch.Tensor | None = None  # (metric ip)
+        self.prepared = -1  # the step (the store's n) whose host-side work is done
+        self.encodes = False  # this step codes the local window's first token (it has no code yet)
 
 
 @register
 class PQCache(RetrievalMethod):
     name = "pqcache"
     Params = PQCacheParams
+    static_decode = True
     params: PQCacheParams
     workers: KMeansWorkers | None = None  # this instance's pool, open from start to release
 
@@ -182,6 +247,10 @@ class PQCache(RetrievalMethod):
             self.cost = load_or_fit(ctx, self.m, self.b, self.kmeans_backend(), self._time_layer_kmeans)
         self.timers = {"kmeans_s": 0.0, "wait_kmeans_s": 0.0, "pq_search_s": 0.0, "encode_s": 0.0}
         self.updates: list[int] = []
+        # per bucket width: topk_keyed's reversed iota and a zero row (the mask of the non-middle columns)
+        self._bucket: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ones: torch.Tensor | None = None  # pq_encode_static's constant column
+        self._slot_parts: tuple[torch.Tensor, torch.Tensor] | None = None  # see _selection_parts
 
     @property
     def pool(self) -> KMeansWorkers:
@@ -230,9 +299,13 @@ class PQCache(RetrievalMethod):
 
     def release(self) -> None:
         """The request is over (answered or failed): close this instance's k-means pool (see the
-        module docstring). A failed request must not leave its queued shares running."""
+        module docstring; a failed request must not leave its queued shares running) and point each
+        codebook's ``codes`` at its coded prefix."""
         if self.workers is not None:
             self.workers.shutdown()
+        for state in getattr(self, "layers", {}).values():  # book.codes: the coded prefix (see _Layer)
+            if state.book is not None and state.buffer is not None:
+                state.book.codes = state.buffer.codes
 
     # ------------------------------------------------------------------ prefill
     def kmeans_iterations(self, tokens: int) -> int:
@@ -294,7 +367,10 @@ class PQCache(RetrievalMethod):
         state.iterations = iters
         self.layers[layer] = state
 
-    def _codebook(self, layer: int) -> _Layer:
+    def _codebook(self, layer: int, kv: LayerKV) -> _Layer:
+        """``layer``'s state with its codebook: waited for once (the k-means may still run on the workers),
+        then kept on the compute device, with a code buffer that has a row for every slot ``kv`` can
+        hold and the static step's constants."""
         state = self.layers[layer]
         if state.book is None:
             start = time.perf_counter()
@@ -303,11 +379,11 @@ class PQCache(RetrievalMethod):
             self.timers["kmeans_s"] += seconds
             self.updates.append(book.iterations)
             device = torch.device(self.ctx.spec.device)
-            codes = book.codes.to(self.ctx.store[layer].home)
-            # host codes on CUDA are pinned (copied to the device asynchronously), with room for the
-            # tokens this generation will encode
+            codes = book.codes.to(kv.home)
+            # host codes on CUDA are pinned (copied to the device asynchronously)
             pin = device.type == "cuda" and codes.device.type == "cpu"
-            state.buffer = CodeBuffer(codes, spare=CODE_SPARE_TOKENS, pin=pin)
+            spare = kv.capacity - self.ctx.budget.sink - codes.shape[1]
+            state.buffer = CodeBuffer(codes, spare=spare, pin=pin)
             state.book = dataclasses.replace(
                 book,
                 centroids=book.centroids.to(device),
@@ -315,71 +391,181 @@ class PQCache(RetrievalMethod):
                 phi=None if book.phi is None else book.phi.to(device),
                 extra=None if book.extra is None else book.extra.to(device),
             )
+            centroids = state.book.centroids
+            groups, m, k, sub = centroids.shape
+            state.table = pq_encode_table(centroids, metric=book.metric, extra=state.book.extra)
+            state.transposed = centroids.float().reshape(groups * m, k, sub).transpose(1, 2)
+            state.phi = state.book.phi
+            if self._ones is None:
+                self._ones = torch.ones(groups * m, 1, 1, device=device)
         return state
 
-    def _device_codes(self, layer: int, state: _Layer, middle: int) -> torch.Tensor:
-        """The layer's codes on the compute device: the copy prefetched during the previous layer
-        (CUDA side stream) plus this step's new codes, else a direct copy."""
-        book = state.book
-        assert book is not None  # (after _codebook)
-        device = book.centroids.device
-        if state.prefetched is not None:
-            torch.cuda.current_stream(device).wait_event(state.event)
-            codes = state.prefetched
-            if codes.shape[1] < middle:
-                codes = torch.cat([codes, book.codes[:, codes.shape[1] : middle].to(device)], dim=1)
-            state.prefetched = state.event = None
-            return codes[:, :middle]
-        return book.codes[:, :middle].to(device)
+    # ------------------------------------------------------------------ decode: the host side
+    def _prepare(self, layer: int, kv: LayerKV) -> None:
+        """The host side of this step for ``layer`` (the store's ``n`` counts the step's token). Once the
+        budget leaves tokens out: the codebook and room for every slot; the codes of every middle token
+        (tokens in ``[coded_end, middle_end)`` lack them only when several need them at once: coded here
+        with one ``pq_encode`` of the range, as before); and whether the step codes the first token of the
+        local window (:attr:`_Layer.encodes`: it has no code yet), the one the next step's layout moves
+        into the middle — the one the earlier step coded at the next step, alone, the same way."""
+        state = self.layers[layer]
+        state.prepared, state.encodes = kv.n, False
+        lay = self.layout(kv)
+        if self.ctx.budget.select >= lay.middle:  # covering: the dense step, no codebook needed yet
+            return
+        self._codebook(layer, kv)
+        book, buffer = state.book, state.buffer
+        assert book is not None and buffer is not None
+        buffer.reserve(kv.capacity - lay.sink_end)
+        if lay.middle_end > state.coded_end:
+            start = time.perf_counter()
+            keys = kv.keys[:, state.coded_end : lay.middle_end].float().to(book.centroids.device)
+            fresh = pq_encode(keys, book.centroids, metric=book.metric, phi=book.phi, extra=book.extra)
+            buffer.append(fresh.to(buffer.data.device))
+            state.coded_end = lay.middle_end
+            self.timers["encode_s"] += time.perf_counter() - start
+        if lay.middle_end == state.coded_end:  # (a prompt token in the window has its k-means code)
+            state.encodes = True
+            state.coded_end += 1
+            buffer.n = state.coded_end - lay.sink_end
 
-    def _prefetch_next(self, layer: int) -> None:
-        """While this layer computes, copy the next layer's codes on a side stream (PQCache Alg. 2)."""
+    def before_step(self, ctx: Any) -> None:
+        """Every layer's host side (:meth:`_prepare`), and the constants of the step (made once, so the
+        step issues no op for them): :meth:`_selection_parts` and :meth:`_bucket_constants`."""
+        for layer in self.layers:
+            self._prepare(layer, ctx.store[layer])
+        kv = self.compressing_kv()
+        self._selection_parts(kv.device)
+        if kv.bucket_end > ctx.budget.sink:
+            self._bucket_constants(kv.bucket_end - ctx.budget.sink, kv.device)
+
+    def _bucket_constants(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(reversed iota for topk_keyed, float zeros)``, ``[width]`` each, made once per bucket width."""
+        key = (width, device)
+        found = self._bucket.get(key)
+        if found is None:
+            self._bucket.clear()
+            reversed_iota = torch.arange(width - 1, -1, -1, device=device)
+            found = self._bucket[key] = (reversed_iota, torch.zeros(width, device=device))
+        return found
+
+    def decode_key(self) -> tuple[bool, bool]:
+        """The covering regime, and whether the step codes the first token of the local window."""
+        kv = self.compressing_kv()
+        return self.covers(kv), any(state.encodes for state in self.layers.values())
+
+    # ------------------------------------------------------------------ decode: the device step
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:
+        """Sinks, the top ``select`` middle tokens by PQ score and the local window (module docstring)."""
+        if self.covers(kv):
+            return None
+        state = self.layers[layer]
+        if state.prepared != kv.n:  # (the dynamic step, engine.decode=dynamic, has no before_step)
+            self._prepare(layer, kv)
+        spec, budget = self.ctx.spec, self.ctx.budget
+        sink, width = budget.sink, kv.bucket_end - budget.sink
+        assert kv.length is not None and state.transposed is not None
+        # [1]: the number of middle tokens, which is also the column (and code row) of the window's first
+        # token: columns j <-> slots sink + j
+        middle = kv.length - (1 + budget.local + sink)
+        start = time.perf_counter()
+        codes = self._step_codes(layer, state, kv, width, middle)  # [kv_heads, width, m]
+        if kv.offload:  # (host-side accounting, as before: the middle tokens' codes)
+            kv.count_index_bytes(spec.n_kv_heads * math.ceil(self.layout(kv).middle * self.m * self.b / 8))
+        q = query[0, :, 0, :].view(spec.n_kv_heads, spec.group, -1)
+        scores = pq_scores_static(q, state.transposed, codes)  # [kv_heads, group, width]
+        reversed_iota, zeros = self._bucket_constants(width, kv.device)
+        columns = kv.iota(width)
+        # -inf on the columns that are not middle tokens (the window, the current token, unheld slots), 0
+        # elsewhere: added, it masks them and leaves every other score as it is
+        outside = zeros.masked_fill(columns >= middle, float("-inf"))
+        rule = self.params.gqa
+        if rule == "softmax_sum":  # softmax over the candidates only (the authors' rule), summed over the group
+            scaled = torch.add(outside, scores, alpha=spec.head_dim**-0.5)  # (the scaled scores, masked)
+            grouped = prefix_group_sum(torch.softmax(scaled, dim=-1), middle, 0, columns)
+        elif rule == "logit_sum":
+            grouped = prefix_group_sum(scores, middle, 0, columns).add_(outside)
+        else:
+            grouped = scores.amax(dim=1).add_(outside)
+        chosen = topk_keyed(grouped, budget.select, reversed_iota=reversed_iota, nonnegative=rule == "softmax_sum")
+        zeros, offsets = self._selection_parts(kv.device)
+        rows, select = chosen.shape
+        slots = torch.cat([zeros, chosen, middle.expand(rows, budget.local + 1)], dim=1) + offsets
+        self.timers["pq_search_s"] += time.perf_counter() - start  # (issuing the ops: eager steps only)
+        return Selection(slots=slots, selected=slots[:, sink : sink + select])
+
+    def _selection_parts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A selection's slots are ``cat([zeros, chosen column, middle]) + offsets``: the sinks, the chosen
+        middle tokens and the window (``middle_end`` to the current token) in one ``cat`` and one ``add``.
+        ``(zeros [kv_heads, sink], offsets [sink + select + local + 1])``, made once."""
+        if self._slot_parts is None:
+            budget = self.ctx.budget
+            sink, local = budget.sink, budget.local
+            offsets = [
+                torch.arange(sink, device=device),
+                torch.full((budget.select,), sink, device=device),
+                torch.arange(sink, sink + local + 1, device=device),
+            ]
+            zeros = torch.zeros(self.ctx.spec.n_kv_heads, sink, dtype=torch.long, device=device)
+            self._slot_parts = (zeros, torch.cat(offsets))
+        return self._slot_parts
+
+    def _step_codes(self, layer: int, state: _Layer, kv: LayerKV, width: int, middle: torch.Tensor) -> torch.Tensor:
+        """The codes of slots ``[sink, sink + width)`` on the compute device, after the step coded the
+        local window's first token when it does (slot ``sink + middle``, row ``middle``)."""
+        buffer = state.buffer
+        assert buffer is not None and state.table is not None
+        data, device = buffer.data, kv.device
+        resident = data.device == device
+        codes = data[:, :width] if resident else self._device_codes(state, width, device)  # (sub-space major)
+        if state.encodes:
+            start = time.perf_counter()
+            row = middle if resident else middle.to(data.device)  # (offload on a GPU: a host read, allowed)
+            keys, _ = kv.bucket()
+            key = keys[:, self.ctx.budget.sink :].index_select(1, row)  # [kv_heads, 1, d]
+            if not resident:
+                key = key.to(device)
+            fresh = pq_encode_static(key, state.table, self.m, phi=state.phi, ones=self._ones).to(data.dtype)
+            data.index_copy_(1, row, fresh if resident else fresh.to(data.device))
+            if not resident:
+                codes.index_copy_(1, middle, fresh)
+            self.timers["encode_s"] += time.perf_counter() - start  # (issuing the ops: eager steps only)
+        self._prefetch_next(layer, width)
+        return codes
+
+    def _device_codes(self, state: _Layer, width: int, device: torch.device) -> torch.Tensor:
+        """A host-tier layer's codes of ``width`` rows on the device (``[kv_heads, width, m]``, a view of
+        sub-space major memory): the copy prefetched during the previous layer (CUDA side stream), else a
+        direct copy."""
+        assert state.buffer is not None
+        prefetched, event = state.prefetched, state.event
+        state.prefetched = state.event = None
+        if prefetched is not None and prefetched.shape[2] == width:
+            torch.cuda.current_stream(device).wait_event(event)
+            return prefetched.transpose(1, 2)
+        return state.buffer.by_subspace[:, :, :width].to(device).transpose(1, 2)
+
+    def _prefetch_next(self, layer: int, width: int) -> None:
+        """While this layer computes, copy the next layer's codes to the device on a side stream
+        (PQCache Alg. 2; host-tier codes on CUDA only)."""
         following = self.layers.get(layer + 1)
-        book = None if following is None else following.book
-        if following is None or book is None or book.centroids.device.type != "cuda":
+        if following is None or following.book is None or following.buffer is None:
+            return
+        book, buffer = following.book, following.buffer
+        if book.centroids.device.type != "cuda" or buffer.data.device == book.centroids.device:
             return
         device = book.centroids.device
         if not hasattr(self, "_stream"):
             self._stream = torch.cuda.Stream(device)
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
-            following.prefetched = book.codes.to(device, non_blocking=True)
+            following.prefetched = buffer.by_subspace[:, :, :width].to(device, non_blocking=True)
             following.event = torch.cuda.Event()
             following.event.record(self._stream)
 
-    # ------------------------------------------------------------------ decode
-    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection:
-        budget, spec = self.ctx.budget, self.ctx.spec
-        lay = self.layout(kv)
-        candidates = lay.candidates(kv.home)
-        if budget.select >= lay.middle:
-            return compose(lay, candidates.expand(spec.n_kv_heads, -1), ascending=True)
-        state = self._codebook(layer)
-        book, buffer = state.book, state.buffer
-        assert book is not None and buffer is not None  # (_codebook waits for it)
-        if lay.middle_end > state.coded_end:  # tokens that left the local window get nearest-centroid codes
-            start = time.perf_counter()
-            keys = kv.keys[:, state.coded_end : lay.middle_end].float().to(book.centroids.device)
-            fresh = pq_encode(keys, book.centroids, metric=book.metric, phi=book.phi, extra=book.extra)
-            book.codes = buffer.append(fresh.to(buffer.data.device))  # in place, no reallocation
-            state.coded_end = lay.middle_end
-            self.timers["encode_s"] += time.perf_counter() - start
-        start = time.perf_counter()
-        codes = self._device_codes(layer, state, lay.middle)  # codes start at the first non-sink slot
-        self._prefetch_next(layer)
-        if kv.offload:
-            kv.count_index_bytes(spec.n_kv_heads * math.ceil(lay.middle * self.m * self.b / 8))
-        q = query[0, :, 0, :].float().view(spec.n_kv_heads, spec.group, -1).to(book.centroids.device)
-        scores = pq_scores(q, book.centroids, codes)  # [kv_heads, group, middle]
-        # softmax over the candidates (the authors' rule), summed over the group; or logit_sum / max
-        rule = self.params.gqa
-        chosen = gqa_topk(scores, budget.select, rule, spec.head_dim**-0.5).to(kv.home) + lay.sink_end
-        self.timers["pq_search_s"] += time.perf_counter() - start
-        return compose(lay, chosen, ascending=True)  # gqa_topk: ascending per row
-
     def snapshot(self) -> dict[int, int]:
-        """Where each layer's codes end (decode appends nearest-centroid codes of the tokens that leave
-        the local window; the codebook itself never changes)."""
+        """Where each layer's codes end (decode codes new tokens; the codebook itself never changes). Host
+        numbers suffice: a later step writes only rows from there on."""
         return {layer: state.coded_end for layer, state in self.layers.items()}
 
     def restore(self, state: dict[int, int]) -> None:
@@ -387,6 +573,7 @@ class PQCache(RetrievalMethod):
         for layer, coded_end in state.items():
             current = self.layers[layer]
             current.coded_end = coded_end
+            current.prepared, current.encodes = -1, False  # (the next step's host side runs again)
             current.prefetched = current.event = None  # a prefetched copy may hold codes of dropped tokens
             if current.book is not None and current.buffer is not None:  # codes cover slots [sink, coded_end)
                 if hasattr(self, "_stream"):  # a prefetch may still read the rows about to be rewritten

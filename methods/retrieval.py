@@ -15,7 +15,7 @@ method's ``Params`` extends.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,7 +91,7 @@ class RetrievalMethod(KVMethod):
         """The middle slots (the legacy layout's candidates)."""
         return self.layout(kv).candidates(kv.home)
 
-    def decode_key(self) -> tuple[bool, ...]:
+    def decode_key(self) -> tuple[Any, ...]:
         """A static step's selection changes form only when the budget starts to leave tokens out."""
         return (self.covers(self.compressing_kv()),)
 

@@ -144,36 +144,3 @@ def test_infllm_reps_follow_the_comm_ratio(tiny_llama, random_ids):
         blocks = (700 - 32 - out.budget.local) // 128  # full blocks in the middle at the first step
         per_block = reps * tiny_llama.spec.n_kv_heads * tiny_llama.spec.head_dim * 4
         assert out.telemetry["bytes_h2d_index"] == blocks * per_block * tiny_llama.spec.n_layers
-
-
-def test_quest_picks_the_pages_whose_bound_is_highest_and_keeps_the_partial_page():
-    from types import SimpleNamespace
-
-    from kvbench.budget import ResolvedBudget
-    from kvbench.kv.store import LayerKV
-
-    torch.manual_seed(3)
-    d, n = 8, 16 * 10 + 5  # 10 full pages and a partial page of 5 before the current token
-    keys = torch.randn(1, n + 1, d) * 0.1
-    query = torch.zeros(1, 2, 1, d)
-    query[0, 0, 0, 0] = 1.0  # query head 0 looks along e0, head 1 along e1
-    query[0, 1, 0, 1] = 1.0
-    keys[0, 16 * 3 + 7, 0] = 5.0  # one key of page 3 for head 0
-    keys[0, 16 * 6 + 2, 0] = 4.0  # page 6 for head 0
-    keys[0, 16 * 8, 1] = 5.0  # page 8 for head 1
-    keys[0, 16 * 1 + 9, 1] = 4.0  # page 1 for head 1
-    kv = LayerKV(1, d, dtype=torch.float32, device=torch.device("cpu"))
-    kv.append(keys, keys.clone())
-    method = create_method({"name": "quest"})
-    spec = SimpleNamespace(n_heads=2, n_kv_heads=1, group=2, head_dim=d)
-    method.ctx = SimpleNamespace(spec=spec, budget=ResolvedBudget(context=n, sink=0, local=0, select=48))
-    method._bounds = {}
-    sel = method.select(2, query, kv)
-
-    def page(p):
-        return list(range(16 * p, 16 * p + 16))
-
-    partial = list(range(160, 165))
-    # 3 pages of budget: the partial page and each head's two best pages, then the current token
-    assert sel.slots[0].tolist() == page(3) + page(6) + partial + [n]
-    assert sel.slots[1].tolist() == page(1) + page(8) + partial + [n]

@@ -169,7 +169,9 @@ def decode_host(options: BenchOptions) -> BenchResult:
         methods = list(getattr(options, "methods", None) or METHODS)
         if "full" not in methods:
             methods.insert(0, "full")
-        extra = {} if engine_settings is None else {"engine": engine_settings(getattr(options, "engine", {}))}
+        extra: dict[str, Any] = {}
+        if engine_settings is not None:
+            extra["engine"] = engine_settings(getattr(options, "engine", {}))
         ids = niah_ids(loaded, length)
 
         def run(name: str, n: int) -> dict[str, Any]:

@@ -84,25 +84,30 @@ def selected(
     keys: torch.Tensor,
     values: torch.Tensor,
     scaling: float,
-    valid: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a per-head selection (an index list, gathered).
 
     ``query`` ``[1, H, 1, d]``; ``keys``/``values`` ``[rows, k, d]`` with rows = KV heads (shared by a
-    query group) or rows = H (one selection per query head); ``valid`` ``[rows, k]`` (optional) marks the
-    entries to attend (a fixed-shape selection pads with masked entries). Returns ``[1, 1, H, d]``.
+    query group) or rows = H (one selection per query head); ``mask`` ``[rows, k]`` (optional, additive:
+    0 or -inf, :func:`valid_mask`) leaves out the entries a fixed-shape selection pads with. Returns
+    ``[1, 1, H, d]``.
 
     The group's query heads are the query rows of one 4-D SDPA call per KV head (``[1, rows, g, d]``),
     which PyTorch runs on its flash kernel, not the math path, and with no repeated K/V."""
     n_heads, d = query.shape[1], query.shape[-1]
     rows = keys.shape[0]
     q = query.reshape(1, rows, n_heads // rows, d)
-    mask = None
-    if valid is not None:
-        mask = torch.zeros(valid.shape, dtype=query.dtype, device=query.device).masked_fill_(~valid, float("-inf"))
-        mask = mask[None, :, None, :]
+    if mask is not None:
+        mask = mask.view(1, rows, 1, mask.shape[-1])
     out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(1, 1, n_heads, values.shape[-1])
+
+
+def valid_mask(valid: torch.Tensor, zero: torch.Tensor, minus_inf: torch.Tensor) -> torch.Tensor:
+    """The additive mask of a selection's ``valid`` flags: ``zero`` where attended, ``minus_inf`` where not
+    (0-d tensors of the attention's dtype, made once by the caller: one op)."""
+    return torch.where(valid, zero, minus_inf)
 
 
 def decode_dense(

@@ -78,6 +78,7 @@ class GenerationContext:
         self.next_position = 0  # where the next token goes (the prompt's length after its prefill)
         self._decoder: StaticDecoder | None = None  # the static decode step (engine.decode=static)
         self.decoder_active: StaticDecoder | None = None  # set while a static step runs module layers
+        self._counted = False  # a dynamic step of a static method: the store already counts its token
 
     # ------------------------------------------------------------------ model
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, after_layer=None) -> torch.Tensor:
@@ -203,8 +204,19 @@ class GenerationContext:
             return self.decoder().step(int(input_ids.reshape(-1)[0]), timed=False)  # (the caller times it)
         if positions is None:
             positions = torch.arange(start, start + t)
-        hidden = self.driver.embed(input_ids)
-        logits = self.driver.logits(self._layers(hidden, positions.cpu()))
+        self._counted = t == 1 and self.method.static_decode
+        if self._counted:  # the static methods' contract: the step's token counted before their hooks
+            position = int(positions[0])
+            for kv in self.store.layers:
+                kv.reserve(1)
+                kv.n += 1
+                kv.seen = max(kv.seen, position + 1)
+            self.method.before_step(self)
+        try:
+            hidden = self.driver.embed(input_ids)
+            logits = self.driver.logits(self._layers(hidden, positions.cpu()))
+        finally:
+            self._counted = False
         self.next_position = int(positions.max()) + 1
         return logits
 
@@ -235,7 +247,11 @@ class GenerationContext:
         t = query.shape[2]
         if kv.n == 0:
             raise RuntimeError("a decode step ran before any prefill")
-        kv.append(key[0], value[0], positions)
+        if self._counted:  # (a static method on the dynamic step: the token was counted before the step)
+            assert positions is not None
+            kv.write_slot(kv.n - 1, key[0], value[0], positions.to(kv.device))
+        else:
+            kv.append(key[0], value[0], positions)
         if t > 1:
             if not self.method.extends_with_many_tokens:
                 raise ConfigError(
@@ -279,10 +295,11 @@ class GenerationContext:
         selection = None if layer in self.method.dense_layers else self.method.select(layer, query, kv)
         selected_at = time.perf_counter()
         self.telemetry.select_s += selected_at - started
-        if selection is None or selection.attended == kv.n:
+        if selection is None or (selection.valid is None and selection.attended == kv.n):
             # Nothing left out (slots are unique): the dense path, the static step's kernel on the same
             # bucket of slots (bit-identical to ``full``)
             keys, values = kv.held()  # (an offloaded layer's budget covers it: all of it crosses)
+            prob_valid = None
             if kv.offload:
                 out = attention.selected(query, keys, values, scaling)
             else:
@@ -292,13 +309,21 @@ class GenerationContext:
                 mask = attention.length_mask(kv.iota(kv.bucket_end), length, query.dtype)
                 keys_b, values_b = kv.bucket()
                 out = attention.decode_dense(query, keys_b, values_b, mask, scaling)
+                if self.method.static_decode:  # (its after_attention reads the static step's bucket)
+                    keys, prob_valid = keys_b, (kv.iota(kv.bucket_end) < length).expand(keys_b.shape[0], -1)
             attended = kv.n
         else:
             keys, values = kv.gather(selection.slots, selection.cached)
             self.telemetry.fetch_s += time.perf_counter() - selected_at
-            out = attention.selected(query, keys, values, scaling)
-            attended = selection.attended
-        probs = attention.probabilities(query, keys, scaling) if self.method.needs_attention_probs else None
+            valid = selection.valid
+            mask = None
+            if valid is not None:
+                zero = torch.zeros((), dtype=query.dtype, device=query.device)
+                mask = attention.valid_mask(valid, zero, torch.full_like(zero, float("-inf")))
+            out = attention.selected(query, keys, values, scaling, mask)
+            attended = selection.attended if valid is None else float(valid.sum()) / valid.shape[0]
+            prob_valid = valid
+        probs = attention.probabilities(query, keys, scaling, prob_valid) if self.method.needs_attention_probs else None
         self.method.after_attention(layer, query, selection, kv, probs)
         recall = self._recall(layer, query, selection, kv, scaling) if self.profile.recall else None
         if self.profile.selection_digest:

@@ -110,12 +110,16 @@ class StaticDecoder:
         self.readback = 1 if eager_only else settings.readback(self.device)
         # a graph replays device work only: host-tier layers (offload) count bytes on the host, profiling reads
         self.graphs_on = settings.graphs_on(self.device) and set(self.kinds) == {STATIC} and not self.profiled
-        self.rows = self.readback + 1  # telemetry rows between reads
+        # telemetry rows between reads: a generation reads every `readback` steps (outside the step); a
+        # caller that never reads (a conversation feeding tokens) is flushed when the buffer is full
+        self.rows = max(self.readback, 32) + 1
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._minus_inf = torch.full((), float("-inf"), dtype=self.dtype, device=self.device)
         self.timer = StepTimer(self.device)
         self.graphs: dict[Any, Any] = {}
         self.traces: dict[Any, dict[int, Any]] = {}  # regime -> per layer: "dense", a count, or "device"
         self._trace: dict[int, Any] = {}
-        self._pending: list[tuple[int, int, int]] = []  # (layer, telemetry index, buffer row) to fill
+        self._pending: list[tuple[int, int, int, int]] = []  # (layer, telemetry index, buffer row, rows) to fill
         self._pool: Any = None
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
         self.steps = 0  # steps run (host count)
@@ -170,8 +174,12 @@ class StaticDecoder:
         self.traces.clear()
 
     def _check_host(self) -> None:
-        """Re-sync when the store changed outside the static steps (or a layer's buffer was reallocated)."""
+        """Re-sync when the store changed outside the static steps (or a layer's buffer was reallocated),
+        and make room when a layer is full (a conversation longer than its estimate)."""
         layers = self.store.layers
+        for layer, kv in enumerate(layers):
+            if self.kinds[layer] != DYNAMIC and kv.n >= kv.capacity:
+                kv.reserve(max(64, kv.n // 4))
         moved = any(kv.n != n for kv, n in zip(layers, self.host_n)) or self.ctx.next_position != self.host_position
         grown = any(kv.capacity != c for kv, c in zip(layers, self.capacity))
         if moved or grown:
@@ -251,8 +259,8 @@ class StaticDecoder:
             tele.available[layer].append(kv.seen)
             if what == "dense":
                 tele.attended[layer].append(kv.n)
-            elif what == "device":
-                self._pending.append((layer, len(tele.attended[layer]), row))
+            elif isinstance(what, tuple):  # ("device", rows): read with the next flush
+                self._pending.append((layer, len(tele.attended[layer]), row, what[1]))
                 tele.attended[layer].append(-1)
             else:
                 tele.attended[layer].append(what)
@@ -272,8 +280,8 @@ class StaticDecoder:
         tele = self.ctx.telemetry
         if self._pending:
             counts = self.attended[: self.unread].tolist()
-            for layer, index, row in self._pending:
-                tele.attended[layer][index] = counts[row][layer]
+            for layer, index, row, rows in self._pending:
+                tele.attended[layer][index] = counts[row][layer] / rows
             self._pending.clear()
         tele.step_s.extend(self.timer.drain())
         self.row.zero_()
@@ -384,13 +392,13 @@ class StaticDecoder:
             keys, values = kv.gather(selection.slots, selection.cached)
             tele.fetch_s += time.perf_counter() - selected_at
             valid = selection.valid
-            out = attention.selected(query, keys, values, self.scaling, valid)
+            mask = None if valid is None else attention.valid_mask(valid, self._zero, self._minus_inf)
+            out = attention.selected(query, keys, values, self.scaling, mask)
             if valid is None:
                 self._trace[layer] = int(selection.slots.shape[1])
-            else:
-                count = valid.sum(dtype=torch.float32) / valid.shape[0]
-                self.attended.select(1, layer).index_copy_(0, self.row, count.view(1))
-                self._trace[layer] = "device"
+            else:  # attended entries over every row (the host divides by the rows when it reads them)
+                self.attended.select(1, layer).index_copy_(0, self.row, valid.sum(dtype=torch.float32).view(1))
+                self._trace[layer] = ("device", valid.shape[0])
         if self.method.needs_attention_probs:
             probs = attention.probabilities(query, keys, self.scaling, valid)
             self.method.after_attention(layer, query, selection, kv, probs)

@@ -53,7 +53,24 @@ HOST_DATA_OPS = frozenset({"lift_fresh", "lift_fresh_copy"})
 #: ``torch.Tensor`` methods that copy a tensor to the host (each a blocking transfer from a GPU)
 HOST_READ_METHODS = ("tolist", "cpu", "numpy")  # (item(), int(t), float(t): the aten op item)
 #: ops that only describe a tensor (no kernel): left out of the op count, kept in the static check
-VIEW_ONLY = frozenset({"detach", "alias", "_unsafe_view", "view", "expand", "slice", "select", "t", "transpose"})
+VIEW_ONLY = frozenset(
+    {
+        "detach",
+        "alias",
+        "_unsafe_view",
+        "view",
+        "expand",
+        "slice",
+        "select",
+        "t",
+        "transpose",
+        "unsqueeze",
+        "squeeze",
+        "permute",
+        "as_strided",
+        "_reshape_alias",
+    }
+)
 
 
 def _describe(value: Any) -> Any:

@@ -185,24 +185,29 @@ class LayerKV:
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Put K/V ``[kv_heads, t, head_dim]`` at ``slots`` ``[t]`` (the same for every head), with their
         absolute ``positions`` ``[t]``; slots beyond the held ones extend the layer (a reuse prefill
-        installs cached chunks, then overwrites the rows it recomputes)."""
+        installs cached chunks, then overwrites the rows it recomputes).
+
+        The layout decisions (how far the layer extends, whether the slots are one contiguous run) read
+        ``slots`` and ``positions`` where a plan builds them, on the host, so that a write into a GPU
+        tier waits for nothing; slots held on the device are read back once."""
         t = int(slots.numel())
         if t == 0:
             return
-        slots = slots.to(self.home)
-        top = int(slots.max()) + 1
+        host = slots if slots.device.type == "cpu" else slots.cpu()
+        top = int(host.max()) + 1
         if top > self.n:
             self.reserve(top - self.n)
             self.n = top
-        first = int(slots[0])
-        if top - first == t and bool((slots[1:] > slots[:-1]).all()):  # a contiguous run: plain copies
+        first = int(host[0])
+        if top - first == t and bool((host[1:] > host[:-1]).all()):  # a contiguous run: plain copies
             where: slice | torch.Tensor = slice(first, top)
         else:
-            where = slots
+            where = slots.to(self.home, non_blocking=True)
         self._k[:, where] = keys.to(self.home, self.dtype)
         self._v[:, where] = values.to(self.home, self.dtype)
-        self._pos[:, where] = positions.to(self.home).view(1, t)
-        self.seen = max(self.seen, int(positions.max()) + 1)
+        self._pos[:, where] = positions.to(self.home, non_blocking=True).view(1, t)
+        last = positions if positions.device.type == "cpu" else positions.cpu()
+        self.seen = max(self.seen, int(last.max()) + 1)
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
 
@@ -306,6 +311,8 @@ class LayerKV:
     def write_slot(self, slot: int, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
         """:meth:`write_current` at a host-known ``slot`` (a host-tier layer: the copy to pinned memory is
         asynchronous, and the offload is counted)."""
+        if slot >= self.capacity:
+            raise IndexError(f"slot {slot} is past the layer's capacity {self.capacity} (reserve first)")
         if self.repeat > 1:
             heads, t, d = keys.shape
             keys = keys[:, None].expand(heads, self.repeat, t, d).reshape(heads * self.repeat, t, d)
@@ -347,7 +354,7 @@ class LayerKV:
         if rows % self.n_kv_heads:
             raise ValueError(f"cannot map {rows} selection rows onto {self.n_kv_heads} KV heads")
         group = rows // self.n_kv_heads
-        home_slots = slots.to(self.home)
+        home_slots = slots if slots.device == self.home else slots.to(self.home)
         # one row gather per tensor: row (head h, slot s) of the [kv_heads * capacity, d] view is
         # h * capacity + s (index_select copies whole rows, 3x faster than K[heads, slots] on a CPU)
         flat = (home_slots + self._row_base(rows, group, self.capacity)).view(-1)

@@ -12,13 +12,14 @@ int16 up to 15, int32 above. Scores are float32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kvbench.methods.primitives.kmeans import KMeansResult, assign, kmeans
+from kvbench.methods.primitives.kmeans import KMeansResult, _sq_norm, _table, assign, kmeans
 
 GQA_RULES = ("softmax_sum", "logit_sum", "max")
 
@@ -173,6 +174,71 @@ def pq_encode(
     return _codes(labels, groups, m, max(1, (k - 1).bit_length()))
 
 
+def pq_encode_table(centroids: Tensor, *, metric: str = "l2", extra: Tensor | None = None) -> Tensor:
+    """The matrices :func:`pq_encode`'s nearest-centroid search multiplies a point by, one per sub-space
+    problem: ``[G·m, 2**b, D + 1]`` (``D = d/m``, one more for ``ip``; the k-means module's centroid
+    table, see ``kmeans._table``). Made once per codebook for :func:`pq_encode_static`."""
+    groups, m, k, sub = centroids.shape
+    cent = centroids.reshape(groups * m, k, sub).float()
+    if metric == "ip":
+        if extra is None:
+            raise ValueError("pq_encode_table(metric='ip') needs the codebook's extra")
+        cent = torch.cat([cent, extra.reshape(groups * m, k).float()[..., None]], dim=-1)
+    return _table(cent, "l2" if metric == "ip" else metric)
+
+
+def pq_encode_static(
+    keys: Tensor, table: Tensor, m: int, *, phi: Tensor | None = None, ones: Tensor | None = None
+) -> Tensor:
+    """:func:`pq_encode`'s codes ``[G, t, m]`` (int64) of ``keys`` ``[G, t, d]`` from its
+    :func:`pq_encode_table`, in a few ops of fixed shapes and no host read (a static decode step codes
+    its new token with it).
+
+    The same numbers as :func:`pq_encode` of the same ``t`` tokens: the same points (the sub-space
+    coordinates, the ``ip`` coordinate from ``phi`` ``[G, m]``, a constant 1), the same batched product
+    with the same table, the best score per point with ties to the lower centroid (``argmax`` here,
+    the k-means sweep's ``max_pool2d`` or ``max`` there; no chunking, which ``pq_encode`` only does
+    past ``ONEDNN_MIN_PRODUCTS`` products, far above one token). ``ones``: ``[G·m, t, 1]`` float32
+    ones, made once by a caller that encodes every step."""
+    groups, t, d = keys.shape
+    # [G·m, t, d/m]; one token's sub-spaces are a view of its key
+    x = keys.view(groups * m, 1, d // m) if t == 1 and d % m == 0 and keys.is_contiguous() else _subspaces(keys, m)
+    parts = [x]
+    if phi is not None:
+        room = phi.reshape(-1, 1).float() - _sq_norm(x.float())
+        parts.append(room.clamp_min(0).sqrt()[..., None])
+    parts.append(ones if ones is not None else torch.ones(x.shape[0], t, 1, device=x.device))
+    points = torch.cat(parts, dim=-1)  # float32 (type promotion)
+    labels = torch.bmm(table, points.transpose(1, 2)).argmax(dim=1)  # [G·m, t]
+    return labels.view(groups, m, t).transpose(1, 2)
+
+
+def pq_scores_static(queries: Tensor, transposed: Tensor, codes: Tensor) -> Tensor:
+    """:func:`pq_scores` in a third of its ops, bit for bit (a static decode step scores every column of
+    its bucket with it). ``transposed``: the centroids ``[G, m, 2**b, d/m]`` as
+    ``centroids.reshape(G·m, 2**b, d/m).transpose(1, 2)`` (a view, made once per codebook).
+
+    The lookup table is the very product ``pq_scores``' ``einsum`` computes (one ``bmm`` of the same
+    operands in the same layout, without its permutes), and each sub-space's part is gathered from its
+    ``[G, R, 2**b]`` slice of the table in place (no permuted copy); parts are summed in sub-space
+    order, as there. ``codes`` ``[G, n, m]`` may be a view of sub-space major memory (``[G, m, n]``):
+    each sub-space's index is then contiguous, which halves the gathers' time on a CPU."""
+    problems, sub, k = transposed.shape
+    groups, rows = queries.shape[0], queries.shape[1]
+    m = problems // groups
+    q = queries if queries.dtype == torch.float32 else queries.float()  # (a no-op .float() is still an op)
+    q = q.view(groups, rows, m, sub).transpose(1, 2).contiguous().view(problems, rows, sub)
+    lut = torch.bmm(q, transposed).view(groups, m, rows, k)
+    n = codes.shape[1]
+    index = codes.transpose(1, 2).long()  # [G, m, n]
+    scores: Tensor | None = None
+    for j in range(m):
+        part = torch.gather(lut[:, j], 2, index[:, j].view(groups, 1, n).expand(groups, rows, n))
+        scores = part if scores is None else scores.add_(part)
+    assert scores is not None
+    return scores
+
+
 def pq_scores(queries: Tensor, centroids: Tensor, codes: Tensor) -> Tensor:
     """Approximate inner products ``q·k`` ``[G, R, n]`` from ``queries`` ``[G, R, d]`` and the codes.
 
@@ -222,6 +288,72 @@ def group_scores(scores: Tensor, rule: str = "softmax_sum", scale: float | None 
     raise ValueError(f"unknown GQA rule {rule!r}; use one of {GQA_RULES}")
 
 
+def _rows_in_order(values: Tensor) -> Tensor:
+    """``[G, n]``: the ``R`` rows of ``values`` ``[G, R, n]`` added one after the other."""
+    total = values[:, 0] + values[:, 1]
+    for r in range(2, values.shape[1]):
+        total.add_(values[:, r])
+    return total
+
+
+def _rows_interleaved(values: Tensor) -> Tensor:
+    """``[G, n]``: the rows added as torch's CPU ``row_sum`` does: four partial sums of rows ``k, k + 4,
+    ...`` (the rows past the last full four go to the first), then ``((p0 + p1) + p2) + p3``."""
+    rows = values.shape[1]
+    full = rows - rows % 4
+    partial = [values[:, k] for k in range(4)]
+    owned = [False] * 4  # (a partial sum still a view of values is not added to in place)
+    for r in range(4, rows):
+        k = r % 4 if r < full else 0
+        partial[k] = partial[k].add_(values[:, r]) if owned[k] else partial[k] + values[:, r]
+        owned[k] = True
+    return (partial[0] + partial[1]).add_(partial[2]).add_(partial[3])
+
+
+@functools.cache
+def cpu_sum_block() -> int:
+    """Columns per block of torch's CPU sum over a non-innermost axis (:func:`prefix_group_sum`), probed
+    once: 32 where its vectors hold 8 floats. 0 when every column is summed in order (nothing to mimic)
+    or the probe finds no such block."""
+    n = 255
+    values = torch.rand(64, 5, n, generator=torch.Generator().manual_seed(0))
+    total, in_order = values.sum(dim=1), _rows_in_order(values)
+    if torch.equal(total, in_order):
+        return 0
+    interleaved = _rows_interleaved(values)
+    for block in (8, 16, 32, 64, 128):
+        end = n - n % block
+        if torch.equal(total[:, :end], in_order[:, :end]) and torch.equal(total[:, end:], interleaved[:, end:]):
+            return block
+    return 0
+
+
+def prefix_group_sum(values: Tensor, end: Tensor, start: int = 0, columns: Tensor | None = None) -> Tensor:
+    """``[G, n]``: the sums over the group axis of ``values`` ``[G, R, n]`` that
+    ``values[..., :count].sum(dim=1)`` gives in its columns below ``count = end - start`` (``end``: ``[1]`` on
+    the device, e.g. a static decode step's first slot after the middle, ``start`` its first middle
+    slot), with fixed shapes. ``columns``: ``arange(n)`` on the device, if the caller has one.
+
+    Why: on a CPU, torch's sum over a non-innermost axis adds the ``R`` rows one after the other in
+    blocks of :func:`cpu_sum_block` columns, but as ``row_sum`` does (:func:`_rows_interleaved`) in the
+    last ``n % block`` columns; from five rows on the two orders round differently. Scores summed over
+    exactly the ``count`` middle tokens (the selection before the static step) and over a bucket of
+    ``n`` columns would then differ in their last bits, and equal scores (tokens with equal PQ codes)
+    rank by those bits. Both orders are computed here and each column keeps the one a sum over
+    ``count`` columns used. Up to four rows both orders are one: ``values.sum(dim=1)``. Exact for
+    ``count`` ≥ 8 and groups of 5 to 15 rows (checked against torch 2.13's CPU sum, any number of
+    threads). On a GPU this is ``values.sum(dim=1)`` too (its order was not checked against a sum over
+    ``count`` columns)."""
+    rows, n = values.shape[1], values.shape[2]
+    block = cpu_sum_block() if values.device.type == "cpu" and 4 < rows < 16 else 0
+    if block == 0:
+        return values.sum(dim=1)
+    columns = torch.arange(n, device=values.device) if columns is None else columns
+    count = end if start == 0 else end - start
+    tail = columns >= torch.bitwise_and(count, -block)
+    return torch.where(tail, _rows_interleaved(values), _rows_in_order(values))
+
+
 def topk_ascending(values: Tensor, k: int) -> Tensor:
     """Indices ``[..., min(k, n)]`` of the ``k`` largest values per row, in ascending order.
 
@@ -256,22 +388,29 @@ def topk_ascending(values: Tensor, k: int) -> Tensor:
     return out.scatter_(-1, slot, positions)[..., :k]
 
 
-def topk_keyed(values: Tensor, k: int, *, reversed_iota: Tensor | None = None, nonnegative: bool = False) -> Tensor:
+def topk_keyed(
+    values: Tensor,
+    k: int,
+    *,
+    reversed_iota: Tensor | None = None,
+    nonnegative: bool = False,
+    offset: int = 0,
+) -> Tensor:
     """:func:`topk_ascending` with no host read and one ``topk``: the same indices, ties alike.
 
-    Each value becomes an int64 key ``(order(value) << 32) | (n - 1 - index)``, where ``order`` maps a
-    float32 to an int32 of the same order (negative floats: all bits but the sign flipped; ``-0.0`` is
-    made ``+0.0`` first, NaN counts as −inf). The ``k`` largest keys are the ``k`` largest values, equal
-    values taken lowest index first; their indices are sorted ascending (a sort of ``k``, not ``n``). Every
-    shape is fixed by ``values.shape`` and ``k``, so a decode step that calls it can be captured.
-    ``reversed_iota`` (``n - 1, ..., 0``, int64, optional) saves making it; ``nonnegative``: the caller
-    knows no value is negative or NaN (a softmax), which skips the mapping."""
+    Each value becomes an int64 key ``order(value) · 2³² + (n - 1 - index)``, where ``order`` maps a float32
+    to an int32 of the same order (negative floats: all bits but the sign flipped; ``-0.0`` is made
+    ``+0.0`` first, NaN counts as −inf). The ``k`` largest keys are the ``k`` largest values, equal values
+    taken lowest index first; their indices (plus ``offset``) are sorted ascending (a sort of ``k``, not
+    ``n``). Every shape is fixed by ``values.shape`` and ``k``, so a decode step that calls it can be
+    captured. ``reversed_iota`` (``n - 1, ..., 0``, int64, optional) saves making it; ``nonnegative``: the
+    caller knows every value is ≥ 0 or −inf, never NaN (a softmax, masked), which skips the mapping."""
     n = values.shape[-1]
     k = min(k, n)
     if k <= 0:
         return torch.empty(*values.shape[:-1], 0, dtype=torch.long, device=values.device)
-    v = values.float()
-    if nonnegative:
+    v = values if values.dtype == torch.float32 else values.float()
+    if nonnegative:  # (−inf's bits are a negative int32: below every value ≥ 0)
         ordered = v.view(torch.int32).to(torch.int64)
     else:
         v = v.nan_to_num(nan=-float("inf"), posinf=float("inf"), neginf=-float("inf")) + 0.0  # (-0.0 -> +0.0)
@@ -279,9 +418,9 @@ def topk_keyed(values: Tensor, k: int, *, reversed_iota: Tensor | None = None, n
         ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     if reversed_iota is None:
         reversed_iota = torch.arange(n - 1, -1, -1, device=values.device)
-    key = torch.bitwise_or(ordered << 32, reversed_iota)
+    key = torch.add(reversed_iota, ordered, alpha=1 << 32)
     top = torch.topk(key, k, dim=-1, sorted=False).values
-    return torch.sort((n - 1) - (top & 0xFFFFFFFF), dim=-1).values
+    return torch.sort((n - 1 + offset) - (top & 0xFFFFFFFF), dim=-1).values
 
 
 def gqa_topk(scores: Tensor, k: int, rule: str = "softmax_sum", scale: float | None = None) -> Tensor:
@@ -308,8 +447,12 @@ __all__ = [
     "gqa_topk",
     "group_scores",
     "pq_encode",
+    "pq_encode_static",
+    "pq_encode_table",
     "pq_fit",
     "pq_scores",
+    "pq_scores_static",
+    "prefix_group_sum",
     "subspace_problems",
     "topk_ascending",
 ]
