@@ -49,6 +49,7 @@ class Oracle(RetrievalMethod):
         else:
             scores = group_scores(logits[..., lay.sink :], rule, scale)
         middle_end = lay.middle_end()
-        scores = scores.masked_fill(~lay.candidates(middle_end), float("-inf"))
-        chosen = topk_keyed(scores, select) + lay.sink
+        scores = scores.masked_fill(lay.outside(middle_end), float("-inf"))
+        nonnegative = rule == "softmax_sum" and not self.params.per_query_head  # (softmax sums, or -inf)
+        chosen = topk_keyed(scores, select, nonnegative=nonnegative, offset=lay.sink)
         return lay.compose(chosen, middle_end)

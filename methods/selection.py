@@ -95,6 +95,10 @@ class StaticLayout:
         """``[width]`` bool: which slots of ``[sink, end)`` are middle tokens (below ``middle_end``)."""
         return self.kv.iota(self.end)[self.sink :] < middle_end
 
+    def outside(self, middle_end: torch.Tensor) -> torch.Tensor:
+        """``[width]`` bool: the complement of :meth:`candidates` (one op, for a ``masked_fill``)."""
+        return self.kv.iota(self.end)[self.sink :] >= middle_end
+
     def unheld(self) -> torch.Tensor:
         """``[end]`` bool: the slots of the bucket that hold no token yet (from the length on)."""
         assert self.kv.length is not None

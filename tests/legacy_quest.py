@@ -15,21 +15,8 @@ import torch
 
 from kvbench.kv.store import LayerKV
 from kvbench.methods.base import Selection
-from kvbench.methods.quest import Quest
+from kvbench.methods.quest import Quest, page_bounds, upper_bound_scores  # (unchanged helpers)
 from kvbench.methods.selection import compose, topk_sorted
-
-
-def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise ``(min, max)`` of consecutive pages: ``keys`` ``[h, pages * page_size, d]`` → ``[h, pages, d]``."""
-    h, n, d = keys.shape
-    pages = keys.reshape(h, n // page_size, page_size, d)
-    return pages.amin(dim=2), pages.amax(dim=2)
-
-
-def upper_bound_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """``Σ_c max(q_c·high_c, q_c·low_c)``: ``query`` ``[h, g, d]``, bounds ``[h, p, d]`` → ``[h, g, p]``."""
-    q = query[:, :, None, :]
-    return torch.maximum(q * high[:, None], q * low[:, None]).sum(dim=-1)
 
 
 class LegacyQuest(Quest):

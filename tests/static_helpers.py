@@ -14,18 +14,14 @@ from kvbench.methods import REGISTRY, create_method
 from kvbench.profile import Profile
 
 
+def _generate(loaded: Any, name: str, ids: list[int], n: int, params: dict | None, budget: dict, **options: Any):
+    method = create_method({"name": name, **(params or {})})
+    return generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=BudgetConfig(**budget), **options)
+
+
 def digest_run(loaded: Any, name: str, ids: list[int], n: int = 24, params: dict | None = None, engine=None, **budget):
     """``generate`` with the selection digest on (every position each layer keeps and attends, per step)."""
-    return generate(
-        loaded,
-        create_method({"name": name, **(params or {})}),
-        ids,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        budget=BudgetConfig(**budget),
-        profile=Profile(selection_digest=True),
-        engine=engine,
-    )
+    return _generate(loaded, name, ids, n, params, budget, profile=Profile(selection_digest=True), engine=engine)
 
 
 def assert_same_as_legacy(loaded: Any, name: str, legacy: str, ids: list[int], n: int = 24, params=None, **budget):
@@ -44,15 +40,7 @@ def assert_same_as_legacy(loaded: Any, name: str, legacy: str, ids: list[int], n
 def recorded_steps(loaded: Any, name: str, ids: list[int], n: int = 10, params: dict | None = None, **budget):
     """The op streams of decode steps 4 and 5 (:class:`~kvbench.bench.decode_host.StepRecorder`)."""
     with StepRecorder() as rec:
-        generate(
-            loaded,
-            create_method({"name": name, **(params or {})}),
-            ids,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            budget=BudgetConfig(**budget),
-            engine=EngineSettings(decode="static"),
-        )
+        _generate(loaded, name, ids, n, params, budget, engine=EngineSettings(decode="static"))
     return rec.steps
 
 

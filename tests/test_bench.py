@@ -162,3 +162,38 @@ def test_cost_vs_length_fits_exponents_and_saves_a_figure(tmp_path):
     assert all(math.isfinite(r["select exponent"]) and r["select_ms"] > 0 for r in rows if r["method"] == "quest")
     figure = tmp_path / "cost.cost_vs_length.png"
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_host_counts_a_sync_free_static_step_and_decode_graph_runs_its_cpu_path(tmp_path):
+    """decode_host --quick: full's step issues fewer ops than transformers' eager step, and neither full
+    nor a selecting method reads back or changes its op stream between steps; decode_graph's CPU path
+    (what benchmarks/gpu.sh decode_graph runs on a GPU) reports eager rows and marks graphs n/a."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "bench",
+            "decode_host",
+            "decode_graph",
+            "--quick",
+            "--methods",
+            "full,quest",
+            "--rounds",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    by_name = {r["name"]: r for r in json.loads(out.stdout)["results"]}
+    rows = {row["method"]: row for row in by_name["decode_host"]["rows"]}
+    assert set(rows) == {"hf_eager", "full", "quest"}
+    assert rows["full"]["aten_ops"] < rows["hf_eager"]["aten_ops"]
+    for name in ("full", "quest"):
+        assert rows[name]["syncs"] == 0 and rows[name]["host_data"] == 0 and rows[name]["static"] == "yes"
+    graph = {row["method"]: row for row in by_name["decode_graph"]["rows"]}
+    assert graph["full"]["eager_tpot_ms"] > 0 and graph["full"]["graph_tpot_ms"] == "n/a (no CUDA)"
+    assert graph["quest"]["tpot / full"] > 0

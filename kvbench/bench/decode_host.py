@@ -100,25 +100,19 @@ def _hf_step(loaded: Any, ids: list[int], new_tokens: int) -> tuple[float, Any]:
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
         cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        for step in range(new_tokens - 1):
+
+        def step(token: int) -> int:
+            fed = torch.tensor([[token]], device=device)
+            out = model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return int(out.logits[0, -1].argmax())
+
+        for index in range(new_tokens - 1):
             start = time.perf_counter()
-            if step == RECORDED_STEPS[0]:
+            if index == RECORDED_STEPS[0]:
                 with record_ops() as ops:
-                    out = model(
-                        input_ids=torch.tensor([[token]], device=device),
-                        past_key_values=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                    token = int(out.logits[0, -1].argmax())
+                    token = step(token)
             else:
-                out = model(
-                    input_ids=torch.tensor([[token]], device=device),
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                token = int(out.logits[0, -1].argmax())
+                token = step(token)
             times.append(time.perf_counter() - start)
     return statistics.fmean(times[1:]), ops
 
@@ -142,18 +136,48 @@ def _row(name: str, tpot: float, ops: Any, nxt: Any, full: dict[str, Any] | None
     return row
 
 
-@benchmark("decode_host")
-def decode_host(options: BenchOptions) -> BenchResult:
+def _measure(options: BenchOptions, loaded: Any, ids: list[int], methods: list[str], new_tokens: int) -> dict[str, Any]:
+    """Per method: the best TPOT of the rounds, the recorded op streams (first round) and its dense layers."""
     from kvbench.budget import BudgetConfig
-    from kvbench.compose import compose
     from kvbench.engine.generate import generate
     from kvbench.methods import create_method
-    from kvbench.models.loading import load_model
 
     try:
         from kvbench.engine.settings import engine_settings
     except ImportError:  # an engine without the static step (the bench also measures it: before/after)
         engine_settings = None  # type: ignore[assignment]
+    extra: dict[str, Any] = {}
+    if engine_settings is not None:
+        extra["engine"] = engine_settings(getattr(options, "engine", {}))
+
+    def run(name: str, n: int) -> dict[str, Any]:
+        method = create_method({**_params(name), **(options.params if name != "full" else {})})
+        budget = BudgetConfig(**_budget(name))
+        return generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=budget, **extra).telemetry
+
+    for name in methods:  # untimed warm-up (first-call costs, k-means cost models)
+        run(name, 3)
+    tpots: dict[str, list[float]] = {name: [] for name in methods}
+    recorded: dict[str, Any] = {}
+    dense: dict[str, int] = {}
+    for r in range(options.e2e_rounds()):
+        for name in methods:
+            if r == 0:
+                with StepRecorder() as rec:
+                    tele = run(name, new_tokens)
+                recorded[name] = rec.steps
+                first, available = tele["attended_first_step"], tele["available_first_step"]
+                dense[name] = sum(1 for a, v in zip(first, available) if a == v)
+            else:
+                tele = run(name, new_tokens)
+            tpots[name].append(tele["tpot_s"])
+    return {"tpots": tpots, "recorded": recorded, "dense": dense, "engine": extra.get("engine")}
+
+
+@benchmark("decode_host")
+def decode_host(options: BenchOptions) -> BenchResult:
+    from kvbench.compose import compose
+    from kvbench.models.loading import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -165,45 +189,11 @@ def decode_host(options: BenchOptions) -> BenchResult:
         loaded = load_model(compose(overrides)["model"])
         length = (options.lengths or ((512,) if options.quick else (2048,)))[0]
         new_tokens = options.new_tokens or (12 if options.quick else 32)
-        rounds = options.e2e_rounds()
         methods = list(getattr(options, "methods", None) or METHODS)
         if "full" not in methods:
             methods.insert(0, "full")
-        extra: dict[str, Any] = {}
-        if engine_settings is not None:
-            extra["engine"] = engine_settings(getattr(options, "engine", {}))
         ids = niah_ids(loaded, length)
-
-        def run(name: str, n: int) -> dict[str, Any]:
-            method = create_method({**_params(name), **(options.params if name != "full" else {})})
-            out = generate(
-                loaded,
-                method,
-                ids,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                budget=BudgetConfig(**_budget(name)),
-                **extra,
-            )
-            return out.telemetry
-
-        for name in methods:  # untimed warm-up (first-call costs, k-means cost models)
-            run(name, 3)
-        tpots: dict[str, list[float]] = {name: [] for name in methods}
-        recorded: dict[str, Any] = {}
-        dense: dict[str, int] = {}
-        for r in range(rounds):
-            for name in methods:
-                if r == 0:
-                    with StepRecorder() as rec:
-                        tele = run(name, new_tokens)
-                    recorded[name] = rec.steps
-                    dense[name] = sum(
-                        1 for a, v in zip(tele["attended_first_step"], tele["available_first_step"]) if a == v
-                    )
-                else:
-                    tele = run(name, new_tokens)
-                tpots[name].append(tele["tpot_s"])
+        measured = _measure(options, loaded, ids, methods, new_tokens)
         hf_tpot, hf_ops = _hf_step(loaded, ids, new_tokens)
     finally:
         torch.set_num_threads(threads)
@@ -211,20 +201,21 @@ def decode_host(options: BenchOptions) -> BenchResult:
     rows = [_row("hf_eager", hf_tpot, hf_ops, None, None, 0)]
     full = None
     for name in methods:
-        steps = recorded[name]
+        steps = measured["recorded"][name]
         ops, nxt = steps[RECORDED_STEPS[0]], steps.get(RECORDED_STEPS[1])
-        tpot = min(tpots[name])
+        tpot = min(measured["tpots"][name])
         if name == "full":
             full = {"tpot": tpot, "ops": ops.aten_ops}
             rows.append({**_row(name, tpot, ops, nxt, None, 0), "ops / hf_eager": ops.aten_ops / hf_ops.aten_ops})
         else:
-            rows.append(_row(name, tpot, ops, nxt, full, layers - dense[name]))
+            rows.append(_row(name, tpot, ops, nxt, full, layers - measured["dense"][name]))
     notes = [
         f"model {model_name} ({layers} layers), prompt {len(ids)} tokens, {new_tokens} new tokens, one CPU thread, "
-        f"best TPOT of {rounds} round(s), methods interleaved; budget 256 tokens, comm 1/64, offload false",
+        f"best TPOT of {options.e2e_rounds()} round(s), methods interleaved; budget 256 tokens, comm 1/64, "
+        "offload false",
         f"op streams of decode steps {RECORDED_STEPS} (kvbench.engine.ops); static: step {RECORDED_STEPS[0]} and "
         f"{RECORDED_STEPS[1]} issue the same ops, shapes and arguments",
-        f"engine: {extra.get('engine', 'without the static step')}",
+        f"engine: {measured['engine'] or 'without the static step'}",
         f"goals: full ops <= {GOAL_OPS_VS_HF} x hf_eager; ops_vs_full <= {GOAL_OPS_PER_LAYER} per selecting layer; "
         f"syncs 0; tpot / full <= {GOAL_TPOT}",
     ]
