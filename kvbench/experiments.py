@@ -10,7 +10,7 @@ run directory). Why this shape:
   joblib launcher and the submitit launcher all see it; command-line values replace an axis of the
   same key (``method=pqcache`` narrows a method sweep), exactly as Hydra's basic sweeper merges them;
 * the file's body (group choices in ``defaults``, ``task``/``budget`` values, data folders) is the
-  ``cpu`` scale: what ``benchmarks/RESULTS.md`` reports on SmolLM2 / Qwen2.5-0.5B;
+  ``cpu`` scale: what ``benchmarks/RESULTS.md`` reports on SmolLM2 / Qwen2.5-Coder-0.5B;
 * ``reproduce.scales.<scale>.overrides`` are Hydra overrides applied after the body for the other
   scales (``smoke``: tiny random models, a handful of samples; ``paper``: the paper's model and data,
   validated here and run on a GPU machine); ``conf/scale/<scale>.yaml`` holds the overrides and

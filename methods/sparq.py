@@ -7,7 +7,7 @@ attend the top-``select`` tokens exactly, with the sinks and local window.
 
 ``r`` comes from the extra-communication budget: fetching ``r`` of ``d_h`` components of every key is
 ``r / d_h`` of the keys' bytes, so ``r = round(budget.comm_ratio · d_h)`` (1 for 1/128 and 2 for 1/64
-at ``d_h`` = 128), at least 1 — with ``d_h`` = 64 (SmolLM2, Qwen2.5-0.5B) 1/128 cannot be met and the
+at ``d_h`` = 128), at least 1 — with ``d_h`` = 64 (SmolLM2, Qwen2.5-Coder-0.5B) 1/128 cannot be met and the
 recorded ratio is 1/64. ``method.r`` overrides. Mean-value reallocation is off, as in PQCache's runs.
 The component fetch is counted as index traffic, every step (it depends on the query, so it cannot
 be prefetched).

@@ -19,7 +19,7 @@ method hooks as a single generation:
    closes with its answer — the snapshot is taken after that answer, and every later question follows
    context, first question and first answer. Dropping that answer would leave an empty assistant turn
    before the next question, which both packaged models answer with the prompt's instructions
-   (measured on one 4-needle, 4k NIAH context: Qwen2.5-0.5B with ``full`` scored 25 with the first answer
+   (measured on one 4-needle, 4k NIAH context: Qwen2.5-Coder-0.5B with ``full`` scored 25 with the first answer
    dropped and 100 with it kept; SmolLM2 answered every later question with nothing).
 
 How question tokens enter the cache follows each method's rule
