@@ -6,7 +6,9 @@ PQCache caches *blocks* of 128 consecutive tokens (all KV heads of a layer toget
 selected tokens against the cache, fetches only the misses, and after the step admits the
 ``update_blocks`` blocks that hold the most selected tokens, evicting by LRU or LFU.
 
-The cache only decides *what* is resident; :class:`~kvbench.kv.store.LayerKV` does the counting.
+The cache decides *what* is resident and *where*: each admitted block gets a row of the device buffer
+(:attr:`BlockCache.rows`), which :class:`~kvbench.kv.device_tier.DeviceTier` fills with the block's K/V
+of every KV head and reads the hits from; :class:`~kvbench.kv.store.LayerKV` does the counting.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from itertools import count
 
+import numpy as np
 import torch
 
 
@@ -42,6 +45,8 @@ class BlockCache:
         self._freq: dict[int, int] = {}
         self._order: OrderedDict[int, int] = OrderedDict()  # block -> admission/touch tick
         self._tick = count()
+        self.rows: dict[int, int] = {}  # block -> its row of the device buffer
+        self._free = list(range(self.capacity - 1, -1, -1))  # free buffer rows (pop: the lowest first)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -73,37 +78,60 @@ class BlockCache:
         # Most requested first; among equals the lower block id first (deterministic): a stable sort
         # of the counts keeps the ascending ids of equal counts in order.
         order = torch.sort(counts, descending=True, stable=True).indices[: self.update_blocks]
-        return self._admit(ids[order].tolist())
+        return len(self._admit(ids[order].tolist()))
 
     def serve(self, blocks: torch.Tensor) -> tuple[int, int]:
         """One decode step's requests (``blocks``, 1-D, one entry per requested token and head):
         :meth:`lookup` then :meth:`update`, from a single count per block. Returns ``(hits, admitted)``:
-        requests the resident blocks served, blocks newly admitted.
+        requests the resident blocks served, blocks newly admitted. (:meth:`serve_array` on the host copy.)"""
+        hits, admitted = self.serve_array(blocks.cpu().numpy().astype(np.int64, copy=False))
+        return hits, len(admitted)
 
-        The same decisions as the two calls (hits touched in ascending block order, then the most
-        requested blocks admitted, lower id first among equals), from one ``bincount`` read back to the
-        host instead of a membership test, a ``unique`` and a ``unique`` with counts over the requests."""
-        if blocks.numel() == 0:
-            return 0, 0
+    def serve_array(self, blocks: np.ndarray) -> tuple[int, list[int]]:
+        """:meth:`serve` on a host array; returns the hits and the blocks newly admitted, in admission order.
+
+        The same decisions as :meth:`lookup` then :meth:`update` (hits touched in ascending block order,
+        then the most requested blocks admitted, lower id first among equals), from one count per block
+        made on the host (numpy: the store plans a gather from its one read of the selection)."""
+        if blocks.size == 0:
+            return 0, []
         low = int(blocks.min())
-        counts = torch.bincount(blocks - low).tolist()  # counts[i]: requests of block low + i
+        counts = np.bincount(blocks.reshape(-1) - low)  # counts[i]: requests of block low + i
         hits = 0
         touched = []
         for block in sorted(self._order):
             i = block - low
-            if 0 <= i < len(counts) and counts[i]:
-                hits += counts[i]
+            if 0 <= i < counts.size and counts[i]:
+                hits += int(counts[i])
                 touched.append(block)
         self._touch(touched)
         if self.capacity == 0:
-            return hits, 0
-        requested = sorted((-c, low + i) for i, c in enumerate(counts) if c)  # most requested, lower id first
-        return hits, self._admit(block for _, block in requested[: self.update_blocks])
+            return hits, []
+        ids = np.flatnonzero(counts)
+        order = np.lexsort((ids, -counts[ids]))[: self.update_blocks]  # most requested, lower id first
+        return hits, self._admit((ids[order] + low).tolist())
 
-    def _admit(self, blocks: Iterable[int]) -> int:
+    def rows_of(self, blocks: np.ndarray) -> np.ndarray:
+        """The buffer row of each of ``blocks`` (any shape), -1 where the block is not resident."""
+        if not self.rows:
+            return np.full(blocks.shape, -1, dtype=np.int64)
+        ids = np.fromiter(self.rows.keys(), dtype=np.int64, count=len(self.rows))
+        rows = np.fromiter(self.rows.values(), dtype=np.int64, count=len(self.rows))
+        order = np.argsort(ids)
+        ids, rows = ids[order], rows[order]
+        at = np.minimum(np.searchsorted(ids, blocks), ids.size - 1)
+        return np.where(ids[at] == blocks, rows[at], -1)
+
+    def forget_from(self, slot: int) -> None:
+        """Drop the blocks that cover any slot at or after ``slot`` (their slots get new tokens)."""
+        first = (slot - self.offset) // self.block_size
+        for block in [b for b in self._order if b >= first]:
+            self._drop(block)
+
+    def _admit(self, blocks: Iterable[int]) -> list[int]:
         """Admit ``blocks`` in order (evicting by the policy when full), skipping resident ones; returns
-        how many were new."""
-        admitted = 0
+        the new ones, each with a buffer row."""
+        admitted = []
         for block in blocks:
             if block in self._order:
                 continue
@@ -111,7 +139,8 @@ class BlockCache:
                 self._evict()
             self._order[block] = next(self._tick)
             self._freq[block] = 1
-            admitted += 1
+            self.rows[block] = self._free.pop()
+            admitted.append(block)
         return admitted
 
     def _touch(self, blocks: list[int]) -> None:
@@ -125,5 +154,9 @@ class BlockCache:
             victim = next(iter(self._order))
         else:  # least frequently used, the least recently touched among equals
             victim = min(self._order, key=lambda b: (self._freq.get(b, 0), self._order[b]))
-        del self._order[victim]
-        self._freq.pop(victim, None)
+        self._drop(victim)
+
+    def _drop(self, block: int) -> None:
+        del self._order[block]
+        self._freq.pop(block, None)
+        self._free.append(self.rows.pop(block))

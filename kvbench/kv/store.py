@@ -1,21 +1,39 @@
 """Where K/V live during a run, and what moving them costs.
 
 One :class:`LayerKV` per transformer layer holds that layer's keys and values (batch size 1) as
-``[kv_heads, slots, head_dim]`` with the absolute position of every slot. Two tiers:
+``[kv_heads, slots, head_dim]`` with the absolute position of every slot. Two memory regimes, chosen by
+a method's ``offload`` parameter (``KVStore(offload=...)``):
 
-* **device** (where attention runs) for methods that keep their cache on the accelerator
-  (``full``, eviction methods, ``oracle``);
-* **host** (CPU memory, pinned on CUDA) for offloading methods: the *middle* tokens live there and
-  every decode step fetches the selected ones. Sink tokens and the recent window are *resident*
-  (kept on the device), and a :class:`~kvbench.kv.block_cache.BlockCache` keeps popular blocks.
-  A method's dense layers (``dense_layers``: Quest and ClusterKV keep layers 0-1 whole) stay in the
-  device tier altogether (``KVStore(resident=...)``): they attend every token at every step.
-  Whatever attends a whole offloaded layer (a budget that covers it, a multi-token extension) reads
-  it through :meth:`LayerKV.held`, which counts the transfer like any fetch.
+* **device-resident** (``offload: false``; the default of the latency benches, what the papers' latency
+  runs use, and always ``full``, the eviction methods and ``oracle``): every token's K/V live on the
+  compute device, written in place and read where they are. Nothing crosses the host→device link
+  during decode and no byte is counted.
+* **offload** (``offload: true``, its own experiment): every token's K/V live in the *host tier* (CPU
+  memory, pinned on CUDA); the compute device keeps a :class:`~kvbench.kv.device_tier.DeviceTier` per
+  layer with the *resident* rows — the sink tokens and a window holding the local window and the tokens
+  generated since (the current token's K/V are written there by the step that computed them) — and,
+  with a :class:`~kvbench.kv.block_cache.BlockCache`, the K/V of the blocks it holds. A decode step's
+  :meth:`LayerKV.gather` reads the selection on the host once (the layer's one sync), takes resident rows
+  and cache hits on the device, and fetches only the *misses* from the host tier: gathered into pinned
+  memory and copied asynchronously on a side stream that the compute stream waits for. The blocks the
+  cache admits are filled the same way after the step's reads.
+
+What crosses the link in offload mode, and is counted (:class:`TransferStats`): the misses' K/V
+(``bytes_h2d_fetch``: each distinct (KV head, slot) once, however many query heads read it), the block
+fills (``bytes_h2d_cache_fill``: whole blocks, every KV head), index data a method moves to score tokens
+(``bytes_h2d_index``), and the prefill's and each new token's K/V going to the host tier (``bytes_d2h``).
+Sinks and the window never cross. Not counted: the gather's index (8 bytes a selected entry) and the
+rows of a method's own device cache (ClusterKV's ``cached`` slots: counted as hits, as its paper's
+cluster cache serves them, but the store holds no copy of that cache, so they are fetched like misses).
+A method's dense layers (``dense_layers``: Quest and ClusterKV keep layers 0-1 whole) stay
+device-resident altogether (``KVStore(resident=...)``): they attend every token at every step. Whatever
+attends a whole offloaded layer (a budget that covers it, a multi-token extension) reads it through
+:meth:`LayerKV.held`, which counts the transfer like any fetch.
 
 Methods never move bytes themselves: they ask :meth:`LayerKV.gather` for slots, and the store counts
 every byte that crosses host→device and every cache hit. On a CPU-only machine both tiers are host
-memory, and the counts are still exact: they are what the same run would move on a GPU.
+memory and the same code runs synchronously; the counts are still exact: they are what the same run
+would move on a GPU.
 
 Slots are positions until a method evicts; after :meth:`LayerKV.keep` (eviction) slot order no longer
 equals position order for every head, so position logic must read :attr:`LayerKV.positions`.
@@ -35,9 +53,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from kvbench.kv.block_cache import BlockCache
+from kvbench.kv.device_tier import DeviceTier, Fill, TierSnapshot
 
 
 @dataclass
@@ -107,6 +127,11 @@ class LayerKV:
         self.current: torch.Tensor | None = None  # [1] the current token's slot (length - 1)
         self.bucket_end = 0  # attention reads slots [0, bucket_end); the ones from length on are masked
         self._iota: dict[int, torch.Tensor] = {}
+        # offload: the device tier (sinks, window, block cache; made with the first write) and how often
+        # the host tier was rewritten in place (a rollback across a rewrite refreshes the cached blocks)
+        self.tier: DeviceTier | None = None
+        self._rewrites = 0
+        self._written: torch.cuda.Event | None = None  # the last asynchronous write into the pinned host tier
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, capacity: int, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -180,6 +205,8 @@ class LayerKV:
             self.seen = max(self.seen, int(positions.max()) + 1) if t else self.seen
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
+            self._device_tier().write(self.n, keys, values)
+            self._mark_written()
         self.n += t
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -210,6 +237,7 @@ class LayerKV:
         self.seen = max(self.seen, int(last.max()) + 1)
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
+            self._rewritten()
 
     def keep(self, slots: torch.Tensor) -> None:
         """Evict every slot not in ``slots`` (``[kv_heads, m]``, same m per head); keeps slot order.
@@ -235,6 +263,8 @@ class LayerKV:
         self._v.copy_(v)
         self._pos.copy_(pos)
         self.n = m
+        self._rewritten()
+        self.tier = None  # (the stored rows per head may have changed: a new tier, refilled as it is read)
 
     def remove(self, slots: torch.Tensor) -> None:
         """Evict ``slots`` (``[kv_heads, r]``, same r per head)."""
@@ -281,6 +311,7 @@ class LayerKV:
         self._v[heads, dst] = self._v[heads, src]
         self._pos[heads, dst] = self._pos[heads, src]
         self.n = m
+        self._rewritten()
         return dst, src
 
     # ------------------------------------------------------------------ static decode
@@ -322,6 +353,8 @@ class LayerKV:
         self._pos[:, slot : slot + 1].copy_(position.view(1, 1).expand(self._pos.shape[0], 1), non_blocking=True)
         if self.offload:
             self.stats.bytes_d2h += self.n_kv_heads * self.token_bytes()
+            self._device_tier().write(slot, keys, values)  # (the window's copy: never read back from the host)
+            self._mark_written()
 
     def bucket(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots ``[0, bucket_end)`` (views; slots from :attr:`length` on hold no token yet)."""
@@ -329,16 +362,22 @@ class LayerKV:
 
     # ------------------------------------------------------------------ reads
     def set_residency(self, sink: int, recent: int) -> None:
-        """Slots below ``sink`` and the last ``recent`` slots are device-resident (offload mode)."""
+        """Slots below ``sink`` and the last ``recent`` slots are device-resident (offload mode): the device
+        tier makes room for them (its window grows when ``recent`` does, keeping the rows it holds)."""
         self.resident_sink = sink
         self.resident_recent = recent
+        if self.tier is not None:
+            self.tier.resize(sink, recent)
 
     def attach_cache(self, cache: BlockCache | None) -> None:
+        """A block cache between the host tier and attention: its blocks' K/V live in the device tier."""
         self.cache = cache
+        if self.tier is not None:
+            self.tier.set_cache(cache)
 
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every held K and V on the compute device: views of the home tier when it is the device, else
-        a :meth:`gather` of every slot (counted: all of it crosses the link)."""
+        a :meth:`gather` of every slot (counted: every non-resident, non-cached row crosses the link)."""
         if self.home == self.device:
             return self.keys, self.values
         return self.gather(torch.arange(self.n, device=self.home).expand(self._k.shape[0], -1))
@@ -349,10 +388,16 @@ class LayerKV:
         ``slots`` is ``[kv_heads, k]`` (one selection per KV head) or ``[q_heads, k]`` (one per query
         head; query head ``h`` reads KV head ``h // group``). ``cached`` (same shape, optional) flags
         slots a method keeps on the device itself (ClusterKV's cluster cache): they count as hits.
+
+        An offloaded layer reads the selection on the host once, then takes the sinks and the window from
+        the device tier, the block cache's hits from its device buffer, and only the other rows from the
+        host tier (:meth:`_gather_offloaded`); the K/V returned are the same either way.
         """
         rows = slots.shape[0]
         if rows % self.n_kv_heads:
             raise ValueError(f"cannot map {rows} selection rows onto {self.n_kv_heads} KV heads")
+        if self.offload:
+            return self._gather_offloaded(slots, cached)
         group = rows // self.n_kv_heads
         home_slots = slots if slots.device == self.home else slots.to(self.home)
         # one row gather per tensor: row (head h, slot s) of the [kv_heads * capacity, d] view is
@@ -360,9 +405,6 @@ class LayerKV:
         flat = (home_slots + self._row_base(rows, group, self.capacity)).view(-1)
         k = self._rows(self._k, flat).view(rows, -1, self.head_dim)
         v = self._rows(self._v, flat).view(rows, -1, self.head_dim)
-        if self.offload:
-            pairs = home_slots + self._row_base(rows, group, self.n)  # (kv head, slot) as h * n + s
-            self._account_fetch(pairs, None if cached is None else cached.to(self.home))
         if k.device != self.device:
             k = k.to(self.device, non_blocking=True)
             v = v.to(self.device, non_blocking=True)
@@ -391,41 +433,133 @@ class LayerKV:
             cached = self._bases[key] = (torch.arange(rows, device=self.home) // group * stride)[:, None]
         return cached
 
-    def _distinct(self, pairs: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
-        """``[kv_heads, n]`` bool: the (kv head, slot) pairs in ``pairs`` (``h * n + s``, any shape), those
-        flagged by ``where`` only. Several query heads reading one KV head's token count it once; a
-        mask instead of ``unique`` (a sort) and no compaction (entries left out go to a spare cell)."""
-        size = self.n_kv_heads * self.n
-        mask = torch.zeros(size + 1, dtype=torch.bool, device=self.home)
-        index = pairs if where is None else torch.where(where, pairs, size)
-        mask.index_fill_(0, index.reshape(-1), True)
-        return mask[:size].view(self.n_kv_heads, self.n)
+    # ------------------------------------------------------------------ offload
+    def _device_tier(self) -> DeviceTier:
+        """The device tier of this offloaded layer (made on first use, sized for the resident ranges)."""
+        if self.tier is None:
+            self.tier = DeviceTier(self._k.shape[0], self.head_dim, self.dtype, self.device)
+            if self.cache is not None:
+                self.tier.set_cache(self.cache)
+            self.tier.resize(self.resident_sink, self.resident_recent)
+        return self.tier
 
-    def _account_fetch(self, pairs: torch.Tensor, cached: torch.Tensor | None) -> None:
-        """Count bytes for the non-resident (kv head, slot) pairs; several query heads share a fetch."""
-        low = min(self.resident_sink, self.n)  # resident: slots below low and from high on
-        high = max(low, self.n - self.resident_recent)
-        if cached is not None:
-            held = int(self._distinct(pairs, cached)[:, low:high].sum())
+    def _mark_written(self) -> None:
+        """On CUDA, remember the last asynchronous device→host write (a host-side read of the host tier that
+        no device read preceded waits for it)."""
+        if self._pin and torch.cuda.is_available():
+            self._written = torch.cuda.Event()
+            self._written.record()
+
+    def _rewritten(self) -> None:
+        """The host tier changed in place (not an append): the device tier's copies are stale."""
+        if not self.offload:
+            return
+        self._rewrites += 1
+        if self.tier is not None:
+            self.tier.reset()
+
+    def _read_selection(self, slots: torch.Tensor, cached: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The selection (and the method's cached flags) on the host: one read, the step's only sync in
+        this layer (stacked first, so that the flags come with it)."""
+        both = slots if cached is None else torch.stack((slots, cached.to(slots.device, slots.dtype)))
+        if both.device.type == "cpu":
+            if self._written is not None:  # (a selection made on the host: no device read waited for the writes)
+                self._written.synchronize()
+            host = both.numpy()  # (on a CPU run, the read a GPU run does here)
+        else:
+            host = np.from_dlpack(both.cpu())  # the read; from_dlpack views the host copy
+        self._written = None
+        host = host.astype(np.int64, copy=False)
+        if cached is None:
+            return host, None
+        return host[0], host[1] != 0
+
+    def _gather_offloaded(self, slots: torch.Tensor, cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather` of an offloaded layer, planned on the host from one read of the selection.
+
+        Each entry (row ``i``, slot ``s``; KV head ``h = i // group``) is read from: the device tier's sinks
+        (``s`` below the resident sink) or window (``s`` in the last ``resident_recent`` slots); the block
+        cache's buffer (a middle slot whose block was resident before this step, not flagged ``cached``);
+        else the host tier, each distinct (KV head, slot) once — the misses, plus ClusterKV's ``cached``
+        rows (its cluster cache is the method's, not the store's: they cross, counted as hits as before).
+        The blocks the cache admits this step are filled after the step's reads. The counts are those
+        of :meth:`_account_offloaded`."""
+        rows, width = slots.shape
+        group = rows // self.n_kv_heads
+        sel, flags = self._read_selection(slots, cached)
+        tier = self._device_tier()
+        n, capacity = self.n, self.capacity
+        low = min(self.resident_sink, n)  # resident: slots below low and from high on
+        high = max(low, n - self.resident_recent)
+        head = np.broadcast_to((np.arange(rows, dtype=np.int64) // group)[:, None], sel.shape)
+        sink = (sel >= 0) & (sel < low)
+        ring = (sel >= high) & (sel < n)
+        middle = (sel >= low) & (sel < high)
+        if flags is not None:
+            middle &= ~flags
+        host_k = self._k.view(-1, self.head_dim)
+        host_v = self._v.view(-1, self.head_dim)
+        hit = np.zeros(sel.shape, dtype=bool)
+        buffer_row = hit.astype(np.int64)  # (the buffer row of each entry's block, where hit)
+        cache = self.cache
+        if cache is not None and cache.rows and middle.any():
+            buffer_row = cache.rows_of((sel - cache.offset) // cache.block_size)
+            hit = middle & (buffer_row >= 0)
+            stale = buffer_row[hit]
+            stale = stale[~tier.filled[stale]]
+            if stale.size:
+                tier.repair_blocks(host_k, host_v, capacity, stale, n)
+        missing_sinks, missing_ring = tier.missing_resident(sel[sink], sel[ring])
+        if missing_sinks.size or missing_ring.size:
+            tier.repair(host_k, host_v, capacity, missing_sinks, missing_ring)
+        admitted = self._account_offloaded(sel, flags, head, low, high)  # (updates the block cache)
+        index = np.empty(sel.shape, dtype=np.int64)
+        index[sink] = tier.sink_rows(head[sink], sel[sink])
+        index[ring] = tier.ring_rows(head[ring], sel[ring])
+        if hit.any():
+            index[hit] = tier.cache_rows(head[hit], sel[hit], buffer_row[hit])
+        fetched = ~(sink | ring | hit)
+        misses, inverse = np.unique(head[fetched] * capacity + sel[fetched], return_inverse=True)
+        index[fetched] = tier.miss_at + inverse.reshape(-1)
+        fill = tier.block_fill(admitted, capacity, n) if admitted else Fill(misses[:0], misses[:0])
+        return tier.gather(host_k, host_v, index.reshape(-1), misses, fill, (rows, width))
+
+    def _account_offloaded(
+        self, sel: np.ndarray, flags: np.ndarray | None, head: np.ndarray, low: int, high: int
+    ) -> list[int]:
+        """Count bytes for the non-resident (kv head, slot) pairs of a selection (host arrays); several
+        query heads share a fetch. Returns the blocks the block cache admitted (to fill)."""
+        size = self.n_kv_heads * self.n
+        pairs = head * self.n + sel  # (kv head, slot) as h * n + s
+
+        def distinct(where: np.ndarray | None) -> np.ndarray:
+            """``[kv_heads, high - low]`` bool: the middle pairs asked for (those flagged by ``where``)."""
+            mask = np.zeros(size + 1, dtype=bool)
+            mask[(pairs if where is None else np.where(where, pairs, size)).reshape(-1)] = True
+            return mask[:size].reshape(self.n_kv_heads, self.n)[:, low:high]
+
+        if flags is not None:
+            held = int(distinct(flags).sum())
             self.stats.cache_lookups += held
             self.stats.cache_hits += held
-            middle = self._distinct(pairs, ~cached)[:, low:high]
+            middle = distinct(~flags)
         else:
-            middle = self._distinct(pairs)[:, low:high]
+            middle = distinct(None)
         if self.cache is None:
             wanted = int(middle.sum())
             self.stats.cache_lookups += wanted
             self.stats.bytes_h2d_fetch += wanted * self.token_bytes()
-            return
-        slot = torch.nonzero(middle)[:, 1] + low  # every wanted (kv head, slot) pair, by head then slot
-        wanted = int(slot.numel())
+            return []
+        slot = np.nonzero(middle)[1] + low  # every wanted (kv head, slot) pair, by head then slot
+        wanted = int(slot.size)
         if wanted == 0:
-            return
+            return []
         self.stats.cache_lookups += wanted
-        hits, admitted = self.cache.serve(self.cache.block_of(slot))  # = lookup, then update
+        hits, admitted = self.cache.serve_array((slot - self.cache.offset) // self.cache.block_size)
         self.stats.cache_hits += hits
         self.stats.bytes_h2d_fetch += (wanted - hits) * self.token_bytes()
-        self.stats.bytes_h2d_cache_fill += admitted * self.cache.block_size * self.n_kv_heads * self.token_bytes()
+        self.stats.bytes_h2d_cache_fill += len(admitted) * self.cache.block_size * self.n_kv_heads * self.token_bytes()
+        return admitted
 
     def count_index_bytes(self, nbytes: int) -> None:
         """A method moved ``nbytes`` of index data (e.g. PQ codes) to score tokens."""
@@ -447,6 +581,8 @@ class LayerKV:
             seen=self.seen,
             resident_sink=self.resident_sink,
             resident_recent=self.resident_recent,
+            tier=None if self.tier is None else self.tier.snapshot(),
+            rewrites=self._rewrites,
         )
 
     def restore(self, snap: LayerSnapshot) -> None:
@@ -454,7 +590,8 @@ class LayerKV:
 
         Not rolled back: the transfer counters (the bytes a question and its answer moved were moved)
         and the block cache, a device cache that stays warm across questions; its blocks from slot
-        ``snap.n`` on are forgotten, since those slots will hold other tokens."""
+        ``snap.n`` on are forgotten, since those slots will hold other tokens. The device tier's sink and
+        window copies come back from the snapshot's device copy (offload)."""
         if self.capacity < snap.n:
             self._k = self._alloc(snap.n, self.head_dim, self.dtype)
             self._v = self._alloc(snap.n, self.head_dim, self.dtype)
@@ -465,7 +602,10 @@ class LayerKV:
         self.n, self.seen = snap.n, snap.seen
         self.resident_sink, self.resident_recent = snap.resident_sink, snap.resident_recent
         if self.cache is not None:
-            _forget_blocks_from(self.cache, snap.n)
+            self.cache.forget_from(snap.n)
+        if self.tier is not None:  # its sink and window copies as they were; cached blocks kept (all below n)
+            self.tier.restore(snap.tier, snap.n, rewritten=self._rewrites != snap.rewrites)
+            self.tier.resize(self.resident_sink, self.resident_recent)
 
 
 @dataclass
@@ -479,14 +619,8 @@ class LayerSnapshot:
     seen: int
     resident_sink: int
     resident_recent: int
-
-
-def _forget_blocks_from(cache: BlockCache, slot: int) -> None:
-    """Drop the cached blocks that cover any slot at or after ``slot`` (their slots get new tokens)."""
-    first = (slot - cache.offset) // cache.block_size
-    for block in [b for b in cache.blocks() if b >= first]:
-        del cache._order[block]
-        cache._freq.pop(block, None)
+    tier: TierSnapshot | None = None  # the device tier's sink and window copies (offload)
+    rewrites: int = 0  # the layer's in-place rewrites of its host tier so far
 
 
 class KVStore:
