@@ -58,7 +58,10 @@ for step in "$@"; do
           --save "$OUT/bench-gpu-$step${TAG:+-$TAG}-$length.json" 2>&1 | tee -a "$OUT/$step.log"
       done ;;
     reuse)
-      timeout "${STEP_TIMEOUT:-600}" $KV bench reuse_ttft --device cuda --model llama31_8b_shape --repeats "${REPEATS:-3}" --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;
+      # TTFT at 6k and 16-32k prompt tokens (issue 42); RAM-tier chunks are pinned host memory (a real copy)
+      timeout "${STEP_TIMEOUT:-600}" $KV bench reuse_ttft --device cuda --model llama31_8b_shape \
+        --lengths "${REUSE_LENGTHS:-6144,16384,32768}" --methods "${REUSE_METHODS:-cacheblend:ram,full_reuse:ram,prefix_cache}" \
+        --repeats "${REPEATS:-3}" --save "$OUT/bench-gpu-reuse.json" 2>&1 | tee "$OUT/reuse.log" ;;
     kmeans)  # where one layer's k-means goes (ClusterKV's and PQCache's), both accumulation paths side by side
       for length in ${KMEANS_LENGTHS:-32768 131072}; do
         timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_kmeans.py --length "$length" --repeats "${REPEATS:-2}" \

@@ -65,6 +65,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvbench.methods import register
@@ -181,37 +182,44 @@ class CacheBlend(ReuseMethod):
     def expects_reuse(self) -> bool:
         return self.ratios[-1] < 1.0
 
-    def initial_rows(self, plan: ReusePrefill) -> torch.Tensor:
-        return torch.arange(plan.n)
+    def initial_rows(self, plan: ReusePrefill) -> np.ndarray:
+        return np.arange(plan.n)
 
     def cache_layers(self, plan: ReusePrefill) -> range:
         """Cached rows are installed from the first check layer on (the layers before it run in full)."""
         return range(min(self.check_layers), plan.ctx.spec.n_layers)
 
     def needs_cache_at(self, plan: ReusePrefill, layer: int) -> bool:
-        return layer in self.check_layers or plan.active.numel() < plan.n
+        return layer in self.check_layers or plan.rows.count < plan.n
 
-    def on_layer(self, plan: ReusePrefill, layer: int, fresh_v: torch.Tensor) -> torch.Tensor | None:
+    def on_layer(self, plan: ReusePrefill, layer: int, fresh_v: torch.Tensor) -> torch.Tensor | np.ndarray | None:
+        """At a check layer, the rows that stay active: the forced ones (the query, or the last token) and
+        the ``k`` candidates with the largest KV deviation. ``k`` and both index lists are planned on the
+        host from the request; the deviations, their top-k and the kept rows stay on the device, and the
+        plan reads the kept rows back once (:meth:`ReusePrefill._shrink`)."""
         ratio = self.check_layers.get(layer)
         if ratio is None:
             return None
-        cached = plan.cached_values(layer)
-        active = plan.active
-        forced = plan.query_mask[active]
+        positions = plan.rows.positions
         if self.params.suffix == "last_token":
-            forced = active == plan.n - 1
-        candidates = torch.nonzero(~forced).flatten()
-        n_ctx = int((~plan.query_mask).sum()) if self.params.suffix == "query" else plan.n - 1
-        k = min(int(n_ctx * ratio), int(candidates.numel()))
+            forced_flags = positions == plan.n - 1
+        else:
+            forced_flags = plan.query_flags[positions]
+        forced = np.flatnonzero(forced_flags)
+        candidates = np.flatnonzero(~forced_flags)
+        n_ctx = plan.n_context if self.params.suffix == "query" else plan.n - 1
+        k = min(int(n_ctx * ratio), len(candidates))
         if self.params.selection == "random":
             generator = torch.Generator().manual_seed(self.params.seed + layer)
-            chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:k]]
-        else:
-            assert cached is not None
-            deviation = (fresh_v.float() - cached.float()).pow(2).sum(dim=(0, 2)).cpu()
-            plan.deviations[layer] = deviation
-            chosen = candidates[torch.topk(deviation[candidates], k).indices] if k else candidates[:0]
-        keep = torch.cat([chosen, torch.nonzero(forced).flatten()])
+            drawn = torch.randperm(len(candidates), generator=generator)[:k].tolist()  # (host: no device read)
+            return np.sort(np.concatenate([candidates[drawn], forced]))
+        cached = plan.cached_values(layer)
+        assert cached is not None
+        deviation = (fresh_v.float() - cached.float()).pow(2).sum(dim=(0, 2))
+        plan.deviations[layer] = deviation
+        among = plan.device_index(candidates)
+        chosen = among[torch.topk(deviation[among], k).indices] if k else among[:0]
+        keep = torch.cat([chosen, plan.device_index(forced)])
         return torch.sort(keep).values
 
 

@@ -9,6 +9,10 @@ K/V computed earlier. The prompt arrives as ordered segments (:mod:`kvbench.requ
 from earlier requests; this time is recorded apart (``prepared.precompute_s``), never in TTFT. Inside
 the clock, :class:`ReusePrefill` runs the per-layer plan:
 
+* before the first layer, on the host: which rows are cached, which are computed, their slots and the
+  attention layout of the computed rows (kernel, key counts, masks), planned once for each set of
+  active rows (:class:`ActiveRows`) — the layers then issue no host read but the one each shrink
+  decided on the device costs (see :class:`ReusePrefill`);
 * before layer ``i``: read layer ``i`` of every cached segment from its tier, re-rotate its keys from
   the positions it was computed at to its positions in this prompt (the model's own RoPE), and write
   the rows into the store at their slots — unless every row of the layer is recomputed anyway;
@@ -20,16 +24,19 @@ the clock, :class:`ReusePrefill` runs the per-layer plan:
 **Pipelined loading** (CacheBlend §5, Fig. 10; ``store.pipeline``, default true). Installing layer
 ``i``'s cached rows needs that layer's K/V from the chunk store's tier. With the pipeline on, a
 :class:`LayerLoader` reads them on one worker thread — disk → host memory (``os.preadv``, GIL
-released; a throttled read sleeps), then on a GPU host → device on a side CUDA stream — for layer
+released; a throttled read sleeps; a RAM-tier chunk is in host memory already, pinned on a GPU
+machine), then on a GPU host → device, asynchronously on a side CUDA stream — for layer
 ``i + 1`` while the main thread installs and computes layer ``i``; the main thread waits only for
 what is not loaded yet when it needs it. With it off, every layer is read on the main thread just
 before it runs. Telemetry (``telemetry.prefill``): ``load_s`` (time spent reading and copying, on
 whichever thread), ``load_wait_s`` (main-thread time blocked on loads), ``load_hidden_s`` =
 ``load_s - load_wait_s`` (load time that overlapped compute), ``recompute_s`` (the layers' own time:
 Q/K/V, attention, MLP of the active rows, selection included), ``rerotate_s`` and ``write_s`` (installing
-cached rows), and ``load_per_layer_s`` / ``recompute_per_layer_s``. On a CPU the loader competes with
-compute for the same cores (a cold read costs little CPU; decoding safetensors none), which is measured,
-not assumed away: ``kvbench bench reuse_pipeline`` runs both settings side by side.
+cached rows), ``load_per_layer_s`` / ``recompute_per_layer_s``, and ``attention_layouts`` (attention
+layouts, masks included, made for the request: one per set of active rows that attends a subset).
+On a CPU the loader competes with compute for the same cores (a cold read costs little CPU; decoding
+safetensors none), which is measured, not assumed away: ``kvbench bench reuse_pipeline`` runs both
+settings side by side.
 
 Family rules: no token budget (``budget.*`` is recorded as unused); prompts must carry segments (a
 task without chunks is refused with one line); models whose RoPE cannot be moved by a delta are
@@ -50,6 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from kvbench.engine import attention
@@ -215,8 +223,9 @@ class ReuseMethod(KVMethod):
         segments = self._require_segments(segments)
         return ReusePrefill(ctx, self, input_ids, segments)
 
-    def initial_rows(self, plan: ReusePrefill) -> torch.Tensor:
-        """Positions of the rows computed at layer 0 (default: the query rows and every uncached row)."""
+    def initial_rows(self, plan: ReusePrefill) -> np.ndarray | list[int] | torch.Tensor:
+        """Positions of the rows computed at layer 0, host ints (default: the query rows and every uncached
+        row)."""
         return plan.uncached
 
     def cache_layers(self, plan: ReusePrefill) -> range:
@@ -227,11 +236,15 @@ class ReuseMethod(KVMethod):
 
     def needs_cache_at(self, plan: ReusePrefill, layer: int) -> bool:
         """Whether cached rows are installed before ``layer`` (default: unless every row is recomputed)."""
-        return plan.active.numel() < plan.n
+        return plan.rows.count < plan.n
 
-    def on_layer(self, plan: ReusePrefill, layer: int, fresh_v: torch.Tensor) -> torch.Tensor | None:
+    def on_layer(
+        self, plan: ReusePrefill, layer: int, fresh_v: torch.Tensor
+    ) -> torch.Tensor | np.ndarray | list[int] | None:
         """Called at each layer with the active rows' fresh V (``[kv_heads, t, d]``) before they overwrite
-        the cached rows; return indices into the active rows that stay active after this layer, or None."""
+        the cached rows; return indices into the active rows (``plan.rows``) that stay active after this
+        layer — host ints, or a tensor, which the plan reads once (a device tensor: the shrink's one host
+        read) — or None."""
         return None
 
     def expects_reuse(self) -> bool:
@@ -257,8 +270,10 @@ class LayerLoader:
     :meth:`prefetch` starts loading a layer (on the worker; without the pipeline it does nothing),
     :meth:`take` returns a layer's (K, V) per span — waiting for a prefetch in flight, or reading it
     right there — and :meth:`discard` drops a layer that turned out not to be needed. On CUDA the
-    worker reads into pinned memory and copies to the device on its own stream; :meth:`take` makes the
-    compute stream wait for that copy (an event), so the copy overlaps the previous layer's kernels.
+    worker reads into pinned memory (a disk read; a RAM-tier entry is held pinned) and copies to the
+    device asynchronously on its own stream; :meth:`take` makes the compute stream wait for that copy
+    (an event), so the copy overlaps the previous layer's kernels. On a CPU both tiers hand over host
+    tensors and nothing is copied.
     ``load_s`` sums the time spent loading (worker or main thread), ``wait_s`` the main thread's time
     blocked in :meth:`take`; ``per_layer_s`` is the load time of each layer.
     """
@@ -331,8 +346,74 @@ def _query_rows(segments: tuple[Segment, ...]) -> torch.Tensor:
     )
 
 
+class ActiveRows:
+    """One set of a reuse prefill's active rows (from the start, or from a shrink to the next one),
+    planned once on the host and used by every layer it lasts.
+
+    ``positions`` are the rows' prompt positions (host ints, an int64 numpy array in the engine's row
+    order); ``host`` the same as a CPU tensor — the slots and positions
+    :meth:`~kvbench.kv.store.LayerKV.write` reads on the host, pinned on CUDA so that its copies to the
+    device are asynchronous; ``device`` the same on the compute device (on a CPU, ``host`` itself).
+    What the layers index with (the rows' order, the query rows among them, the cached rows among
+    them) and the attention layouts of these rows (:func:`~kvbench.engine.attention.past_layout`, their
+    masks included) are made at their first use and kept until the set changes.
+    """
+
+    def __init__(self, plan: ReusePrefill, positions: np.ndarray) -> None:
+        self.plan = plan
+        self.positions = positions
+        self.count = len(positions)
+        # every slot 0..n-1 is written at each layer these rows compute (the cached rows installed, these
+        # rows fresh) and a slot holds its own position: the attention then plans its keys as positions
+        # 0..n-1 without reading them (the rows are distinct, so counting the uncached ones suffices)
+        self.in_order = int((~plan.cached_flags[positions]).sum()) == len(plan.uncached)
+        self.host = plan._host_ints(positions)
+        self.device = plan._on_device(self.host)
+        self.layouts: dict[str, attention.PastLayout] = {}
+        self.keep: np.ndarray | None = None  # indices into the previous set that gave this one
+        self._order: torch.Tensor | None = None
+        self._queries: torch.Tensor | None = None
+        self._covered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def order(self) -> torch.Tensor:
+        """``arange(count)`` on the device (every active row, in order)."""
+        if self._order is None:
+            self._order = self.plan._on_device(self.plan._host_ints(np.arange(self.count)))
+        return self._order
+
+    @property
+    def queries(self) -> torch.Tensor:
+        """Indices of the query-segment rows among these rows (device)."""
+        if self._queries is None:
+            self._queries = self.plan.device_index(np.flatnonzero(self.plan.query_flags[self.positions]))
+        return self._queries
+
+    @property
+    def covered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices among these rows, prompt positions) of the rows a cache covers (device)."""
+        if self._covered is None:
+            index = np.flatnonzero(self.plan.cached_flags[self.positions])
+            both = self.plan._on_device(self.plan._host_ints(np.stack([index, self.positions[index]])))
+            self._covered = (both[0], both[1])
+        return self._covered
+
+
 class ReusePrefill(PrefillPlan):
-    """The per-layer plan of a reuse method: install cached rows, recompute the active ones."""
+    """The per-layer plan of a reuse method: install cached rows, recompute the active ones.
+
+    **On the host, once per set of active rows.** Everything the layers index with is planned from the
+    request on the host before the first layer (:class:`ActiveRows`): the active rows' slots and
+    positions as CPU tensors for :meth:`~kvbench.kv.store.LayerKV.write` (which reads them on the
+    host), the same on the device for the engine and the gathers, the cached rows' slots and the
+    re-rotation deltas, and the attention layout of the active rows — which kernel, which keys each
+    block of rows reads, and its additive mask, made on the device once
+    (:func:`~kvbench.engine.attention.past_layout`) and passed to every layer. The set changes only
+    where the method shrinks it (CacheBlend's check layers); the new one is planned then. So a layer
+    issues no host read: the only one in a prefill is, at each shrink decided on the device
+    (CacheBlend's HKVD selection), one read of the chosen rows (``Tensor.tolist``), which the new set's
+    slots (host, for the write) and block bounds (for the attention's key counts) are made from.
+    """
 
     def __init__(
         self, ctx: GenerationContext, method: ReuseMethod, input_ids: torch.Tensor, segments: tuple[Segment, ...]
@@ -341,6 +422,8 @@ class ReusePrefill(PrefillPlan):
         self.method = method
         self.n = n
         self.segments = segments
+        self.device = torch.device(ctx.spec.device)
+        self._pin = self.device.type == "cuda"
         self.spans = method.cached_segments(ctx, segments)
         store = method._store()
         self.timing = {
@@ -359,27 +442,40 @@ class ReusePrefill(PrefillPlan):
         opened = time.perf_counter() - started
         self.timing["load_s"] += opened
         self.timing["load_wait_s"] += opened
-        cached = torch.zeros(n, dtype=torch.bool)
+        # the request's layout, on the host (numpy: planning reads no tensor)
+        cached_flags = np.zeros(n, dtype=bool)
         for span in self.spans:
-            cached[span.begin : span.end] = True
-        self.cached_mask = cached
-        self.cached_slots = torch.cat(
-            [torch.arange(span.begin, span.end) for span in self.spans] or [torch.zeros(0, dtype=torch.long)]
+            cached_flags[span.begin : span.end] = True
+        query_flags = np.zeros(n, dtype=bool)
+        for segment, (begin, end) in zip(segments, segment_spans(segments)):
+            if segment.role == "query":
+                query_flags[begin:end] = True
+        self.cached_flags = cached_flags
+        self.query_flags = query_flags
+        self.cached_mask = torch.from_numpy(cached_flags)
+        self.query_mask = torch.from_numpy(query_flags)
+        spans = [(span.begin, span.end) for span in self.spans]
+        empty = np.zeros(0, dtype=np.int64)
+        self.cached_slots = self._host_ints(np.concatenate([np.arange(b, e) for b, e in spans] or [empty]))
+        self._deltas = np.concatenate(
+            [np.full(span.end - span.begin, span.delta, dtype=np.int64) for span in self.spans] or [empty]
         )
         self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
-        self.uncached = torch.nonzero(~cached).flatten()
-        spans = segment_spans(segments)
-        query = torch.zeros(n, dtype=torch.bool)
-        for segment, (begin, end) in zip(segments, spans):
-            if segment.role == "query":
-                query[begin:end] = True
-        self.query_mask = query
-        rows = method.initial_rows(self)
-        super().__init__(ctx, input_ids[rows], rows)
+        self.uncached = np.flatnonzero(~cached_flags)
+        self.n_context = n - int(query_flags.sum())  # the non-query rows
+        initial = method.initial_rows(self)
+        initial = initial.tolist() if isinstance(initial, torch.Tensor) else initial
+        self.rows = ActiveRows(self, np.asarray(initial, dtype=np.int64))
+        self._next: ActiveRows | None = None
+        self.layouts_built = 0
+        ids = input_ids[self.rows.host.to(input_ids.device)]
+        if self._pin and ids.device.type == "cpu":
+            ids = ids.pin_memory()
+        super().__init__(ctx, self._on_device(ids), self.rows.device)
         self.recomputed: list[int] = []
         self.installed_layers = 0
         self._keep: torch.Tensor | None = None
-        self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows
+        self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows (device)
         # profile.deviation: the full prefill's K, V, Q
         self.reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = getattr(
             method, "_reference", None
@@ -391,16 +487,28 @@ class ReusePrefill(PrefillPlan):
         self.cache_layers = (
             [layer for layer in method.cache_layers(self) if 0 <= layer < n_layers] if self.spans else []
         )
-        self.loader = LayerLoader(
-            self.spans, torch.device(ctx.spec.device), n_layers, pipelined=bool(store.config.pipeline)
-        )
+        self.loader = LayerLoader(self.spans, self.device, n_layers, pipelined=bool(store.config.pipeline))
         if self.cache_layers:
             self.loader.prefetch(self.cache_layers[0])
+
+    # ------------------------------------------------------------------ host → device
+    def _host_ints(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        """Host ints as an int64 CPU tensor (pinned on CUDA, for asynchronous copies)."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return host.pin_memory() if self._pin else host
+
+    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the compute device: itself on a CPU, else an asynchronous copy (pinned source)."""
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+
+    def device_index(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        """Host ints (indices a method computed on the host) as an int64 tensor on the compute device."""
+        return self._on_device(self._host_ints(values))
 
     # ------------------------------------------------------------------ per layer
     def before_layer(self, layer: int) -> None:
         self._keep = None
-        self.recomputed.append(int(self.active.numel()))
+        self.recomputed.append(self.rows.count)
         needed = self.method.needs_cache_at(self, layer)
         rows = None
         if needed:
@@ -422,9 +530,9 @@ class ReusePrefill(PrefillPlan):
         kv = self.ctx.store[layer]
         if kv.n == 0:
             return None
-        out = torch.zeros(kv.n_kv_heads, self.active.numel(), kv.head_dim, dtype=kv.dtype, device=kv.home)
-        covered = self.cached_mask[self.active]
-        out[:, covered.to(kv.home)] = kv.values[:, self.active[covered].to(kv.home)]
+        out = torch.zeros(kv.n_kv_heads, self.rows.count, kv.head_dim, dtype=kv.dtype, device=kv.home)
+        index, positions = self.rows.covered
+        out[:, index.to(kv.home)] = kv.values[:, positions.to(kv.home)]
         return out
 
     def _install(self, layer: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -437,8 +545,9 @@ class ReusePrefill(PrefillPlan):
         values = torch.cat([v[:, span.rows] for (_, v), span in zip(rows, self.spans)], dim=1)
         gathered = time.perf_counter()
         if self._rotation is None:
-            deltas = torch.cat([torch.full((span.end - span.begin,), span.delta) for span in self.spans])
-            self._rotation = rotation(self.ctx.model, deltas, keys.device) if bool((deltas != 0).any()) else ()
+            moved = bool((self._deltas != 0).any())
+            deltas = self._on_device(self._host_ints(self._deltas)) if moved else None
+            self._rotation = rotation(self.ctx.model, deltas, keys.device) if deltas is not None else ()
         if self._rotation:
             keys = apply_rotation(self.ctx.model, keys, *self._rotation)
         rotated = time.perf_counter()
@@ -446,6 +555,29 @@ class ReusePrefill(PrefillPlan):
         self.timing["write_s"] += (gathered - started) + (time.perf_counter() - rotated)
         self.timing["rerotate_s"] += rotated - gathered
         self.installed_layers += 1
+
+    def _shrink(self, keep: torch.Tensor | np.ndarray | list[int]) -> ActiveRows:
+        """The active rows after ``keep`` (indices into the current ones; a device tensor is read here,
+        once: the shrink's one host read)."""
+        chosen = np.asarray(keep.tolist() if isinstance(keep, torch.Tensor) else keep, dtype=np.int64)
+        rows = ActiveRows(self, self.rows.positions[chosen])
+        if isinstance(keep, torch.Tensor) and keep.device.type == self.device.type:
+            self._keep = keep
+        else:
+            self._keep = self._on_device(self._host_ints(chosen))
+        rows.keep = chosen
+        return rows
+
+    def _layout(self, rows: ActiveRows, name: str, positions: np.ndarray, query: torch.Tensor) -> attention.PastLayout:
+        """The attention layout of query rows at ``positions`` over the layer's ``n`` keys, kept on ``rows``
+        under ``name`` (made at its first use: once per set of active rows)."""
+        found = rows.layouts.get(name)
+        if found is None:
+            found = rows.layouts[name] = attention.past_layout(
+                self.n, positions, dtype=query.dtype, device=query.device
+            )
+            self.layouts_built += 1
+        return found
 
     def attend(
         self,
@@ -457,37 +589,53 @@ class ReusePrefill(PrefillPlan):
         scaling: float,
     ) -> torch.Tensor:
         kv = self.ctx.store[layer]
-        active = self.active
+        active = self.rows
         if self.reference is not None:
-            self._queries[layer] = query[0][:, self.query_mask[active].to(query.device)].clone()
+            self._queries[layer] = query[0][:, active.queries].clone()
         started = time.perf_counter()
-        self._keep = self.method.on_layer(self, layer, value[0])
+        keep = self.method.on_layer(self, layer, value[0])
+        nxt = self._next = self._shrink(keep) if keep is not None else None
         self.timing["select_s"] += time.perf_counter() - started
         if kv.n == 0:
-            kv.append(key[0], value[0], active)
+            kv.append(key[0], value[0], active.host)
         else:
-            kv.write(active, key[0], value[0], active)
-        if active.numel() == self.n:
+            kv.write(active.host, key[0], value[0], active.host)
+        if active.count == self.n:
             # Every row is fresh, in order: the dense kernel of `full` (rows dropped after it are unused).
             return attention.dense(module, query, key, value, scaling)
-        keep = self._keep
-        rows = torch.arange(active.numel()) if keep is None else keep
-        out = torch.zeros(1, active.numel(), query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
-        q = query[:, :, rows.to(query.device)]
-        if self.method.params.mask == "code":
-            m = active.numel()
-            query_positions = torch.arange(self.n - m, self.n)[rows]
+        m = active.count
+        code = self.method.params.mask == "code"
+        if nxt is None:
+            rows = active.order
+            positions = np.arange(self.n - m, self.n) if code else active.positions
+            layout_of, name = active, "code" if code else "exact"
         else:
-            query_positions = active[rows]
-        out[:, rows.to(query.device)] = attention.with_past(
-            q, kv.keys, kv.values, kv.positions[0], query_positions, scaling
-        )
+            assert self._keep is not None and nxt.keep is not None
+            rows = self._keep
+            positions = self.n - m + nxt.keep if code else nxt.positions
+            # exact: these rows are the next set's, whose layout the later layers reuse; code: this layer's own
+            layout_of, name = (nxt, "exact") if not code else (active, f"code@{layer}")
+        out = torch.zeros(1, m, query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+        q = query[:, :, rows]
+        if active.in_order:
+            layout = self._layout(layout_of, name, positions, query)
+            out[:, rows] = attention.with_past(
+                q, kv.keys, kv.values, kv.positions[0], active.host, scaling, layout=layout
+            )
+        else:
+            # rows that are neither cached nor active leave their slots unwritten at this layer (zero K/V at
+            # position -1, attended as such: CacheBlend's suffix=last_token drops query rows that no cache
+            # covers); the positions are then read where they are, as before
+            where = self._on_device(self._host_ints(positions))
+            out[:, rows] = attention.with_past(q, kv.keys, kv.values, kv.positions[0], where, scaling)
         return out
 
     def after_layer(self, layer: int) -> torch.Tensor | None:
         spent = time.perf_counter() - self._layer_started
         self.recompute_per_layer[layer] += spent
         self.timing["recompute_s"] += spent
+        if self._next is not None:
+            self.rows, self._next = self._next, None
         return self._keep
 
     def telemetry(self) -> dict[str, Any]:
@@ -515,6 +663,7 @@ class ReusePrefill(PrefillPlan):
             "pipelined": self.loader.pipelined,
             "load_per_layer_s": [round(x, 6) for x in self.loader.per_layer_s],
             "recompute_per_layer_s": [round(x, 6) for x in self.recompute_per_layer],
+            "attention_layouts": self.layouts_built,
             **({"deviation": deviation} if deviation is not None else {}),
         }
 

@@ -11,6 +11,14 @@ Prompts: CacheBlend's musique inputs (10 passages per question, the rag task's p
 ``KVBENCH_RAG_DATA`` names the folder holding ``musique_s.json`` (e.g. ``../shared/data/cacheblend``);
 otherwise musique-shaped synthetic prompts cut from the packaged essays (a prefix, 10 chunks of
 ``CHUNK`` tokens, a question), so the benchmark runs offline from a clean clone.
+
+Long prompts (``--lengths 6144,16384,32768``): one synthetic prompt of exactly each length — the
+same layout, 10 chunks sharing what the prefix and the question leave (the essays repeat when a
+length needs more text than they hold) — e.g. on the Llama-3.1-8B shape on a GPU, where CacheBlend's
+claim (TTFT 2.2–3.3× below full at r = 0.15) is about prompts of thousands of tokens:
+``kvbench bench reuse_ttft --model llama31_8b_shape --lengths 6144,16384,32768``. ``--methods``
+keeps some configurations (``full`` always runs: the ratios' denominator), by method name, or
+``name:tier`` for one tier (``--methods cacheblend:ram,full_reuse:ram`` leaves out the disk runs).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import tempfile
 from typing import Any
 
 from kvbench.bench import BenchOptions, BenchResult, benchmark
+from kvbench.errors import ConfigError
 
 CHUNK = 560
 CONFIGS: tuple[tuple[str, dict[str, Any], str | None], ...] = (
@@ -33,13 +42,13 @@ CONFIGS: tuple[tuple[str, dict[str, Any], str | None], ...] = (
 )
 
 
-def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], str]:
+def _prompts(loaded: Any, count: int, chunk: int = CHUNK, lengths: tuple[int, ...] = ()) -> tuple[list[Any], str]:
     """``count`` chunked prompts (tuples of Segments) and where they come from (synthetic chunks of
-    ``chunk`` tokens)."""
+    ``chunk`` tokens); with ``lengths``, one synthetic prompt of each length instead."""
     from kvbench.requests import Segment
 
     folder = os.environ.get("KVBENCH_RAG_DATA")
-    if folder:
+    if folder and not lengths:
         from kvbench.tasks import create_task
 
         task = create_task({"name": "rag", "dataset": "musique", "data_dir": folder, "limit": count})
@@ -59,6 +68,21 @@ def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], st
         "\n\nQuestion: what is the author's advice?\nAnswer:", add_special_tokens=False
     ).input_ids
     prompts = []
+    if lengths:
+        start = 0
+        for length in lengths:
+            body = length - len(prefix) - len(question)
+            if body < 10:
+                raise ConfigError(
+                    f"--lengths {length} leaves no room for 10 chunks", "use lengths of 64 tokens or more"
+                )
+            sizes = [body // 10] * 9 + [body - 9 * (body // 10)]  # the last chunk takes the remainder
+            chunks = []
+            for size in sizes:
+                chunks.append(Segment(tuple(ids[(start + i) % len(ids)] for i in range(size)), "chunk"))
+                start += size
+            prompts.append((Segment(tuple(prefix), "prefix"), *chunks, Segment(tuple(question), "query")))
+        return prompts, "synthetic: essays cut into 10 chunks per prompt, one prompt per --lengths value"
     for p in range(count):
         start = p * 10 * chunk
         chunks = [Segment(tuple(ids[start + i * chunk : start + (i + 1) * chunk]), "chunk") for i in range(10)]
@@ -66,10 +90,40 @@ def _prompts(loaded: Any, count: int, chunk: int = CHUNK) -> tuple[list[Any], st
     return prompts, f"synthetic: essays cut into 10 chunks of {chunk} tokens"
 
 
+def _configs(methods: tuple[str, ...] | None) -> list[tuple[str, dict[str, Any], str | None]]:
+    """:data:`CONFIGS` kept by ``--methods`` (names, or ``name:tier``); ``full`` always."""
+    if not methods:
+        return list(CONFIGS)
+    known = {cfg.get("name", label) for label, cfg, _ in CONFIGS}
+    wanted = set()
+    for entry in methods:
+        name, _, tier = entry.partition(":")
+        if name not in known or (tier and tier not in ("ram", "disk")):
+            raise ConfigError(
+                f"--methods {entry!r} is not one of reuse_ttft's configurations",
+                f"use names from {', '.join(sorted(known))}, optionally with :ram or :disk",
+            )
+        wanted.add((name, tier or None))
+    return [
+        (label, cfg, tier)
+        for label, cfg, tier in CONFIGS
+        if tier is None or (cfg["name"], None) in wanted or (cfg["name"], tier) in wanted
+    ]
+
+
+def _store_gb(loaded: Any, tokens: int) -> float:
+    """GB of chunk caches for ``tokens`` prompt tokens of this model (K and V, every layer)."""
+    import torch
+
+    spec = loaded.spec
+    element = torch.empty(0, dtype=next(loaded.model.parameters()).dtype).element_size()
+    return 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * element * tokens / 2**30
+
+
 @benchmark("reuse_ttft")
 def reuse_ttft(options: BenchOptions) -> BenchResult:
     """TTFT of cacheblend@0.15 and full_reuse vs full on 10-chunk prompts, chunks from RAM and disk, and
-    of prefix_cache (chunks from RAM)."""
+    of prefix_cache (chunks from RAM); ``--lengths``: one prompt of each length."""
     from kvbench.budget import BudgetConfig
     from kvbench.engine.generate import generate
     from kvbench.kv.chunks import ChunkStore, StoreConfig
@@ -78,43 +132,52 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
     from kvbench.models.loading import load_model
     from kvbench.requests import join_segments
 
-    name, _, _ = options.e2e("smollm2_135m", (0,))
+    name, lengths, _ = options.e2e("smollm2_135m", ())
     from kvbench.compose import compose
 
+    configs = _configs(options.methods)
     loaded = load_model(compose([f"model={name}"])["model"])
     count = 1 if options.quick else 3
-    prompts, source = _prompts(loaded, count, 64 if options.quick else CHUNK)  # --quick: a smoke test
+    # --quick: a smoke test
+    prompts, source = _prompts(loaded, count, 64 if options.quick else CHUNK, tuple(lengths))
     repeats = max(1, min(options.repeats, 3))
     rows = []
+    longest = max(len(join_segments(segments)) for segments in prompts)
     with tempfile.TemporaryDirectory() as scratch:
-        stores = {
-            "ram": ChunkStore(StoreConfig(tier="ram", ram_gb=8.0)),
-            "disk": ChunkStore(StoreConfig(tier="disk", dir=scratch, disk_gb=64.0)),
+        stores = {  # room for two of the longest prompts' chunks
+            "ram": ChunkStore(StoreConfig(tier="ram", ram_gb=max(8.0, 2 * _store_gb(loaded, longest)))),
+            "disk": ChunkStore(
+                StoreConfig(tier="disk", dir=scratch, disk_gb=max(64.0, 2 * _store_gb(loaded, longest)))
+            ),
         }
         for index, segments in enumerate(prompts):
             ids = join_segments(segments)
             methods = []
-            for label, cfg, tier in CONFIGS:
+            for label, cfg, tier in configs:
                 method = create_method({**method_node(cfg.get("name", "full")), **cfg})
                 if tier is not None:
                     assert isinstance(method, ReuseMethod)
                     method.attach_store(stores[tier])
                 methods.append(((label, tier), method))
             times: dict[tuple[str, str | None], list[float]] = {key: [] for key, _ in methods}
+            recomputed: dict[tuple[str, str | None], Any] = {}
             for round_ in range(repeats + 1):  # round 0 precomputes the chunks and warms up
                 for key, method in methods:  # interleaved: a load change hits every config of a round alike
                     out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
                     if round_:
                         times[key].append(out.telemetry["ttft_s"])
+                        recomputed[key] = (out.telemetry.get("prefill") or {}).get("recompute_ratio")
             full = times["full", None]
             for (label, tier), seconds in times.items():
                 ratios = [s / f for s, f in zip(seconds, full)]
+                share = recomputed.get((label, tier))
                 rows.append(
                     {
                         "prompt": index,
                         "tokens": len(ids),
                         "method": label,
                         "chunks from": tier or "-",
+                        "recomputed": "-" if share is None else round(share, 3),
                         "ttft_s": round(statistics.median(seconds), 4),
                         "ratio to full": round(statistics.median(ratios), 3),
                     }
@@ -123,7 +186,9 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
         f"model {loaded.spec.name} on {loaded.spec.device}; prompts: {source}",
         f"{repeats} interleaved rounds (every config once per round) after a warm-up round that also precomputes "
         "the chunk caches (excluded from TTFT); ttft_s: median; ratio: median of the per-round ratios to full",
-        "disk: one safetensors file per chunk, dropped from the page cache before each read (cold reads)",
+        "disk: one safetensors file per chunk, dropped from the page cache before each read (cold reads); ram: "
+        "host memory (pinned on a GPU machine: a load is a host-to-device copy)",
+        "recomputed: share of the prompt's rows computed, averaged over layers (telemetry.prefill.recompute_ratio)",
         f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end",
     ]
     return BenchResult("reuse_ttft", "TTFT of reuse methods vs full prefill (same prompts, one process)", rows, notes)

@@ -14,11 +14,13 @@ so ``method=full`` is token-identical to ``model.generate``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -151,6 +153,8 @@ def with_past(
     key_positions: torch.Tensor,
     query_positions: torch.Tensor,
     scaling: float,
+    *,
+    layout: PastLayout | None = None,
 ) -> torch.Tensor:
     """Several query rows attending held keys causally by position (chunked prefill, reuse prefill).
 
@@ -160,7 +164,16 @@ def with_past(
 
     The mask is additive (0 / -inf) rather than boolean: PyTorch's CPU SDPA runs its flash kernel with a
     float mask but falls back to the much slower math path with a boolean one (3x on a reuse prefill).
+
+    ``layout`` (:func:`past_layout`): the same computation planned on the host, once, for keys held at
+    positions ``0..n-1`` in slot order (a reuse prefill writes slot = position) and one set of query rows.
+    With it the call reads nothing back from the device and builds no mask (``key_positions`` and
+    ``query_positions`` are not read): a prefill plan makes one layout per set of active rows and passes it
+    at every layer. Without it the call plans itself, reading the positions where they are (on a GPU, a
+    few blocking reads a call) and building its masks.
     """
+    if layout is not None:
+        return layout.attend(query, keys, values, scaling)
     n_heads, t, d = query.shape[1], query.shape[2], query.shape[-1]
     kv_heads = keys.shape[0]
     query_positions = query_positions.to(key_positions.device)
@@ -172,6 +185,8 @@ def with_past(
         hidden = key_positions[None, :] > query_positions[:, None]
         mask = torch.zeros(1, 1, t, keys.shape[1], dtype=query.dtype, device=query.device)
         mask.masked_fill_(hidden.to(query.device)[None, None], float("-inf"))
+        if query.device.type == "cuda" and n_heads != kv_heads:  # (see PastLayout.attend)
+            keys, values, kv_heads = _repeat_heads(keys, n_heads), _repeat_heads(values, n_heads), n_heads
         out = F.scaled_dot_product_attention(
             query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=n_heads != kv_heads
         )
@@ -236,27 +251,159 @@ def _with_past_blocked(
     would compute about twice the attention a causal prefill does for rows spread over the prompt.
 
     The result equals the unblocked computation up to float summation order (the excluded keys carry
-    zero weight)."""
-    t, kv_heads, n_heads = query.shape[2], keys.shape[0], query.shape[1]
+    zero weight). Here each block's key count is read from the positions (one read a block);
+    :func:`past_layout` takes the same decisions on the host."""
+    t = query.shape[2]
     order = torch.argsort(query_positions, stable=True)
     sorted_positions = query_positions[order]
+    limits = [
+        int(torch.searchsorted(key_positions, sorted_positions[end - 1 : end], right=True)[0])
+        for _, end in _block_bounds(t)
+    ]
+    blocks = _blocks(order.to(query.device), sorted_positions, limits, key_positions, query.dtype, query.device)
+    return PastLayout(t, keys.shape[1], False, blocks).attend(query, keys, values, scaling)
+
+
+def _block_bounds(t: int) -> list[tuple[int, int]]:
+    """The ``[begin, end)`` ranges of the sorted query rows that form :func:`_with_past_blocked`'s blocks."""
     blocks = max(1, min(MAX_BLOCKS, t // BLOCK_ROWS))
     bounds = [round(i * t / blocks) for i in range(blocks + 1)]
-    out = torch.empty(1, n_heads, t, values.shape[-1], dtype=query.dtype, device=query.device)
-    device_order = order.to(query.device)
-    for begin, end in zip(bounds[:-1], bounds[1:]):
-        rows = device_order[begin:end]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _blocks(
+    order: torch.Tensor,
+    sorted_positions: torch.Tensor,
+    limits: list[int],
+    key_positions: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[_Block, ...]:
+    """The blocks of :func:`_with_past_blocked`: ``order`` (on ``device``) the query rows by position,
+    ``sorted_positions`` their positions (beside ``key_positions``), ``limits`` each block's key count;
+    each block's additive mask is made here."""
+    out = []
+    for (begin, end), limit in zip(_block_bounds(order.shape[0]), limits):
         positions = sorted_positions[begin:end]
-        limit = int(torch.searchsorted(key_positions, positions[-1:], right=True)[0])
         hidden = key_positions[None, :limit] > positions[:, None]
-        mask = torch.zeros(1, 1, end - begin, limit, dtype=query.dtype, device=query.device)
-        mask.masked_fill_(hidden.to(query.device)[None, None], float("-inf"))
-        out[:, :, rows] = F.scaled_dot_product_attention(
-            query[:, :, rows],
-            keys[None, :, :limit],
-            values[None, :, :limit],
-            attn_mask=mask,
-            scale=scaling,
-            enable_gqa=n_heads != kv_heads,
-        )
-    return out.transpose(1, 2)
+        mask = _zero_mask(end - begin, limit, dtype, device)
+        mask.masked_fill_(hidden.to(device)[None, None], float("-inf"))
+        out.append(_Block(order[begin:end], limit, mask))
+    return tuple(out)
+
+
+def _zero_mask(rows: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero additive mask ``[1, 1, rows, keys]``; on CUDA a view of rows padded to a multiple of 16
+    keys, the alignment the memory-efficient kernel needs (else SDPA pads a copy at every call)."""
+    if torch.device(device).type != "cuda":
+        return torch.zeros(1, 1, rows, keys, dtype=dtype, device=device)
+    return torch.zeros(1, 1, rows, -(-keys // 16) * 16, dtype=dtype, device=device)[..., :keys]
+
+
+def _repeat_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``x`` ``[kv_heads, n, d]`` with each KV head repeated for its group of query heads: ``[n_heads, n, d]``."""
+    kv_heads, n, d = x.shape
+    return x[:, None].expand(kv_heads, n_heads // kv_heads, n, d).reshape(n_heads, n, d)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Query rows of a :class:`PastLayout` that attend the same keys ``[0, limit)`` under one mask."""
+
+    rows: torch.Tensor | None  # indices of the rows among the query rows (device); None: every row, in order
+    limit: int
+    mask: torch.Tensor | None  # additive, [1, 1, rows, limit]
+
+
+@dataclass(frozen=True)
+class PastLayout:
+    """:func:`with_past` for one set of query rows over ``keys`` keys held in position order, planned once
+    (:func:`past_layout` on the host, or :func:`_with_past_blocked` from the positions): the padded causal
+    kernel, or blocks of rows each with its key count and its additive mask (held on the device)."""
+
+    rows: int
+    keys: int
+    padded: bool
+    blocks: tuple[_Block, ...]
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float,
+        *,
+        repeat_heads: bool | None = None,
+    ) -> torch.Tensor:
+        """The attention of ``query`` ``[1, H, t, d]`` over ``keys``/``values`` ``[kv_heads, n, d]``.
+
+        Under a mask, GQA runs on SDPA's ``enable_gqa`` on a CPU (its flash kernel takes a float mask).
+        On CUDA (``repeat_heads``, default: on CUDA) the K/V heads are repeated for the group instead,
+        once a call: CUDA's SDPA runs GQA only on its flash kernel, which takes no mask, and on the math
+        path, which materialises every block's attention matrix in float32; with as many K/V heads as
+        query heads the memory-efficient kernel takes the additive mask."""
+        n_heads, t = query.shape[1], query.shape[2]
+        if t != self.rows or keys.shape[1] != self.keys:
+            raise ValueError(
+                f"a layout for {self.rows} rows over {self.keys} keys was given {t} rows over {keys.shape[1]} keys"
+            )
+        if self.padded:
+            return _suffix_padded(query, keys, values, scaling)
+        if repeat_heads is None:
+            repeat_heads = query.device.type == "cuda"
+        if repeat_heads and n_heads != keys.shape[0]:
+            keys, values = _repeat_heads(keys, n_heads), _repeat_heads(values, n_heads)
+        gqa = n_heads != keys.shape[0]
+        if len(self.blocks) == 1 and self.blocks[0].rows is None:  # one rectangle over every key
+            mask = self.blocks[0].mask
+            out = F.scaled_dot_product_attention(
+                query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=gqa
+            )
+            return out.transpose(1, 2)
+        out = torch.empty(1, n_heads, t, values.shape[-1], dtype=query.dtype, device=query.device)
+        for block in self.blocks:
+            rows, limit = block.rows, block.limit
+            out[:, :, rows] = F.scaled_dot_product_attention(
+                query[:, :, rows],
+                keys[None, :, :limit],
+                values[None, :, :limit],
+                attn_mask=block.mask,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        return out.transpose(1, 2)
+
+
+def past_layout(
+    keys: int, positions: np.ndarray | Sequence[int], *, dtype: torch.dtype, device: torch.device
+) -> PastLayout:
+    """Plan :func:`with_past` for query rows at ``positions`` (host ints, ``[t]``) over ``keys`` keys held at
+    positions ``0..keys-1`` in slot order, on the host: the decisions :func:`with_past` takes from the
+    positions (the padded causal kernel for a query suffix at least as long as its prefix; blocks by
+    position from ``2 · BLOCK_ROWS`` rows; else one rectangle), with each block's key count from the
+    positions themselves instead of a device read. The masks (``dtype``) are made on ``device`` here,
+    once, and the layout gives :func:`with_past` the same result, bit for bit, at every call."""
+    positions = np.asarray(positions, dtype=np.int64)
+    t = len(positions)
+    if t >= 2 and 2 * t >= keys and positions[0] == keys - t and bool((np.diff(positions) == 1).all()):
+        return PastLayout(t, keys, True, ())
+    key_positions = torch.arange(keys, device=device)
+    if t >= 2 * BLOCK_ROWS:
+        order = np.argsort(positions, kind="stable")  # (as argsort(stable=True))
+        ordered = positions[order]
+        limits = [min(keys, int(ordered[end - 1]) + 1) for _, end in _block_bounds(t)]  # keys up to the last row
+        rows, where = _device_ints(np.stack([order, ordered]), device)
+        return PastLayout(t, keys, False, _blocks(rows, where, limits, key_positions, dtype, device))
+    (where,) = _device_ints(positions[None], device)
+    mask = _zero_mask(t, keys, dtype, device)
+    mask.masked_fill_((key_positions[None, :] > where[:, None])[None, None], float("-inf"))
+    return PastLayout(t, keys, False, (_Block(None, keys, mask),))
+
+
+def _device_ints(rows: np.ndarray, device: torch.device) -> list[torch.Tensor]:
+    """The rows of a host int array ``[r, t]`` as int64 tensors on ``device``: one host tensor, copied
+    asynchronously from pinned memory on a GPU."""
+    host = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    if device.type != "cpu":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return list(host.unbind(0))

@@ -4,7 +4,11 @@ Reuse methods take most of a prompt's K/V from caches computed earlier: each doc
 alone (CacheBlend, full KV reuse), or an exact token prefix (prefix caching). This store keeps them
 between requests and runs, in two tiers with a byte capacity each and least-recently-used eviction:
 
-* ``ram`` — tensors in host memory (on a GPU machine, the tier above the device);
+* ``ram`` — tensors in host memory, also on a GPU machine (the tier above the device): an entry put
+  in RAM is copied to the host, into one pinned buffer when CUDA is available, so a load from RAM is
+  a real host → device copy, asynchronous from pinned memory (:class:`~kvbench.methods.reuse.LayerLoader`
+  issues it on its worker's CUDA stream, as it does a disk read's); on a CPU-only machine the tensors
+  are used as they are;
 * ``disk`` — one safetensors file per entry under ``$KVBENCH_HOME/chunk_kv/<model>/`` (or
   ``store.dir``), tensors per layer (``k.<layer>``, ``v.<layer>``) so a layer can be read alone.
 
@@ -34,12 +38,14 @@ load overlaps with compute as well as a slow device's DMA would.
 releases the GIL during the system call, so a loader thread reading layer ``i + 1`` really runs while
 the main thread computes layer ``i`` (``store.pipeline``, see :mod:`kvbench.methods.reuse`). The
 ``safetensors`` library's reader holds the GIL while it copies from its memory map, which would
-serialise the two. On CUDA the buffers are pinned, so the copy to the device can be asynchronous.
+serialise the two. On CUDA the buffers are pinned, so the copy to the device can be asynchronous
+(the RAM tier's entries are pinned too, so both tiers load alike).
 
 **Tier throughput.** :func:`measure_tiers` measures what each tier delivers on this machine — RAM:
-a copy of a layer's K/V into fresh memory (on a GPU, host → device); disk: a cold read of a
-model-shaped entry, throttled when ``read_mbps`` is set — the input of CacheBlend's loading
-controller (:mod:`kvbench.methods.cacheblend`) and of ``kvbench bench chunk_load``.
+a copy of a layer's K/V into fresh memory (on a GPU, host → device from pinned memory, what a load
+from the RAM tier really does); disk: a cold read of a model-shaped entry, throttled when
+``read_mbps`` is set — the input of CacheBlend's loading controller
+(:mod:`kvbench.methods.cacheblend`) and of ``kvbench bench chunk_load``.
 """
 
 from __future__ import annotations
@@ -98,6 +104,26 @@ class ChunkKV:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def on_host(self, *, pin: bool) -> ChunkKV:
+        """This entry in host memory (the RAM tier's form): itself when every tensor is already on the
+        host (and pinned, with ``pin``), else a copy whose tensors are views into one host buffer (pinned
+        with ``pin``: one allocation per entry, not one rounded-up pinned block per tensor)."""
+        import torch
+
+        tensors = [*self.keys, *self.values]
+        if all(t.device.type == "cpu" and (t.is_pinned() or not pin) for t in tensors):
+            return self
+        buffer = torch.empty(self.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        copies, offset = [], 0
+        for t in tensors:
+            size = t.numel() * t.element_size()  # (every offset is a multiple of the element size)
+            copy = buffer[offset : offset + size].view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            copies.append(copy)
+            offset += size
+        half = len(self.keys)
+        return ChunkKV(copies[:half], copies[half:], self.start)
 
 
 @dataclass
@@ -278,6 +304,7 @@ class ChunkStore:
         size = entry.nbytes()
         if size > self.ram_capacity:
             return
+        entry = entry.on_host(pin=_pin_host())  # a RAM entry is host memory, wherever the model runs
         if key in self._ram:
             self._ram_bytes -= self._ram.pop(key).nbytes()
         while self._ram and self._ram_bytes + size > self.ram_capacity:
@@ -294,6 +321,9 @@ class ChunkStore:
         path = self._path(key)
         tensors = {f"k.{i}": k.contiguous() for i, k in enumerate(entry.keys)}
         tensors.update({f"v.{i}": v.contiguous() for i, v in enumerate(entry.values)})
+        if len({t.untyped_storage().data_ptr() for t in tensors.values()}) < len(tensors):
+            # views into one buffer (an entry taken from the RAM tier): safetensors refuses shared storage
+            tensors = {name: t.clone() for name, t in tensors.items()}
         metadata = {
             "layers": str(entry.n_layers),
             "start": str(entry.start),
@@ -392,6 +422,13 @@ def run_store(config: StoreConfig, *, shared: bool) -> ChunkStore:
     return store
 
 
+def _pin_host() -> bool:
+    """Whether host-tier tensors are pinned (CUDA available: a copy from them to a GPU can be asynchronous)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def model_fingerprint(loaded: Any) -> str:
     """A stable name for a loaded model's K/V: its config name, a hash of its architecture, its dtype."""
     config = loaded.model.config.to_dict()
@@ -410,11 +447,11 @@ def model_fingerprint(loaded: Any) -> str:
 class ChunkReader:
     """One entry opened for reading: :attr:`start`, :attr:`tokens`, and its (K, V) layer by layer.
 
-    :meth:`layer` reads one layer when asked for it (from RAM: the stored tensors; from disk: that
-    layer's two tensors of the open file), so a prefill plan reads layer ``i`` just before layer ``i``
-    runs and a pipelined loader can read layer ``i + 1`` on a worker thread while layer ``i`` computes
-    (one reader is read by one thread at a time). Bytes and load time are added to the tier's
-    statistics as layers are read. Close the reader when done (or use ``with``).
+    :meth:`layer` reads one layer when asked for it (from RAM: the stored host tensors, pinned where
+    CUDA is available; from disk: that layer's two tensors of the open file), so a prefill plan reads
+    layer ``i`` just before layer ``i`` runs and a pipelined loader can read layer ``i + 1`` on a worker
+    thread while layer ``i`` computes (one reader is read by one thread at a time). Bytes and load time
+    are added to the tier's statistics as layers are read. Close the reader when done (or use ``with``).
     """
 
     def __init__(
@@ -540,7 +577,8 @@ def measure_tiers(
     ``repeats`` passes) and ``layer_s`` (seconds to load one layer of this chunk at that rate).
 
     * ``ram`` — the stored tensors copied into fresh memory on ``device`` (on a GPU: host → device,
-      from pinned memory): what installing a RAM-tier chunk costs beyond the lookup;
+      asynchronous from pinned memory, as the RAM tier holds its entries and the loader copies them):
+      what installing a RAM-tier chunk costs beyond the lookup;
     * ``disk`` — a cold read (page cache dropped, as ``store.cold_reads``) of a file written under the
       store's disk folder, throttled to ``read_mbps`` when that is set (the emulated slower device).
     """
@@ -561,8 +599,8 @@ def measure_tiers(
     for _ in range(repeats):
         started = time.perf_counter()
         for k, v in zip(keys, values):
-            k.to(device, copy=True)
-            v.to(device, copy=True)
+            k.to(device, copy=True, non_blocking=True)
+            v.to(device, copy=True, non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - started)

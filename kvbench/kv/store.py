@@ -201,8 +201,10 @@ class LayerKV:
             self._pos[:, self.n : self.n + t] = torch.arange(self.seen, self.seen + t, device=self.home)
             self.seen += t
         else:
-            self._pos[:, self.n : self.n + t] = positions.to(self.home).view(1, t)
-            self.seen = max(self.seen, int(positions.max()) + 1) if t else self.seen
+            self._pos[:, self.n : self.n + t] = positions.to(self.home, non_blocking=True).view(1, t)
+            if t:  # (positions a plan built on the host are read there; device ones are read back once)
+                last = positions if positions.device.type == "cpu" else positions.cpu()
+                self.seen = max(self.seen, int(last.max()) + 1)
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
             self._device_tier().write(self.n, keys, values)
