@@ -207,6 +207,7 @@ def _run_samples(
     import yaml
 
     from kvbench.engine import prefill_cache
+    from kvbench.methods import create_method
     from kvbench.models.loading import load_model
     from kvbench.progress import Progress
 
@@ -226,7 +227,8 @@ def _run_samples(
     ran = 0
     progress = Progress(run_dir, total=total, enabled=bool(resolved.get("progress", True)))
     try:
-        with prefill_cache.scope(prefill_cache.enabled(resolved)):  # sweeps share dense prefills
+        # sweeps share dense prefills (the registry builds the sweep's methods to anticipate their statistics)
+        with prefill_cache.scope(prefill_cache.enabled(resolved), build=create_method):
             for sample in task.shard_samples(model):
                 if sample.id in done:
                     continue

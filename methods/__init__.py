@@ -1,6 +1,6 @@
 """KV methods: one module of policy per method, registered by name.
 
-Every module in this package that decorates a :class:`~kvbench.methods.base.KVMethod` subclass with
+Every module in this package that decorates a :class:`~kvbench.engine.protocol.KVMethod` subclass with
 :func:`register` becomes available as ``method=<name>``; its parameters are declared in
 :mod:`kvbench.methods.params` (``PARAMS[name]``), which is also Hydra's ``method`` config group.
 
@@ -20,13 +20,12 @@ from kvbench.params import Params, defaults, parse
 from kvbench.registry import Registry
 
 if TYPE_CHECKING:
-    from kvbench.methods.base import KVMethod, Selection
+    from kvbench.engine.protocol import KVMethod, Selection
 
 REGISTRY: Registry[KVMethod] = Registry(
     "method",
     __name__,
     exclude={
-        "base",
         "eviction",
         "reuse",
         "selection",

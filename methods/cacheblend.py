@@ -32,7 +32,7 @@ As run here (paper §4 and the authors' ``vllm_blend`` code; seed-cacheblend.md 
 
 ``recompute_ratio: 1.0`` recomputes everything and is token-identical to ``full``; ``0.0`` recomputes
 only the query rows after the check layer. Pipelined loading (paper §5) is the reuse family's
-(:mod:`kvbench.methods.reuse`, ``store.pipeline``).
+(:mod:`kvbench.engine.reuse`, ``store.pipeline``).
 
 **Loading controller** (paper §5.1, Fig. 10; ``controller: true``). Loading layer ``i + 1``'s cached
 K/V hides behind recomputing layer ``i`` only while recompute takes at least as long as the load, so
@@ -68,9 +68,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvbench.engine.reuse import ReusePrefill
 from kvbench.methods import register
 from kvbench.methods.params import CacheBlendParams
-from kvbench.methods.reuse import ReuseMethod, ReusePrefill
+from kvbench.methods.reuse import ReuseMethod
 from kvbench.requests import Segment
 
 if TYPE_CHECKING:
@@ -161,11 +162,11 @@ class CacheBlend(ReuseMethod):
         if self.costs is None:
             started = time.perf_counter()
             self.costs = measure_costs(
-                ctx, input_ids, self._store().config, chunk_tokens=max(1, n_cached // max(1, len(spans)))
+                ctx, input_ids, self.chunk_store().config, chunk_tokens=max(1, n_cached // max(1, len(spans)))
             )
             self._measure_s = time.perf_counter() - started
         choice = LoadingController(self.costs, self.params.recompute_ratio).choose(
-            n, n_cached, self._store().config.tier
+            n, n_cached, self.chunk_store().config.tier
         )
         self.ratios = [choice["ratio"]]
         report["controller"] = {

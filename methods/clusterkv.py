@@ -63,9 +63,9 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
 from kvbench.methods.params import ClusterKVParams
 from kvbench.methods.primitives.kmeans import kmeans
 from kvbench.methods.retrieval import RetrievalMethod

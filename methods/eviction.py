@@ -8,10 +8,12 @@ a layer that was asked to shrink but kept every token fails the run (:meth:`chec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
+from kvbench.engine.protocol import KVMethod
 from kvbench.errors import CompressionNotApplied
-from kvbench.methods.base import KVMethod
+from kvbench.methods.params import MethodParams
+from kvbench.params import Params
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -21,6 +23,7 @@ class EvictionMethod(KVMethod):
     family = "eviction"
     needs_budget = True
     extends_with_many_tokens = False
+    Params: ClassVar[type[Params]] = MethodParams  # sink and local_fraction (every shipped method names its own)
 
     def check_after_prefill(self, ctx: GenerationContext) -> None:
         budget = ctx.budget

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvbench.engine.protocol import KVMethod
 from kvbench.methods import register
-from kvbench.methods.base import KVMethod
 from kvbench.params import Params as NoParams
 
 

@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbench.budget import MethodBudgetDefaults
+from kvbench.engine.protocol import QueryStatistic, Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import accumulated_attention, group_reduce
-from kvbench.methods.base import QueryStatistic, Selection
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.params import H2OParams
 from kvbench.methods.selection import topk_sorted

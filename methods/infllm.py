@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import QueryStatistic, Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import QueryStatistic, Selection
 from kvbench.methods.params import InfLLMParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_keyed

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
 from kvbench.methods.params import OracleParams
 from kvbench.methods.primitives.pq import group_scores
 from kvbench.methods.retrieval import RetrievalMethod

@@ -92,9 +92,9 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
 from kvbench.methods.params import PQCACHE_PROTOCOL_ITERS, PQCacheParams
 from kvbench.methods.pqcache_workers import KMeansWorkers, LayerJob
 from kvbench.methods.primitives.kmeans import SKLEARN

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.reuse import CachedSpan
 from kvbench.kv.chunks import ChunkKey
 from kvbench.methods import register
 from kvbench.methods.params import PrefixCacheParams
-from kvbench.methods.reuse import CachedSpan, ReuseMethod
+from kvbench.methods.reuse import ReuseMethod
 from kvbench.requests import Segment, join_segments, segment_spans
 
 
@@ -76,7 +77,7 @@ class PrefixCache(ReuseMethod):
 
     def cached_segments(self, ctx: Any, segments: tuple[Segment, ...]) -> list[CachedSpan]:
         ids = join_segments(segments)
-        store = self._store()
+        store = self.chunk_store()
         best, length = None, 0
         for key in self._index:
             if key.model != self._fingerprint(ctx):
@@ -95,7 +96,7 @@ class PrefixCache(ReuseMethod):
         from kvbench.kv.chunks import ChunkKV
 
         keys, values = prefill_kv(ctx.loaded, list(key.ids))
-        self._store().put(key, ChunkKV(keys, values, 0))
+        self.chunk_store().put(key, ChunkKV(keys, values, 0))
 
     def after_request(self, ctx: Any, segments: tuple[Segment, ...] | None) -> None:
         """Store the prompt's prefix up to its last chunk (what a serving engine keeps), if asked."""
@@ -107,12 +108,12 @@ class PrefixCache(ReuseMethod):
             return
         ids = join_segments(segments)[:end]
         key = self._prefix_key(ctx, ids)
-        if self._store().contains(key) is None:
+        if self.chunk_store().contains(key) is None:
             keys = [layer.keys[:, :end].clone() for layer in ctx.store.layers]
             values = [layer.values[:, :end].clone() for layer in ctx.store.layers]
             from kvbench.kv.chunks import ChunkKV
 
-            self._store().put(key, ChunkKV(keys, values, 0))
+            self.chunk_store().put(key, ChunkKV(keys, values, 0))
         self._remember(key)
 
 

@@ -58,9 +58,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
 from kvbench.methods.params import QuestParams
 from kvbench.methods.retrieval import RetrievalMethod
 

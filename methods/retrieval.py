@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvbench.engine.protocol import KVMethod
 from kvbench.errors import CompressionNotApplied
 from kvbench.kv.block_cache import BlockCache
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import KVMethod
 from kvbench.methods.params import RetrievalParams
 from kvbench.methods.selection import Layout, StaticLayout, layout, static_layout
 

@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget
+from kvbench.engine.protocol import QueryStatistic
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import group_reduce, pool1d, window_votes
-from kvbench.methods.base import QueryStatistic
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.params import SnapKVParams
 from kvbench.methods.selection import topk_sorted

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
 from kvbench.methods.params import SparQParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_keyed

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from kvbench.budget import MethodBudgetDefaults
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.base import Selection
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.params import StreamingLLMParams
 

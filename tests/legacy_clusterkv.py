@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import Selection
 from kvbench.methods.clusterkv import ClusterIndex, ClusterKV, cluster_take
 
 

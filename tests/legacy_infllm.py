@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import Selection
 from kvbench.methods.infllm import InfLLM
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_sorted

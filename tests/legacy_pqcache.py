@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import Selection
 from kvbench.methods.pqcache import PQCache, _Layer
 from kvbench.methods.primitives.pq import gqa_topk, pq_encode, pq_scores
 from kvbench.methods.selection import compose

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import Selection
 from kvbench.methods.quest import Quest, page_bounds, upper_bound_scores  # (unchanged helpers)
 from kvbench.methods.selection import compose, topk_sorted
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import Selection
 from kvbench.methods.selection import compose, topk_sorted
 from kvbench.methods.sparq import SparQ
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
-from kvbench.methods.base import Selection
 from kvbench.methods.oracle import Oracle
 from kvbench.methods.selection import compose, exact_topk
 

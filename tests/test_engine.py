@@ -5,9 +5,9 @@ import torch
 
 from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate, teacher_force
+from kvbench.engine.protocol import Selection
 from kvbench.errors import CompressionNotApplied, ContextTooLongError
 from kvbench.methods import create_method, register
-from kvbench.methods.base import Selection
 from kvbench.methods.eviction import EvictionMethod
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.profile import Profile

@@ -19,9 +19,9 @@ from kvbench.engine.context import GenerationContext
 from kvbench.engine.generate import _new_context, generate
 from kvbench.engine.prefill import DensePrefill
 from kvbench.engine.prefill_cache import PrefillCache, PrefillEntry
+from kvbench.engine.protocol import KVMethod
 from kvbench.errors import ConfigError
 from kvbench.methods import REGISTRY, available_methods, create_method
-from kvbench.methods.base import KVMethod
 from kvbench.params import Params as NoParams
 from kvbench.profile import Profile
 

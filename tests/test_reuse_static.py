@@ -22,10 +22,10 @@ from kvbench.engine import attention
 from kvbench.engine.attention import activate
 from kvbench.engine.generate import _new_context
 from kvbench.engine.ops import SYNC_OPS, record_ops
+from kvbench.engine.reuse import ReusePrefill
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkStore, StoreConfig
 from kvbench.kv.store import LayerKV
 from kvbench.methods import create_method
-from kvbench.methods.reuse import ReusePrefill
 from kvbench.profile import Profile
 from kvbench.requests import Segment, join_segments
 

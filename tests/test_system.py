@@ -8,11 +8,11 @@ import torch
 
 from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate
+from kvbench.engine.reuse import ReusePrefill
 from kvbench.errors import ConfigError
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkReader, ChunkStore, StoreConfig, TensorFile, measure_tiers
 from kvbench.methods import create_method
 from kvbench.methods.cacheblend import Costs, LoadingController
-from kvbench.methods.reuse import ReusePrefill
 from kvbench.profile import Profile
 from kvbench.requests import FollowUp, GenerateRequest, MultiQueryRequest, Output, join_segments
 from kvbench.runner import run_sample

@@ -2,7 +2,7 @@
 
 pyproject.toml's [tool.setuptools.package-dir] installs methods/ as `kvbench.methods` and tasks/ as
 `kvbench.tasks`. mypy has no such mapping (python/mypy#10564) and cannot see the editable install's import
-hook, so on its own it names methods/base.py `methods.base` and reports every `from kvbench.methods import
+hook, so on its own it names methods/full.py `methods.full` and reports every `from kvbench.methods import
 ...` as a missing module. This wrapper runs mypy's own option parsing and build with one change: each source
 file's module name is derived through the package-dir mapping, so mypy checks the package Python imports, and
 its messages keep the files' real paths. Options come from [tool.mypy] as usual. (mypy.main.main itself

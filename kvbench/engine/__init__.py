@@ -13,8 +13,8 @@ from kvbench.requests import GenerateRequest, MultiQueryRequest, Output, Request
 
 if TYPE_CHECKING:
     from kvbench.budget import BudgetConfig
+    from kvbench.engine.protocol import KVMethod
     from kvbench.engine.settings import EngineSettings
-    from kvbench.methods.base import KVMethod
     from kvbench.models.loading import LoadedModel
     from kvbench.profile import Profile
 

@@ -21,10 +21,10 @@ import torch
 from kvbench.budget import ResolvedBudget
 from kvbench.engine import attention
 from kvbench.engine.driver import ModelDriver
+from kvbench.engine.recall import attended_recall, exact_topk
 from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ConfigError
 from kvbench.kv.store import KVStore
-from kvbench.methods.selection import attended_recall, exact_topk
 from kvbench.profile import Profile
 from kvbench.telemetry import Clock, Telemetry
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kvbench.engine.decode import StaticDecoder
     from kvbench.engine.prefill import PrefillPlan
     from kvbench.engine.prefill_cache import PrefillEntry
-    from kvbench.methods.base import KVMethod, QueryStatistic, Selection
+    from kvbench.engine.protocol import KVMethod, QueryStatistic, Selection
     from kvbench.models.loading import LoadedModel
     from kvbench.requests import Segment
 
@@ -350,7 +350,7 @@ class GenerationContext:
         """Recall of this step under ``profile.recall_rule`` (definitions: :mod:`kvbench.telemetry`).
 
         ``attended`` (default): every prompt token the step attends against the exact top-B of each
-        query head, ``B = sink + the layer's budget`` (:func:`~kvbench.methods.selection.attended_recall`).
+        query head, ``B = sink + the layer's budget`` (:func:`~kvbench.engine.recall.attended_recall`).
         ``softmax_sum`` / ``logit_sum`` / ``max``: the earlier rule, kept for old runs — only the part
         the method *chose* against the exact top-k of its candidates, ``k`` = the number it chose, per
         query head for a per-query-head selection, else per KV head under that GQA rule.

@@ -11,7 +11,7 @@ method hooks as a single generation:
    the context followed by the first question (``question_aware``: today's single-question behaviour);
    the method evicts or indexes as usual, and the silent-failure guard runs;
 2. **snapshot** the store (every :class:`~kvbench.kv.store.LayerKV`, bit for bit) and the method's own
-   state (:meth:`~kvbench.methods.base.KVMethod.snapshot`): the post-context state;
+   state (:meth:`~kvbench.engine.protocol.KVMethod.snapshot`): the post-context state;
 3. for each question: **feed** its tokens with the method active, then **answer** greedily, then
    (``keep_answers=false``, the default) **restore** the snapshot, so the next question sees the
    compressed context alone — including whatever H2O or StreamingLLM evicted while answering.
@@ -23,7 +23,7 @@ method hooks as a single generation:
    dropped and 100 with it kept; SmolLM2 answered every later question with nothing).
 
 How question tokens enter the cache follows each method's rule
-(:attr:`~kvbench.methods.base.KVMethod.extends_with_many_tokens`): dense and reuse methods extend the
+(:attr:`~kvbench.engine.protocol.KVMethod.extends_with_many_tokens`): dense and reuse methods extend the
 cache by the whole question in one pass (causal attention by position over everything held, the
 same computation as a prefill of ``context + question``); eviction and retrieval methods take the
 question one token at a time, as decode steps, so each question token attends what the method keeps
@@ -57,9 +57,9 @@ from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
 from kvbench.engine.generate import _find_stop, _new_context, _telemetry
 from kvbench.engine.prefill import PrefillPlan
+from kvbench.engine.protocol import KVMethod
 from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ConfigError
-from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
 from kvbench.profile import Profile
 from kvbench.requests import MultiQueryRequest, Query, Segment

@@ -21,12 +21,12 @@ way SGLang's graph runner and transformers' ``StaticCache`` do:
   with the tokens.
 
 Within one *regime* — the bucket of every layer, whether stop ids are masked, and the method's own
-:meth:`~kvbench.methods.base.KVMethod.decode_key` (a budget that covers everything, a recluster epoch)
+:meth:`~kvbench.engine.protocol.KVMethod.decode_key` (a budget that covers everything, a recluster epoch)
 — every step issues the same ops with the same shapes and arguments (``tests/test_decode_static.py``
 checks it with :mod:`kvbench.engine.ops`). On CUDA the step is captured into a graph at the second step
 of a regime (the first runs eagerly and is the warm-up) and replayed from then on
 (``engine.cuda_graph``); work a method must do on the host side of a step (ClusterKV's reclustering,
-InfLLM's new blocks) runs in :meth:`~kvbench.methods.base.KVMethod.before_step`, outside the graph.
+InfLLM's new blocks) runs in :meth:`~kvbench.engine.protocol.KVMethod.before_step`, outside the graph.
 
 Layers of a method without a static step (``static_decode = False``: the decode-time eviction of H2O
 and StreamingLLM) run the earlier per-layer code (:meth:`GenerationContext.dynamic_decode`) inside the

@@ -17,9 +17,9 @@ from torch.profiler import record_function
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
+from kvbench.engine.protocol import KVMethod
 from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ContextTooLongError
-from kvbench.methods.base import KVMethod
 from kvbench.models.loading import LoadedModel
 from kvbench.profile import Profile
 from kvbench.requests import Segment
@@ -327,10 +327,9 @@ def prefill_kv(
     reference, outside any measured time.
     """
     from kvbench.engine.prefill import DensePrefill
-    from kvbench.methods import create_method
 
     ids = torch.tensor(list(input_ids), dtype=torch.long)
-    ctx = _new_context(loaded, create_method({"name": "full"}), BudgetConfig(), len(ids), 0, Profile())
+    ctx = _new_context(loaded, KVMethod(), BudgetConfig(), len(ids), 0, Profile())  # (the protocol's dense default)
     queries: list[torch.Tensor] = []
     plan = DensePrefill(ctx, ids, torch.arange(len(ids)))
     if query_rows is not None:

@@ -11,7 +11,7 @@ What is cached (:class:`PrefillEntry`), keyed by the model (:func:`model_key`) a
 * every layer's post-RoPE K and V exactly as the model produced them (same values, same strides, so
   whatever a method computes from them is bit-identical to its own prefill), and the logits of the
   prompt's last token (the first generated token);
-* the *query statistics* the methods asked for (:class:`~kvbench.methods.base.QueryStatistic`:
+* the *query statistics* the methods asked for (:class:`~kvbench.engine.protocol.QueryStatistic`:
   SnapKV's observation-window votes, H2O's accumulated attention, InfLLM's local attention received).
   The queries themselves are not kept (they are larger than the K/V); a statistic is computed while
   they exist. An entry holding K/V but not a statistic a method asks for is a miss: the method runs a
@@ -22,7 +22,7 @@ What is cached (:class:`PrefillEntry`), keyed by the model (:func:`model_key`) a
 * the measured seconds of the dense prefill (``dense_s``, the statistics' time excluded) and of
   every statistic per layer.
 
-Who uses it: a method whose :attr:`~kvbench.methods.base.KVMethod.shares_prefill` is true (the stock
+Who uses it: a method whose :attr:`~kvbench.engine.protocol.KVMethod.shares_prefill` is true (the stock
 dense plan: ``full``, ``oracle``, ``quest``, ``sparq``, ``infllm``, ``clusterkv``, ``streamingllm``,
 ``snapkv``, ``pyramidkv``, ``h2o``, ``pqcache`` with ``overlap: false``). The engine then installs the
 cached K/V layer by layer into the method's store and calls its ``on_prefill`` as a dense prefill
@@ -64,7 +64,7 @@ import shutil
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +77,7 @@ from kvbench.engine.prefill import PrefillPlan
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
-    from kvbench.methods.base import QueryStatistic
+    from kvbench.engine.protocol import QueryStatistic
     from kvbench.models.loading import LoadedModel
 
 GB = 1024**3
@@ -90,6 +90,8 @@ _SWEEPS = [0]  # depth of sweep() scopes
 _ACTIVE: list[PrefillCache | None] = [None]
 _SHARED: list[PrefillCache | None] = [None]
 _POINTS: list[list[dict[str, Any]]] = [[]]  # the configs of the running sweep's points (sweep(points=...))
+# how a point's method is built from its config (the runner's scope(build=...): the engine imports no method)
+_BUILD: list[Callable[[Mapping[str, Any]], Any] | None] = [None]
 
 
 @contextmanager
@@ -115,7 +117,7 @@ def sweep(on: bool = True, points: Sequence[Mapping[str, Any]] = ()) -> Iterator
 def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic, ...]:
     """The query statistics that the sweep's points on this model will ask of a ``prompt_len``-token
     prompt: each point's method, built from its config, given the point's budget resolved for this
-    prompt and this model's spec, says what it reads (:meth:`~kvbench.methods.base.KVMethod.prefill_statistics`).
+    prompt and this model's spec, says what it reads (:meth:`~kvbench.engine.protocol.KVMethod.prefill_statistics`).
 
     Timing stays honest: a capture times every statistic on its own (``stat_s``) and a method's
     ``prefill_s`` counts only the statistics it reads, so computing others' costs no method anything
@@ -126,8 +128,10 @@ def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic
 
     from kvbench.budget import BudgetConfig
     from kvbench.errors import KvbenchError
-    from kvbench.methods import create_method
 
+    build = _BUILD[0]
+    if build is None:  # (nobody said how to build a point's method: no anticipation)
+        return ()
     spec, capacity = ctx.spec, ctx.capacity
     wanted: list[QueryStatistic] = []
     seen: set[str] = set()
@@ -139,7 +143,7 @@ def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic
             continue
         seen.add(node)
         try:
-            method = create_method(point["method"])
+            method = build(point["method"])
             if not method.shares_prefill:
                 continue
             budget = BudgetConfig.from_mapping(point.get("budget"))
@@ -170,20 +174,23 @@ def shared_cache() -> PrefillCache:
 
 
 @contextmanager
-def scope(on: bool, cache: PrefillCache | None = None) -> Iterator[PrefillCache | None]:
+def scope(
+    on: bool, cache: PrefillCache | None = None, build: Callable[[Mapping[str, Any]], Any] | None = None
+) -> Iterator[PrefillCache | None]:
     """One run: generations inside the block use ``cache`` (default: the process's) when ``on``; the
-    run's entries are kept from eviction until the next run starts."""
+    run's entries are kept from eviction until the next run starts. ``build`` makes a method from a sweep
+    point's ``method`` config (the runner passes the method registry's), for :func:`anticipated`."""
     if not on:
         yield None
         return
     cache = cache if cache is not None else shared_cache()
     cache.begin_run()
-    previous = _ACTIVE[0]
-    _ACTIVE[0] = cache
+    previous, previous_build = _ACTIVE[0], _BUILD[0]
+    _ACTIVE[0], _BUILD[0] = cache, build
     try:
         yield cache
     finally:
-        _ACTIVE[0] = previous
+        _ACTIVE[0], _BUILD[0] = previous, previous_build
 
 
 def active() -> PrefillCache | None:

@@ -6,7 +6,7 @@ between requests and runs, in two tiers with a byte capacity each and least-rece
 
 * ``ram`` — tensors in host memory, also on a GPU machine (the tier above the device): an entry put
   in RAM is copied to the host, into one pinned buffer when CUDA is available, so a load from RAM is
-  a real host → device copy, asynchronous from pinned memory (:class:`~kvbench.methods.reuse.LayerLoader`
+  a real host → device copy, asynchronous from pinned memory (:class:`~kvbench.engine.reuse.LayerLoader`
   issues it on its worker's CUDA stream, as it does a disk read's); on a CPU-only machine the tensors
   are used as they are;
 * ``disk`` — one safetensors file per entry under ``$KVBENCH_HOME/chunk_kv/<model>/`` (or
@@ -36,7 +36,7 @@ load overlaps with compute as well as a slow device's DMA would.
 **Reading without the GIL.** Disk entries are safetensors files, read here tensor by tensor with
 ``os.preadv`` into a preallocated buffer (the header is parsed by :class:`TensorFile`): CPython
 releases the GIL during the system call, so a loader thread reading layer ``i + 1`` really runs while
-the main thread computes layer ``i`` (``store.pipeline``, see :mod:`kvbench.methods.reuse`). The
+the main thread computes layer ``i`` (``store.pipeline``, see :mod:`kvbench.engine.reuse`). The
 ``safetensors`` library's reader holds the GIL while it copies from its memory map, which would
 serialise the two. On CUDA the buffers are pinned, so the copy to the device can be asynchronous
 (the RAM tier's entries are pinned too, so both tiers load alike).

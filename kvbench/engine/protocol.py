@@ -1,4 +1,8 @@
-"""The KV-method interface: one small class of policy per method.
+"""The KV-method protocol: what the engine asks of a method (one small class of policy per method).
+
+It lives in the engine, which owns the model, the store and the decode step; methods (``methods/``)
+subclass it and import from the engine, never the other way (``tests/test_layers.py`` walks the
+imports).
 
 Why this shape. The three families of KV methods differ in *when* they decide and *where* the
 tokens live, not in how attention is computed:
@@ -53,7 +57,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget, full_budget, resolve_budget
-from kvbench.methods.params import MethodParams
 from kvbench.params import Params, describe, parse
 
 if TYPE_CHECKING:
@@ -129,9 +132,10 @@ class KVMethod:
     needs_budget: ClassVar[bool] = False
     #: a prefilled cache may be extended by several tokens in one pass (causal by position)
     extends_with_many_tokens: ClassVar[bool] = True
-    #: the method's parameters (``method.<key>``), declared in :mod:`kvbench.methods.params`; an
-    #: instance, parsed and validated from the config, is ``self.params``
-    Params: ClassVar[type[Params]] = MethodParams
+    #: the method's parameters (``method.<key>``), declared in :mod:`kvbench.methods.params` (the engine
+    #: knows only the empty base; every shipped method names its own); an instance, parsed and validated
+    #: from the config, is ``self.params``
+    Params: ClassVar[type[Params]] = Params
     #: "(C)" eligibility; sink size and local-window share for a method whose ``Params`` do not
     #: declare ``sink`` / ``local_fraction`` (``budget.sink`` / ``budget.local`` override all of them)
     budget_defaults: ClassVar[MethodBudgetDefaults] = MethodBudgetDefaults()

@@ -1,0 +1,608 @@
+"""The reuse prefill: a layer-by-layer plan that installs cached K/V and recomputes a chosen set of rows.
+
+A reuse method (CacheBlend, full KV reuse, prefix caching: ``methods/reuse.py`` and its subclasses)
+keeps only its policy — which rows to recompute, at which layers cached rows are installed, what to do
+after a layer (:class:`ReusePolicy`); the mechanism is here, in the engine, as the prefill plans of
+every method are (:mod:`kvbench.engine.prefill`). Inside the request's clock, :class:`ReusePrefill`
+runs the per-layer plan:
+
+* before the first layer, on the host: which rows are cached, which are computed, their slots and the
+  attention layout of the computed rows (kernel, key counts, masks), planned once for each set of
+  active rows (:class:`ActiveRows`) — the layers then issue no host read but the one each shrink
+  decided on the device costs (see :class:`ReusePrefill`);
+* before layer ``i``: read layer ``i`` of every cached segment from its tier, re-rotate its keys from
+  the positions it was computed at to its positions in this prompt (the model's own RoPE), and write
+  the rows into the store at their slots — unless every row of the layer is recomputed anyway;
+* the layer runs on the *active* rows; their fresh K/V overwrite the cached rows; attention of the
+  active queries over every row of the layer with an exact causal mask on positions (a policy's
+  ``bottom_right_mask`` reproduces CacheBlend's released bottom-right-aligned mask);
+* the policy may measure deviations and shrink the active set (CacheBlend's check layers).
+
+**Pipelined loading** (CacheBlend §5, Fig. 10; ``store.pipeline``, default true). Installing layer
+``i``'s cached rows needs that layer's K/V from the chunk store's tier. With the pipeline on, a
+:class:`LayerLoader` reads them on one worker thread — disk → host memory (``os.preadv``, GIL
+released; a throttled read sleeps; a RAM-tier chunk is in host memory already, pinned on a GPU
+machine), then on a GPU host → device, asynchronously on a side CUDA stream — for layer
+``i + 1`` while the main thread installs and computes layer ``i``; the main thread waits only for
+what is not loaded yet when it needs it. With it off, every layer is read on the main thread just
+before it runs. Telemetry (``telemetry.prefill``): ``load_s`` (time spent reading and copying, on
+whichever thread), ``load_wait_s`` (main-thread time blocked on loads), ``load_hidden_s`` =
+``load_s - load_wait_s`` (load time that overlapped compute), ``recompute_s`` (the layers' own time:
+Q/K/V, attention, MLP of the active rows, selection included), ``rerotate_s`` and ``write_s`` (installing
+cached rows), ``load_per_layer_s`` / ``recompute_per_layer_s``, and ``attention_layouts`` (attention
+layouts, masks included, made for the request: one per set of active rows that attends a subset).
+On a CPU the loader competes with compute for the same cores (a cold read costs little CPU; decoding
+safetensors none), which is measured, not assumed away: ``kvbench bench reuse_pipeline`` runs both
+settings side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from kvbench.engine import attention
+from kvbench.engine.prefill import PrefillPlan
+from kvbench.engine.rope import apply_rotation, rotation
+from kvbench.kv.chunks import ChunkKey, ChunkReader, ChunkStore
+from kvbench.requests import Segment, segment_spans
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
+
+
+@dataclass
+class CachedSpan:
+    """A span of the prompt ``[begin, end)`` whose K/V come from a stored cache."""
+
+    begin: int
+    end: int
+    key: ChunkKey
+    reader: ChunkReader | None = None
+    rows: slice = field(default_factory=lambda: slice(None))  # rows of the stored entry that fill the span
+
+    @property
+    def delta(self) -> int:
+        assert self.reader is not None
+        start = self.reader.start + (self.rows.start or 0)
+        return self.begin - start
+
+
+class ReusePolicy(Protocol):
+    """What :class:`ReusePrefill` asks of a reuse method (``methods/reuse.py::ReuseMethod`` implements it)."""
+
+    #: ``profile.deviation``: the full prefill's K, V and query rows' Q, for the deviation figures
+    reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None
+
+    @property
+    def bottom_right_mask(self) -> bool:
+        """CacheBlend's released bottom-right-aligned mask for the recomputed rows (``mask: code``)."""
+        ...
+
+    def chunk_store(self) -> ChunkStore: ...
+
+    def cached_segments(self, ctx: GenerationContext, segments: tuple[Segment, ...]) -> list[CachedSpan]: ...
+
+    def initial_rows(self, plan: ReusePrefill) -> np.ndarray | list[int] | torch.Tensor: ...
+
+    def cache_layers(self, plan: ReusePrefill) -> Iterable[int]: ...
+
+    def needs_cache_at(self, plan: ReusePrefill, layer: int) -> bool: ...
+
+    def on_layer(
+        self, plan: ReusePrefill, layer: int, fresh_v: torch.Tensor
+    ) -> torch.Tensor | np.ndarray | list[int] | None: ...
+
+
+class LayerLoader:
+    """Reads one layer of every cached span at a time, on a worker thread when ``pipelined``.
+
+    :meth:`prefetch` starts loading a layer (on the worker; without the pipeline it does nothing),
+    :meth:`take` returns a layer's (K, V) per span — waiting for a prefetch in flight, or reading it
+    right there — and :meth:`discard` drops a layer that turned out not to be needed. On CUDA the
+    worker reads into pinned memory (a disk read; a RAM-tier entry is held pinned) and copies to the
+    device asynchronously on its own stream; :meth:`take` makes the compute stream wait for that copy
+    (an event), so the copy overlaps the previous layer's kernels. On a CPU both tiers hand over host
+    tensors and nothing is copied.
+    ``load_s`` sums the time spent loading (worker or main thread), ``wait_s`` the main thread's time
+    blocked in :meth:`take`; ``per_layer_s`` is the load time of each layer.
+    """
+
+    def __init__(self, spans: list[CachedSpan], device: torch.device, n_layers: int, *, pipelined: bool) -> None:
+        self.spans = spans
+        self.device = device
+        self.pipelined = pipelined and bool(spans)
+        self.cuda = device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-loader") if self.pipelined else None
+        self._stream = torch.cuda.Stream(device) if (self.pipelined and self.cuda) else None
+        self._pending: dict[int, Future] = {}
+        self.load_s = 0.0
+        self.wait_s = 0.0
+        self.per_layer_s = [0.0] * n_layers
+
+    def _load(self, layer: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
+        started = time.perf_counter()
+        rows, event = [], None
+        for span in self.spans:
+            assert span.reader is not None
+            k, v = span.reader.layer(layer, pin=self.cuda)
+            rows.append((k, v))
+        if self.cuda:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                rows = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)) for k, v in rows]
+                if self._stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+        spent = time.perf_counter() - started
+        self.per_layer_s[layer] += spent
+        self.load_s += spent
+        return rows, event
+
+    def prefetch(self, layer: int) -> None:
+        if self._pool is not None and layer not in self._pending:
+            self._pending[layer] = self._pool.submit(self._load, layer)
+
+    def take(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        started = time.perf_counter()
+        future = self._pending.pop(layer, None)
+        rows, event = future.result() if future is not None else self._load(layer)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            for k, v in rows:  # the side stream's memory is in use on the compute stream now
+                k.record_stream(torch.cuda.current_stream(self.device))
+                v.record_stream(torch.cuda.current_stream(self.device))
+        self.wait_s += time.perf_counter() - started
+        return rows
+
+    def discard(self, layer: int) -> None:
+        future = self._pending.pop(layer, None)
+        if future is not None:
+            future.result()
+
+    def close(self) -> None:
+        """Finish or drop loads in flight and stop the worker (idempotent)."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def query_rows(segments: tuple[Segment, ...]) -> torch.Tensor:
+    return torch.cat(
+        [torch.arange(b, e) for seg, (b, e) in zip(segments, segment_spans(segments)) if seg.role == "query"]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+
+
+class ActiveRows:
+    """One set of a reuse prefill's active rows (from the start, or from a shrink to the next one),
+    planned once on the host and used by every layer it lasts.
+
+    ``positions`` are the rows' prompt positions (host ints, an int64 numpy array in the engine's row
+    order); ``host`` the same as a CPU tensor — the slots and positions
+    :meth:`~kvbench.kv.store.LayerKV.write` reads on the host, pinned on CUDA so that its copies to the
+    device are asynchronous; ``device`` the same on the compute device (on a CPU, ``host`` itself).
+    What the layers index with (the rows' order, the query rows among them, the cached rows among
+    them) and the attention layouts of these rows (:func:`~kvbench.engine.attention.past_layout`, their
+    masks included) are made at their first use and kept until the set changes.
+    """
+
+    def __init__(self, plan: ReusePrefill, positions: np.ndarray) -> None:
+        self.plan = plan
+        self.positions = positions
+        self.count = len(positions)
+        # every slot 0..n-1 is written at each layer these rows compute (the cached rows installed, these
+        # rows fresh) and a slot holds its own position: the attention then plans its keys as positions
+        # 0..n-1 without reading them (the rows are distinct, so counting the uncached ones suffices)
+        self.in_order = int((~plan.cached_flags[positions]).sum()) == len(plan.uncached)
+        self.host = plan._host_ints(positions)
+        self.device = plan._on_device(self.host)
+        self.layouts: dict[str, attention.PastLayout] = {}
+        self.keep: np.ndarray | None = None  # indices into the previous set that gave this one
+        self._order: torch.Tensor | None = None
+        self._queries: torch.Tensor | None = None
+        self._covered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def order(self) -> torch.Tensor:
+        """``arange(count)`` on the device (every active row, in order)."""
+        if self._order is None:
+            self._order = self.plan._on_device(self.plan._host_ints(np.arange(self.count)))
+        return self._order
+
+    @property
+    def queries(self) -> torch.Tensor:
+        """Indices of the query-segment rows among these rows (device)."""
+        if self._queries is None:
+            self._queries = self.plan.device_index(np.flatnonzero(self.plan.query_flags[self.positions]))
+        return self._queries
+
+    @property
+    def covered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices among these rows, prompt positions) of the rows a cache covers (device)."""
+        if self._covered is None:
+            index = np.flatnonzero(self.plan.cached_flags[self.positions])
+            both = self.plan._on_device(self.plan._host_ints(np.stack([index, self.positions[index]])))
+            self._covered = (both[0], both[1])
+        return self._covered
+
+
+class ReusePrefill(PrefillPlan):
+    """The per-layer plan of a reuse method: install cached rows, recompute the active ones.
+
+    **On the host, once per set of active rows.** Everything the layers index with is planned from the
+    request on the host before the first layer (:class:`ActiveRows`): the active rows' slots and
+    positions as CPU tensors for :meth:`~kvbench.kv.store.LayerKV.write` (which reads them on the
+    host), the same on the device for the engine and the gathers, the cached rows' slots and the
+    re-rotation deltas, and the attention layout of the active rows — which kernel, which keys each
+    block of rows reads, and its additive mask, made on the device once
+    (:func:`~kvbench.engine.attention.past_layout`) and passed to every layer. The set changes only
+    where the method shrinks it (CacheBlend's check layers); the new one is planned then. So a layer
+    issues no host read: the only one in a prefill is, at each shrink decided on the device
+    (CacheBlend's HKVD selection), one read of the chosen rows (``Tensor.tolist``), which the new set's
+    slots (host, for the write) and block bounds (for the attention's key counts) are made from.
+    """
+
+    def __init__(
+        self, ctx: GenerationContext, method: ReusePolicy, input_ids: torch.Tensor, segments: tuple[Segment, ...]
+    ) -> None:
+        n = int(input_ids.numel())
+        self.method = method
+        self.n = n
+        self.segments = segments
+        self.device = torch.device(ctx.spec.device)
+        self._pin = self.device.type == "cuda"
+        self.spans = method.cached_segments(ctx, segments)
+        store = method.chunk_store()
+        self.timing = {
+            "load_s": 0.0,
+            "load_wait_s": 0.0,
+            "rerotate_s": 0.0,
+            "write_s": 0.0,
+            "select_s": 0.0,
+            "recompute_s": 0.0,
+        }
+        started = time.perf_counter()
+        for span in self.spans:
+            span.reader = store.open(span.key)
+            if span.reader is None:
+                raise RuntimeError(f"chunk cache {span.key.digest} vanished from the store between prepare and prefill")
+        opened = time.perf_counter() - started
+        self.timing["load_s"] += opened
+        self.timing["load_wait_s"] += opened
+        # the request's layout, on the host (numpy: planning reads no tensor)
+        cached_flags = np.zeros(n, dtype=bool)
+        for span in self.spans:
+            cached_flags[span.begin : span.end] = True
+        query_flags = np.zeros(n, dtype=bool)
+        for segment, (begin, end) in zip(segments, segment_spans(segments)):
+            if segment.role == "query":
+                query_flags[begin:end] = True
+        self.cached_flags = cached_flags
+        self.query_flags = query_flags
+        self.cached_mask = torch.from_numpy(cached_flags)
+        self.query_mask = torch.from_numpy(query_flags)
+        spans = [(span.begin, span.end) for span in self.spans]
+        empty = np.zeros(0, dtype=np.int64)
+        self.cached_slots = self._host_ints(np.concatenate([np.arange(b, e) for b, e in spans] or [empty]))
+        self._deltas = np.concatenate(
+            [np.full(span.end - span.begin, span.delta, dtype=np.int64) for span in self.spans] or [empty]
+        )
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
+        self.uncached = np.flatnonzero(~cached_flags)
+        self.n_context = n - int(query_flags.sum())  # the non-query rows
+        initial = method.initial_rows(self)
+        initial = initial.tolist() if isinstance(initial, torch.Tensor) else initial
+        self.rows = ActiveRows(self, np.asarray(initial, dtype=np.int64))
+        self._next: ActiveRows | None = None
+        self.layouts_built = 0
+        ids = input_ids[self.rows.host.to(input_ids.device)]
+        if self._pin and ids.device.type == "cpu":
+            ids = ids.pin_memory()
+        super().__init__(ctx, self._on_device(ids), self.rows.device)
+        self.recomputed: list[int] = []
+        self.installed_layers = 0
+        self._keep: torch.Tensor | None = None
+        self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows (device)
+        # profile.deviation: the full prefill's K, V, Q
+        self.reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = method.reference
+        self._queries: dict[int, torch.Tensor] = {}  # profile.deviation: the query rows' queries per layer
+        n_layers = ctx.spec.n_layers
+        self.recompute_per_layer = [0.0] * n_layers
+        self._layer_started = 0.0
+        self.cache_layers = (
+            [layer for layer in method.cache_layers(self) if 0 <= layer < n_layers] if self.spans else []
+        )
+        self.loader = LayerLoader(self.spans, self.device, n_layers, pipelined=bool(store.config.pipeline))
+        if self.cache_layers:
+            self.loader.prefetch(self.cache_layers[0])
+
+    # ------------------------------------------------------------------ host → device
+    def _host_ints(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        """Host ints as an int64 CPU tensor (pinned on CUDA, for asynchronous copies)."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return host.pin_memory() if self._pin else host
+
+    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the compute device: itself on a CPU, else an asynchronous copy (pinned source)."""
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+
+    def device_index(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        """Host ints (indices a method computed on the host) as an int64 tensor on the compute device."""
+        return self._on_device(self._host_ints(values))
+
+    # ------------------------------------------------------------------ per layer
+    def before_layer(self, layer: int) -> None:
+        self._keep = None
+        self.recomputed.append(self.rows.count)
+        needed = self.method.needs_cache_at(self, layer)
+        rows = None
+        if needed:
+            rows = self.loader.take(layer)
+        else:
+            self.loader.discard(layer)
+        later = [i for i in self.cache_layers if i > layer]
+        if later:
+            self.loader.prefetch(later[0])  # loads while this layer installs and computes
+        if needed:
+            assert rows is not None
+            self._install(layer, rows)
+        self._layer_started = time.perf_counter()
+
+    def cached_values(self, layer: int) -> torch.Tensor | None:
+        """The installed (cached) V of the active rows at ``layer`` (``[kv_heads, t, d]``; zeros for rows
+        no cache covers, such as the query), or None when nothing is installed; valid until the layer's
+        fresh rows overwrite them."""
+        kv = self.ctx.store[layer]
+        if kv.n == 0:
+            return None
+        out = torch.zeros(kv.n_kv_heads, self.rows.count, kv.head_dim, dtype=kv.dtype, device=kv.home)
+        index, positions = self.rows.covered
+        out[:, index.to(kv.home)] = kv.values[:, positions.to(kv.home)]
+        return out
+
+    def _install(self, layer: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write layer ``layer``'s cached rows (``rows``: the loader's K, V per span) into the store: the
+        spans' keys re-rotated together by each row's delta (one rotation computed for all layers), one
+        write."""
+        kv = self.ctx.store[layer]
+        started = time.perf_counter()
+        keys = torch.cat([k[:, span.rows] for (k, _), span in zip(rows, self.spans)], dim=1)
+        values = torch.cat([v[:, span.rows] for (_, v), span in zip(rows, self.spans)], dim=1)
+        gathered = time.perf_counter()
+        if self._rotation is None:
+            moved = bool((self._deltas != 0).any())
+            deltas = self._on_device(self._host_ints(self._deltas)) if moved else None
+            self._rotation = rotation(self.ctx.model, deltas, keys.device) if deltas is not None else ()
+        if self._rotation:
+            keys = apply_rotation(self.ctx.model, keys, *self._rotation)
+        rotated = time.perf_counter()
+        kv.write(self.cached_slots, keys, values, self.cached_slots)
+        self.timing["write_s"] += (gathered - started) + (time.perf_counter() - rotated)
+        self.timing["rerotate_s"] += rotated - gathered
+        self.installed_layers += 1
+
+    def _shrink(self, keep: torch.Tensor | np.ndarray | list[int]) -> ActiveRows:
+        """The active rows after ``keep`` (indices into the current ones; a device tensor is read here,
+        once: the shrink's one host read)."""
+        chosen = np.asarray(keep.tolist() if isinstance(keep, torch.Tensor) else keep, dtype=np.int64)
+        rows = ActiveRows(self, self.rows.positions[chosen])
+        if isinstance(keep, torch.Tensor) and keep.device.type == self.device.type:
+            self._keep = keep
+        else:
+            self._keep = self._on_device(self._host_ints(chosen))
+        rows.keep = chosen
+        return rows
+
+    def _layout(self, rows: ActiveRows, name: str, positions: np.ndarray, query: torch.Tensor) -> attention.PastLayout:
+        """The attention layout of query rows at ``positions`` over the layer's ``n`` keys, kept on ``rows``
+        under ``name`` (made at its first use: once per set of active rows)."""
+        found = rows.layouts.get(name)
+        if found is None:
+            found = rows.layouts[name] = attention.past_layout(
+                self.n, positions, dtype=query.dtype, device=query.device
+            )
+            self.layouts_built += 1
+        return found
+
+    def attend(
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        kv = self.ctx.store[layer]
+        active = self.rows
+        if self.reference is not None:
+            self._queries[layer] = query[0][:, active.queries].clone()
+        started = time.perf_counter()
+        keep = self.method.on_layer(self, layer, value[0])
+        nxt = self._next = self._shrink(keep) if keep is not None else None
+        self.timing["select_s"] += time.perf_counter() - started
+        if kv.n == 0:
+            kv.append(key[0], value[0], active.host)
+        else:
+            kv.write(active.host, key[0], value[0], active.host)
+        if active.count == self.n:
+            # Every row is fresh, in order: the dense kernel of `full` (rows dropped after it are unused).
+            return attention.dense(module, query, key, value, scaling)
+        m = active.count
+        code = self.method.bottom_right_mask
+        if nxt is None:
+            rows = active.order
+            positions = np.arange(self.n - m, self.n) if code else active.positions
+            layout_of, name = active, "code" if code else "exact"
+        else:
+            assert self._keep is not None and nxt.keep is not None
+            rows = self._keep
+            positions = self.n - m + nxt.keep if code else nxt.positions
+            # exact: these rows are the next set's, whose layout the later layers reuse; code: this layer's own
+            layout_of, name = (nxt, "exact") if not code else (active, f"code@{layer}")
+        out = torch.zeros(1, m, query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+        q = query[:, :, rows]
+        if active.in_order:
+            layout = self._layout(layout_of, name, positions, query)
+            out[:, rows] = attention.with_past(
+                q, kv.keys, kv.values, kv.positions[0], active.host, scaling, layout=layout
+            )
+        else:
+            # rows that are neither cached nor active leave their slots unwritten at this layer (zero K/V at
+            # position -1, attended as such: CacheBlend's suffix=last_token drops query rows that no cache
+            # covers); the positions are then read where they are, as before
+            where = self._on_device(self._host_ints(positions))
+            out[:, rows] = attention.with_past(q, kv.keys, kv.values, kv.positions[0], where, scaling)
+        return out
+
+    def after_layer(self, layer: int) -> torch.Tensor | None:
+        spent = time.perf_counter() - self._layer_started
+        self.recompute_per_layer[layer] += spent
+        self.timing["recompute_s"] += spent
+        if self._next is not None:
+            self.rows, self._next = self._next, None
+        return self._keep
+
+    def telemetry(self) -> dict[str, Any]:
+        self.loader.close()
+        self.timing["load_s"] += self.loader.load_s
+        self.timing["load_wait_s"] += self.loader.wait_s
+        deviation = self._deviation() if self.reference is not None else None
+        for span in self.spans:
+            if span.reader is not None:
+                span.reader.close()
+        tiers: dict[str, int] = {}
+        for span in self.spans:
+            if span.reader is not None:
+                tiers[span.reader.tier] = tiers.get(span.reader.tier, 0) + 1
+        return {
+            "tokens": self.n,
+            # rows whose K/V at the last layer come from a cache
+            "reused_tokens": self.n - self.recomputed[-1] if self.recomputed else 0,
+            "recompute_per_layer": [r / self.n for r in self.recomputed],
+            "recompute_ratio": sum(self.recomputed) / (self.n * len(self.recomputed)) if self.recomputed else None,
+            "chunks": len(self.spans),
+            "chunk_tiers": tiers,
+            **self.timing,
+            "load_hidden_s": max(0.0, self.timing["load_s"] - self.timing["load_wait_s"]),
+            "pipelined": self.loader.pipelined,
+            "load_per_layer_s": [round(x, 6) for x in self.loader.per_layer_s],
+            "recompute_per_layer_s": [round(x, 6) for x in self.recompute_per_layer],
+            "attention_layouts": self.layouts_built,
+            **({"deviation": deviation} if deviation is not None else {}),
+        }
+
+    # ------------------------------------------------------------------ profile.deviation
+    def _deviation(self) -> dict[str, Any]:
+        """How far reuse is from a full prefill (CacheBlend Figs. 6–8), computed after the prefill.
+
+        * ``reused_kv``: per layer, the KV deviation of every cached token *as reused* (re-rotated,
+          before any recompute) from the full prefill's — squared L2 of V summed over heads and
+          dimensions, the quantity CacheBlend selects by — as a 101-point quantile curve, its mean, and
+          the share of the total carried by the top 15 % of tokens (Fig. 7);
+        * ``spearman``: rank correlation of those per-token deviations between consecutive layers (Fig. 8);
+        * ``attention``: per layer, the Frobenius norm of the difference between the query rows'
+          attention (softmax over every prompt key, causal by position) in this prefill and in the full
+          one, averaged over heads, and its mean over layers (Fig. 6's y axis);
+        * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute.
+        """
+        assert self.reference is not None  # (called only with profile.deviation)
+        keys_f, values_f, queries_f = self.reference
+        # per-token deviations are computed where the KV lives and read on the host (curves, ranks)
+        device = keys_f[0].device if keys_f else torch.device("cpu")
+        cached = torch.nonzero(self.cached_mask).flatten().cpu()
+        curves, means, top15, per_layer = [], [], [], []
+        blended, attention_dev = [], []
+        scale = self.ctx.spec.head_dim**-0.5
+        positions = torch.arange(self.n, device=device)
+        query_positions = positions[self.query_mask.to(device)]
+        for layer in range(len(keys_f)):
+            dev = torch.zeros(self.n, device=device)
+            for span in self.spans:
+                assert span.reader is not None
+                _, v = span.reader.layer(layer)
+                v = v[:, span.rows].to(device).float()
+                dev[span.begin : span.end] = (
+                    (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
+                )
+            tokens = dev.cpu()[cached]
+            per_layer.append(tokens)
+            ordered = torch.sort(tokens).values
+            curves.append(
+                [round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))]
+                if tokens.numel()
+                else []
+            )
+            means.append(float(tokens.mean()) if tokens.numel() else 0.0)
+            k = max(1, int(0.15 * tokens.numel()))
+            total = float(tokens.sum())
+            top15.append(float(ordered[-k:].sum()) / total if total > 0 else 0.0)
+            kv = self.ctx.store[layer]
+            blend_k, blend_v = kv.keys[:, : self.n].to(device).float(), kv.values[:, : self.n].to(device).float()
+            blended.append(
+                float(
+                    (
+                        (blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
+                        + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))
+                    ).mean()
+                )
+            )
+            q_b, q_f = self._queries.get(layer), queries_f[layer]
+            if q_b is not None and q_b.shape[1]:
+                a_b = _attention(q_b.float(), blend_k, query_positions, positions, scale)
+                a_f = _attention(q_f.float(), keys_f[layer].float(), query_positions, positions, scale)
+                attention_dev.append(float((a_b - a_f).flatten(1).norm(dim=1).mean()))
+        spearman = [_spearman(a, b) for a, b in zip(per_layer, per_layer[1:])]
+        return {
+            "metric": "V squared L2 summed over heads and dims (reused_kv); K+V (blended_kv)",
+            "reused_kv_quantiles": curves,
+            "reused_kv_mean": means,
+            "reused_kv_top15_share": top15,
+            "spearman": spearman,
+            "blended_kv_mean": blended,
+            "attention": attention_dev,
+            "attention_mean": float(sum(attention_dev) / len(attention_dev)) if attention_dev else None,
+        }
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention ``[heads, rows, keys]`` of queries ``[heads, rows, d]`` over keys ``[kv_heads, n, d]``
+    (query head h reads KV head h // group), causal by position."""
+    group = q.shape[0] // k.shape[0]
+    logits = torch.einsum("hrd,hnd->hrn", q, k.repeat_interleave(group, dim=0)) * scale
+    logits = logits.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks of ``x`` with ties given their average rank (as Spearman's coefficient defines them)."""
+    values, order = torch.sort(x)
+    _, inverse, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    average = ends - (counts.double() - 1) / 2  # 1-based average rank of each group of equal values
+    ranks = torch.empty(x.numel(), dtype=torch.float64)
+    ranks[order] = average[inverse]
+    return ranks
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman rank correlation of two equally long vectors (average ranks for ties; None when either
+    is constant, e.g. layer 0, whose KV cannot deviate)."""
+    if a.numel() < 2:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = float(ra.norm() * rb.norm())
+    return float((ra * rb).sum()) / denominator if denominator > 1e-12 else None
