@@ -45,6 +45,18 @@ def test_experiment_names_a_published_artifact_and_every_scale(name):
         assert all(s[0] == f"+experiment={name}" for s in sweeps(exp, "smoke"))
 
 
+def test_paper_scale_of_pqcache_table4_runs_the_papers_nine_tasks():
+    """Table 4 reports Zh.QA (longbook_qa_chn) and no Code.Debug: the paper scale runs exactly its rows."""
+    from kvbench.tasks.infinitebench_protocol import PQCACHE
+
+    paper = load_experiment("pqcache_table4").scale("paper").overrides
+    (subsets,) = [o for o in paper if o.startswith("task.subsets=")]
+    ran = set(subsets.partition("=")[2].strip("[]").split(","))
+    published = {r["dataset"] for r in get_artifact("pqcache/table4").values} - {"average"}
+    assert ran == published == set(PQCACHE)
+    assert "longbook_qa_chn" in ran and "code_debug" not in ran
+
+
 def test_list_prints_every_artifact_with_a_description():
     out = kvbench("reproduce", "--list")
     assert out.returncode == 0, out.stderr
