@@ -46,6 +46,14 @@ optionally ``<dim>_label`` with the paper's own spelling where kvbench's name di
 - ``value`` (a number as printed) **or** ``low`` and ``high`` (a stated range such as "2.2-3.3x");
 - ``relation``: how the number bounds the truth — ``=`` (default), ``~`` (about, around), ``<`` /
   ``<=`` (less than; at most, within, up to), ``>`` / ``>=``; for a range it applies to the range;
+- ``sided``: how a claim is graded against ours (``kvbench.render.holds``), when its wording says more
+  than ``relation``: ``at_least`` (a floor on a quantity where more is better: "reduces TTFT by
+  2.2-3.3x", "more than 2x"; above a stated range ours *exceeds* it), ``at_most`` (a ceiling on a
+  quantity where less is better: "within 0.02", "less than 2 %"; below a stated range ours exceeds
+  it), ``up_to`` (the paper's best case over its settings of a quantity where more is better: "by up
+  to 2.5x"; at or below it ours is consistent with it, above it exceeds it), ``range`` (a two-sided
+  band: inside or not). Without it ``>``/``>=`` read ``at_least``, ``<``/``<=`` ``at_most``, a range
+  with ``=``/``~`` ``range``, and a single ``=``/``~`` number is not graded;
 - ``quote``: the sentence the number was read from, verbatim; required for every number that does
   not come from a table, so each prose number can be checked against the paper text;
 - ``note``: a caveat.
@@ -78,7 +86,9 @@ if TYPE_CHECKING:
 KINDS = ("table", "figure", "prose")
 RELATIONS = ("=", "~", "<", "<=", ">", ">=")
 #: keys a row may carry besides its dims and their labels
-ROW_FIELDS = ("value", "low", "high", "relation", "quote", "note")
+ROW_FIELDS = ("value", "low", "high", "relation", "sided", "quote", "note")
+#: how a stated number is graded (see ``sided`` in the module doc)
+SIDES = ("at_least", "at_most", "up_to", "range")
 #: the contract's names (DESIGN.md); methods and models being added concurrently are named here once
 KVBENCH_METHODS = (
     "full",
@@ -245,7 +255,8 @@ def get_artifact(ref: str, artifact: str | None = None) -> Artifact:
 
 def values_frame(paper: str, artifact: str) -> pd.DataFrame:
     """The artifact's rows as a DataFrame: ``paper``, ``artifact``, the dims, the paper's labels, the
-    ``fixed`` keys, then ``value``, ``low``, ``high``, ``relation`` (default ``=``), ``metric``,
+    ``fixed`` keys, then ``value``, ``low``, ``high``, ``relation`` (default ``=``), ``sided`` (as given,
+    else None), ``metric``,
     ``unit``, ``quote`` and ``note``. Empty (with the same columns) when the paper gives no numbers."""
     import pandas as pd
 
@@ -261,6 +272,7 @@ def values_frame(paper: str, artifact: str) -> pd.DataFrame:
         "low",
         "high",
         "relation",
+        "sided",
         "metric",
         "unit",
         "quote",
@@ -467,6 +479,8 @@ def _row(row: Any, i: int, dims: list[str], kind: str, vocab: Mapping[str, Abstr
         raise wrong("low is above high")
     if row.get("relation", "=") not in RELATIONS:
         raise wrong(f"relation must be one of {' '.join(RELATIONS)}")
+    if "sided" in row and row["sided"] not in SIDES:
+        raise wrong(f"sided must be one of {', '.join(SIDES)}")
     if kind != "table" and not _text(row.get("quote")):
         raise wrong("a number read from prose or a caption needs its quote")
     for key in ("quote", "note"):

@@ -28,7 +28,10 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
   without that key, one run, meets every row),
   ``rel_gain_over_best`` (100 · (a / max over the ``among`` rows − 1)), ``rel_gap`` (100 · (b − a) / b,
   the reduction of a from b);
-  ``scale`` multiplies the result. ``holds`` says whether ours satisfies the paper's bound or range.
+  ``scale`` multiplies the result. ``holds`` grades ours against the claim as it is worded (``sided``:
+  ``at_least``, ``at_most``, ``up_to``, ``range``, from the paper's row or inferred from its relation;
+  a claim row may set ``sided`` itself): ``yes``, ``no``, ``exceeds`` (better than a one-sided claim's
+  stated range or best case) or ``–`` (nothing to grade).
 
 ``curve`` — y against x, one line per ``series``, one panel per ``split`` (recall vs budget, PPL,
 latency vs context, quality vs TTFT); ``source: samples`` reads per-sample columns (``meta.length``,
@@ -119,6 +122,12 @@ def check_render(item: Any) -> None:
             op = (row.get("ours") or {}).get("op")
             if op not in OPS:
                 raise ConfigError(f"claims: op {op!r} is not one of {', '.join(OPS)}", "fix the claim's ours.op")
+            from kvbench.papers import SIDES
+
+            if "sided" in row and row["sided"] not in SIDES:
+                raise ConfigError(
+                    f"claims: sided {row['sided']!r} is not one of {', '.join(SIDES)}", "fix the claim's sided"
+                )
 
 
 @dataclass
@@ -300,27 +309,55 @@ def paper_text(row: Mapping[str, Any] | None, digits: int = 2) -> str:
     return f"{sign}{fmt(row.get('value'), digits)}"
 
 
+def sided(row: Mapping[str, Any] | None) -> str | None:
+    """How a published number is graded: the row's ``sided`` (``kvbench.papers``), else what its relation
+    says — ``>``/``>=`` ``at_least``, ``<``/``<=`` ``at_most``, a range with ``=``/``~`` ``range`` — or
+    None (a single ``=``/``~`` number, which is not graded)."""
+    if row is None:
+        return None
+    given = row.get("sided")
+    if isinstance(given, str) and given:
+        return given
+    relation = row.get("relation") or "="
+    if relation in (">", ">="):
+        return "at_least"
+    if relation in ("<", "<="):
+        return "at_most"
+    return "range" if not is_missing(row.get("low")) else None
+
+
 def holds(ours: float | None, row: Mapping[str, Any] | None) -> str:
-    """Whether ``ours`` satisfies the paper's bound or range: yes / no / – (an ``=`` or ``~`` number)."""
-    if row is None or is_missing(ours):
+    """Whether ``ours`` satisfies the paper's claim, graded as the claim is worded (:func:`sided`):
+
+    * ``at_least`` — ``no`` below the floor (``low``, or the value: strictly below it for ``>``), ``yes``
+      from there to the top of a stated range, ``exceeds`` above that top;
+    * ``at_most`` — the mirror: ``no`` above the ceiling, ``yes`` down to the bottom of a stated range,
+      ``exceeds`` below it;
+    * ``up_to`` — the paper's best case: ``yes`` at or below it, ``exceeds`` above it;
+    * ``range`` — two-sided: ``yes`` inside, ``no`` outside;
+    * ``–`` — no number of ours, or a single ``=``/``~`` number (nothing to grade).
+    """
+    side = sided(row)
+    if row is None or side is None or is_missing(ours):
         return "–"
     relation = row.get("relation") or "="
-    if not is_missing(row.get("low")):
-        low, high = row["low"], row["high"]
-        ok = {
-            "=": low <= ours <= high,
-            "~": low <= ours <= high,
-            "<": ours < high,
-            "<=": ours <= high,
-            ">": ours > low,
-            ">=": ours >= low,
-        }[relation]
-    else:
-        value = row["value"]
-        if relation in ("=", "~"):
-            return "–"
-        ok = {"<": ours < value, "<=": ours <= value, ">": ours > value, ">=": ours >= value}[relation]
-    return "yes" if ok else "no"
+    ranged = not is_missing(row.get("low"))
+    low = row["low"] if ranged else row["value"]
+    high = row["high"] if ranged else row["value"]
+    strict = relation in ("<", ">")
+    if side == "range":
+        return "yes" if low <= ours <= high else "no"
+    if side == "at_least":
+        if ours < low or (strict and ours == low):
+            return "no"
+        return "exceeds" if ranged and ours > high else "yes"
+    if side == "at_most":
+        if ours > high or (strict and ours == high):
+            return "no"
+        return "exceeds" if ranged and ours < low else "yes"
+    if side == "up_to":
+        return "exceeds" if ours > high else "yes"
+    raise ConfigError(f"unknown sided {side!r}", "use at_least, at_most, up_to or range")
 
 
 # ---------------------------------------------------------------------- kinds
@@ -652,12 +689,14 @@ def render_claims(
     out = []
     for label, group in groups(frame, split) if not frame.empty else [("", frame)]:
         for claim in spec.get("rows") or []:
-            keys = {k: v for k, v in claim.items() if k != "ours"}
+            keys = {k: v for k, v in claim.items() if k not in ("ours", "sided")}
             match = paper
             for key, wanted in keys.items():
                 if key in match.columns:
                     match = match[match[key].map(norm) == norm(wanted)]
             row = match.iloc[0].to_dict() if len(match) else None
+            if row is not None and claim.get("sided"):  # the experiment grades it otherwise (its notes say why)
+                row["sided"] = claim["sided"]
             ours = claim_value(group, claim["ours"]) if not group.empty else None
             out.append(
                 {
@@ -666,6 +705,7 @@ def render_claims(
                     "ours": fmt(ours, 3),
                     "paper": paper_text(row, 3) if row else "–",
                     "unit": (row or {}).get("unit") or "",
+                    "sided": (sided(row) or "–").replace("_", " "),
                     "holds": holds(ours, row),
                     "quote": (row or {}).get("quote") or "",
                 }

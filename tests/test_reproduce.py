@@ -161,6 +161,95 @@ def test_paper_text_and_holds():
     assert holds(None, {"value": 0.5, "relation": "<"}) == "–"
 
 
+# (ours, row, grade): every side's every outcome, and the edges
+SIDED_CASES = [
+    # at_least over a range ("reduces TTFT by 2.2-3.3x"): below no, inside yes, above exceeds
+    (2.0, {"low": 2.2, "high": 3.3, "sided": "at_least"}, "no"),
+    (2.2, {"low": 2.2, "high": 3.3, "sided": "at_least"}, "yes"),
+    (3.3, {"low": 2.2, "high": 3.3, "sided": "at_least"}, "yes"),
+    (4.1, {"low": 2.2, "high": 3.3, "sided": "at_least"}, "exceeds"),
+    # inferred at_least from > / >=: a single floor has nothing above it to exceed
+    (2.0, {"value": 2, "relation": ">"}, "no"),
+    (2.0, {"value": 2, "relation": ">="}, "yes"),
+    (9.0, {"value": 2, "relation": ">"}, "yes"),
+    # at_most over a range ("no more than 0.01-0.03"): above no, inside yes, below exceeds
+    (0.04, {"low": 0.01, "high": 0.03, "relation": "<="}, "no"),
+    (0.02, {"low": 0.01, "high": 0.03, "relation": "<="}, "yes"),
+    (0.0, {"low": 0.01, "high": 0.03, "relation": "<="}, "exceeds"),
+    (0.5, {"value": 0.5, "relation": "<"}, "no"),
+    (0.5, {"value": 0.5, "relation": "<="}, "yes"),
+    (9.0, {"low": 6, "high": 8, "sided": "at_most"}, "no"),
+    (3.0, {"low": 6, "high": 8, "sided": "at_most"}, "exceeds"),
+    # up_to ("by up to 2.5x", the best case over the paper's settings): at or below yes, above exceeds
+    (1.7, {"value": 2.5, "relation": "<=", "sided": "up_to"}, "yes"),
+    (2.5, {"value": 2.5, "relation": "<=", "sided": "up_to"}, "yes"),
+    (3.0, {"value": 2.5, "relation": "<=", "sided": "up_to"}, "exceeds"),
+    # range: two-sided, even when stated as "about"
+    (9.0, {"low": 10, "high": 15, "relation": "~"}, "no"),
+    (12.0, {"low": 10, "high": 15, "relation": "~"}, "yes"),
+    (16.0, {"low": 10, "high": 15, "relation": "~"}, "no"),
+    (4.1, {"low": 2.2, "high": 3.3, "sided": "range"}, "no"),
+    # nothing to grade
+    (3.0, {"value": 3.0}, "–"),
+    (float("nan"), {"low": 2.2, "high": 3.3, "sided": "at_least"}, "–"),
+    (3.0, None, "–"),
+]
+
+
+@pytest.mark.parametrize(("ours", "row", "grade"), SIDED_CASES)
+def test_holds_grades_a_claim_as_it_is_worded(ours, row, grade):
+    from kvbench.render import holds
+
+    assert holds(ours, row) == grade
+
+
+def test_cacheblends_ttft_range_is_graded_one_sided():
+    """4.1x against "reduces TTFT by 2.2-3.3x" exceeds the claim; a two-sided band said "no"."""
+    from kvbench.papers import values_frame
+    from kvbench.render import holds
+
+    paper = values_frame("cacheblend", "fig12")
+    row = paper[(paper.quantity == "ttft_speedup") & (paper.baseline == "full")].iloc[0].to_dict()
+    assert row["sided"] == "at_least"
+    assert holds(4.1, row) == "exceeds" and holds(2.5, row) == "yes" and holds(1.9, row) == "no"
+    assert holds(4.1, {**row, "sided": None}) == "no"  # the band it was graded as before
+    up_to = get_artifact("clusterkv/fig12").values
+    gain = next(r for r in up_to if r["quantity"] == "decode_throughput_gain")
+    assert gain["sided"] == "up_to" and holds(3.0, gain) == "exceeds" and holds(1.5, gain) == "yes"
+
+
+def test_a_claim_row_may_grade_otherwise_and_the_table_says_how(monkeypatch):
+    """An experiment's claim row sets `sided` over the paper's; the claims table shows the side and the grade."""
+    from kvbench import render
+
+    exp = load_experiment("cacheblend_fig12")
+    runs = pd.DataFrame({"config.model.name": ["m", "m"], "config.method.name": ["full", "cacheblend"]})
+    frame = pd.DataFrame(
+        {"config.model.name": ["m", "m"], "config.method.name": ["full", "cacheblend"], "ttft_s": [4.1, 1.0]}
+    )
+    monkeypatch.setattr(render, "long_frame", lambda _runs: frame)
+    row = {"quantity": "ttft_speedup", "baseline": "full"}
+    ours = {"op": "ratio", "metric": "ttft_s", "a": {"method": "full"}, "b": {"method": "cacheblend"}}
+    (section,) = render.render_claims(exp, {"rows": [{**row, "ours": ours}]}, runs)
+    shown = section.frame.iloc[0]
+    assert (shown["ours"], shown["sided"], shown["holds"]) == ("4.100", "at least", "exceeds")
+    (section,) = render.render_claims(exp, {"rows": [{**row, "sided": "range", "ours": ours}]}, runs)
+    assert (section.frame.iloc[0]["sided"], section.frame.iloc[0]["holds"]) == ("range", "no")
+    assert "sided" not in section.frame.columns[:3].tolist()  # not a key that picks the paper's row
+    with pytest.raises(ConfigError, match="sided"):
+        render.check_render({"claims": {"rows": [{**row, "sided": "sometimes", "ours": ours}]}})
+
+
+def test_a_paper_row_with_an_unknown_side_is_refused(tmp_path):
+    from kvbench.papers import PaperDataError, load_file
+
+    text = (REPO / "results" / "papers" / "clusterkv.yaml").read_text(encoding="utf-8")
+    bad = tmp_path / "clusterkv.yaml"
+    bad.write_text(text.replace("sided: up_to", "sided: mostly", 1), encoding="utf-8")
+    with pytest.raises(PaperDataError, match="sided must be one of"):
+        load_file(bad)
+
+
 def test_claim_ops_against_hand_computed_values():
     from kvbench.render import claim_value
 
