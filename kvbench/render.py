@@ -47,7 +47,8 @@ of the task's figures (``kvbench report --figure-kind``: the rag task's ``pipeli
 ``paired`` — methods compared on the same samples against a ``baseline`` run: mean difference,
 bootstrap 95 % interval, McNemar (0/100 scores) or paired permutation p-value (:mod:`kvbench.stats`).
 
-``bench`` — the benchmark's rows as a table.
+``bench`` — the benchmark's rows as a table; ``columns`` lists the columns to show, or maps each to its
+label (a column a benchmark computes rather than measures says so in its label).
 
 Every item may give ``title`` (for tables: the section title) and ``where`` (filters on our rows).
 Column names: ``model``, ``method``, ``task``, ``budget`` (label), ``token_ratio``, ``comm_ratio``,
@@ -921,7 +922,9 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
 def render_bench(spec: Mapping[str, Any], bench_rows: Any, notes: Sequence[str]) -> list[Section]:
     if bench_rows is None or bench_rows.empty:
         return [Section(spec.get("title") or "benchmark", markdown="(not measured yet)")]
-    frame = bench_rows[[c for c in spec.get("columns") or bench_rows.columns if c in bench_rows.columns]]
+    wanted = spec.get("columns") or list(bench_rows.columns)
+    labels = dict(wanted) if isinstance(wanted, Mapping) else {c: c for c in wanted}
+    frame = bench_rows[[c for c in labels if c in bench_rows.columns]].rename(columns=labels)
     shown = frame.map(lambda v: fmt(v, 4))
     return [
         Section(

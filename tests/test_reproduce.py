@@ -614,3 +614,19 @@ def test_averages_over_different_sets_are_not_differenced():
     )
     assert _unlike_averages(merged, ["dataset", "method"]) == {2: (1, 2)}
     assert _unlike_averages(merged, ["method"]) == {}  # no dataset axis: nothing to compare
+
+
+def test_bench_columns_may_be_labelled_and_fig15c_labels_its_computed_columns():
+    from kvbench.render import render_bench
+
+    rows = pd.DataFrame({"batch": [1, 2], "full_one_by_one_s": [7.0, 14.0], "decode_s": [2.0, 3.0]})
+    (section,) = render_bench({"columns": {"batch": "B", "full_one_by_one_s": "one at a time, computed"}}, rows, [])
+    assert list(section.frame.columns) == ["B", "one at a time, computed"]
+    assert section.frame.iloc[1].tolist() == ["2", "14"]
+    (plain,) = render_bench({"columns": ["decode_s"]}, rows, [])
+    assert list(plain.frame.columns) == ["decode_s"]
+    exp = load_experiment("cacheblend_fig15c")
+    (bench,) = [item["bench"] for item in exp.render if "bench" in item]
+    for column in ("full_one_by_one_s", "cacheblend_prefill_s"):  # B x the batch-1 time, never measured at B
+        assert "computed" in bench["columns"][column]
+    assert "measured" in bench["columns"]["full_prefill_s"]
