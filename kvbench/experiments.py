@@ -20,6 +20,10 @@ run directory). Why this shape:
   (ClusterKV's metric × clusters next to its method × budget); only ``kvbench reproduce`` runs those;
 * ``reproduce.bench`` names a ``kvbench bench`` benchmark instead of a run sweep (latency figures);
   its options per scale are ``reproduce.scales.<scale>.bench``;
+* ``reproduce.cannot`` says why an artifact of the papers cannot run in kvbench at any scale (a system
+  kvbench does not have, a model it cannot hold): the file has no sweep, every scale is skipped with
+  that reason, ``kvbench reproduce --list`` prints it beside the description, and ``kvbench
+  reproduce`` renders the paper's numbers alone;
 * ``reproduce.render`` says how to draw the artifact (tables beside the paper's numbers, claims,
   curves, heatmaps, paired statistics; :mod:`kvbench.render` documents each kind), ``compare``
   which published artifact of ``results/papers`` it is compared with, ``join`` / ``stand_ins`` how
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,7 @@ _KEYS = (
     "why",
     "notes",
     "paper_factor",
+    "cannot",
 )
 _SCALE_KEYS = ("overrides", "bench", "why", "skip", "also")
 FIX = "edit the experiment file (the schema is in kvbench/experiments.py)"
@@ -97,6 +102,7 @@ class Experiment:
     why: Mapping[str, str] = field(default_factory=dict)
     notes: str | None = None
     paper_factor: float = 1.0  # multiplies the paper's "score (0-1)" numbers (100: kvbench's 0-100 scale)
+    cannot: str | None = None  # why the artifact cannot run in kvbench at any scale (no sweep, every scale skipped)
 
     @property
     def ref(self) -> str:
@@ -176,6 +182,14 @@ def _experiment(name: str, path: Path, data: Any) -> Experiment:
             else tuple(tuple(str(o) for o in sweep_) for sweep_ in entry["also"]),
         )
     also = tuple(tuple(str(o) for o in sweep_) for sweep_ in spec.get("also") or ())
+    cannot = spec.get("cannot")
+    if cannot is not None:
+        if not isinstance(cannot, str) or not cannot.strip():
+            raise bad("reproduce.cannot must say why the artifact cannot run")
+        if sweep or also or spec.get("bench"):
+            raise bad("an artifact that cannot run has no sweep, also or bench")
+        cannot = " ".join(cannot.split())
+        scales = {name: replace(scales.get(name, ScaleSpec()), skip=cannot) for name in SCALES}
     bench = spec.get("bench")
     if bench is not None:
         from kvbench.bench import discover
@@ -192,12 +206,14 @@ def _experiment(name: str, path: Path, data: Any) -> Experiment:
             check_render(item)
         except ConfigError as error:
             raise bad(f"render[{index}]: {error.message}") from None
+    description = " ".join(spec["description"].split())
     return Experiment(
         name=name,
         paper=paper,
         artifact=artifact,
         compare=str(spec.get("compare") or f"{paper}/{artifact}"),
-        description=" ".join(spec["description"].split()),
+        # `kvbench reproduce --list` prints the description: an artifact that cannot run says why there
+        description=f"{description} — cannot run in kvbench: {cannot}" if cannot else description,
         path=path,
         sweep={str(k): _sweep_value(v) for k, v in sweep.items()},
         scales=scales,
@@ -209,6 +225,7 @@ def _experiment(name: str, path: Path, data: Any) -> Experiment:
         why=dict(spec.get("why") or {}),
         notes=spec.get("notes"),
         paper_factor=float(spec.get("paper_factor", 1.0)),
+        cannot=cannot,
     )
 
 
@@ -263,7 +280,7 @@ def sweeper_overrides(overrides: Sequence[str]) -> list[str]:
 def sweeps(exp: Experiment, scale: str, extra: Sequence[str] = ()) -> list[list[str]]:
     """The override lists (each a sweep, ``-m`` style) of ``exp`` at ``scale``: the file's sweep and its
     ``also`` sweeps, each followed by the scale's overrides and then ``extra`` (later values win)."""
-    if exp.bench is not None:
+    if exp.bench is not None or exp.cannot is not None:
         return []
     shared = [*load_scale(scale).overrides, *exp.scale(scale).overrides, *extra]
     base = [f"{k}={v}" for k, v in exp.sweep.items()]

@@ -38,7 +38,10 @@ def test_experiment_names_a_published_artifact_and_every_scale(name):
     art = get_artifact(exp.compare)  # raises when results/papers has no such artifact
     assert art.paper == exp.paper
     assert exp.render, "an experiment says how to render it"
-    if exp.bench:
+    if exp.cannot:
+        assert not exp.sweep and not exp.also and sweeps(exp, "paper") == []
+        assert all(exp.scale(s).skip == exp.cannot for s in ("smoke", "cpu", "paper"))
+    elif exp.bench:
         assert {"smoke", "cpu", "paper"} <= set(exp.scales), "a bench experiment gives options per scale"
     else:
         assert exp.sweep, "hydra.sweeper.params holds the sweep"
@@ -63,6 +66,35 @@ def test_list_prints_every_artifact_with_a_description():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == len(experiment_names())
     assert any(line.startswith("pqcache/table3 ") and "question" in line for line in lines)
+
+
+def test_list_says_why_the_artifacts_nothing_runs_cannot_run(tmp_path):
+    """PQCache Tables 5 and 6 and ClusterKV Fig. 13a have published numbers and no kvbench run: the list
+    says why beside each, and reproducing one prints the paper's numbers alone with the reason."""
+    out = kvbench("reproduce", "--list")
+    lines = {line.split()[0]: line for line in out.stdout.strip().splitlines()}
+    for ref, why in (("pqcache/table5", "MInference"), ("pqcache/table6", "70B"), ("clusterkv/fig13a", "InfiniGen")):
+        assert "cannot run in kvbench" in lines[ref] and why in lines[ref].split("cannot run in kvbench")[1]
+    done = kvbench("reproduce", "pqcache/table5", f"output_dir={tmp_path / 'runs'}", "--out", str(tmp_path / "r"))
+    assert done.returncode == 0, done.stderr
+    assert "does not run at scale cpu: MInference" in done.stderr
+    assert "– / 47.31" in done.stdout and not (tmp_path / "runs").exists()
+
+
+def test_an_experiment_that_cannot_run_has_no_sweep(tmp_path):
+    from kvbench.experiments import _experiment
+
+    body = {"reproduce": {"description": "d", "cannot": "no such system", "render": []}}
+    exp = _experiment("pqcache_table5", tmp_path / "pqcache_table5.yaml", body)
+    assert exp.description == "d — cannot run in kvbench: no such system" and sweeps(exp, "cpu") == []
+    with pytest.raises(ConfigError, match="has no sweep"):
+        _experiment(
+            "pqcache_table5",
+            tmp_path / "pqcache_table5.yaml",
+            {**body, "hydra": {"sweeper": {"params": {"method": "full"}}}},
+        )
+    with pytest.raises(ConfigError, match="must say why"):
+        _experiment("pqcache_table5", tmp_path / "x.yaml", {"reproduce": {"description": "d", "cannot": " "}})
 
 
 def test_unknown_artifact_is_one_line_with_a_suggestion():
