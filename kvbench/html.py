@@ -90,6 +90,8 @@ def page(report: Any) -> str:
         f'<p class="note">scale {html.escape(report.scale)} · <code>kvbench reproduce {html.escape(report.exp.ref)} '
         f"scale={html.escape(report.scale)}</code></p>",
     ]
+    if getattr(report.exp, "notes", None):  # what the experiment file says no claim row can compare, and why
+        parts.append(f'<p class="note">{_inline(" ".join(str(report.exp.notes).split()))}</p>')
     for section in report.sections:
         parts.append(f"<section><h2>{html.escape(section.title)}</h2>" if section.title else "<section>")
         if section.frame is not None:

@@ -27,7 +27,8 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
   (a / b), ``diff`` (a − b), ``max_diff`` (largest a − b over rows aligned on ``over``; a side
   without that key, one run, meets every row),
   ``rel_gain_over_best`` (100 · (a / max over the ``among`` rows − 1)), ``rel_gap`` (100 · (b − a) / b,
-  the reduction of a from b);
+  the reduction of a from b), ``gap_ratio`` ((a − max over the ``among`` rows) / (a − b): how many times
+  smaller b's gap to a is than the best of the others'; none when b's gap is 0);
   ``scale`` multiplies the result. ``holds`` grades ours against the claim as it is worded (``sided``:
   ``at_least``, ``at_most``, ``up_to``, ``range``, from the paper's row or inferred from its relation;
   a claim row may set ``sided`` itself): ``yes``, ``no``, ``exceeds`` (better than a one-sided claim's
@@ -104,7 +105,7 @@ _ITEM_KEYS = {
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
     "bench": {"columns", "title"},
 }
-OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap")
+OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap", "gap_ratio")
 
 
 def check_render(item: Any) -> None:
@@ -612,11 +613,15 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     a = mean(spec.get("a"))
     if op == "value":
         result = a
-    elif op == "rel_gain_over_best":
+    elif op in ("rel_gain_over_best", "gap_ratio"):
         among = select(rows_for(frame, list(spec.get("among") or {})), spec.get("among"))
         name = column(among, metric)
         best = max((float(v) for v in (among[name] if name else []) if not is_missing(v)), default=None)
-        result = 100.0 * (a / best - 1.0) if a is not None and best else None
+        if op == "rel_gain_over_best":
+            result = 100.0 * (a / best - 1.0) if a is not None and best else None
+        else:
+            b = mean(spec.get("b"))
+            result = (a - best) / (a - b) if a is not None and b is not None and best is not None and a != b else None
     elif op == "max_diff":
         over = spec.get("over", "dataset")
         if RUN_LEVEL in frame.columns:  # over subsets: the subsets' rows, else the runs'

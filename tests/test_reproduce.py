@@ -312,6 +312,11 @@ def test_claim_ops_against_hand_computed_values():
         frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"}, "b": {"method": "full"}}
     ) == pytest.approx(0.4)
     assert claim_value(frame, {"op": "value", "a": {"method": "snapkv"}, "scale": 0.5}) == pytest.approx(20.0)
+    # PQCache's "This difference is 6.36 times smaller than that of other baselines": (a - best) / (a - b)
+    gap = {"op": "gap_ratio", "a": {"method": "full", **avg}, "b": {"method": "pqcache", **avg}}
+    gap["among"] = {"method": ["snapkv", "pyramidkv"], **avg}
+    assert claim_value(frame, gap) == pytest.approx((50.0 - 44.0) / (50.0 - 46.2))
+    assert claim_value(frame, {**gap, "b": {"method": "full", **avg}}) is None  # no gap: unbounded, not shown
     # CacheBlend Fig. 16's quality drop: full recompute (no ratio, one run) against every recompute ratio
     ratios = pd.DataFrame(
         {
