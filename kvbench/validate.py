@@ -64,6 +64,60 @@ def check_groups(resolved: dict[str, Any]) -> None:
         )
 
 
+def check_known_keys(resolved: dict[str, Any]) -> None:
+    """Every top-level key and every ``model.*`` key is one kvbench reads: an added key (``+foo=bar``,
+    ``+model.revison=main``) would change the run id and nothing else. (``method.*``, ``task.*``,
+    ``budget.*``, ``profile.*``, ``store.*`` and ``engine.*`` keys are checked against their own
+    declarations.)"""
+    import difflib
+
+    top = known_top_keys()
+    for key in resolved:
+        if key not in top:
+            close = difflib.get_close_matches(key, sorted(top), n=1)
+            raise ConfigError(
+                f"unknown setting {key}"
+                + (f" (did you mean {close[0]}?)" if close else "")
+                + ": kvbench reads no such key",
+                f"drop +{key}=...; the settings are {', '.join(sorted(top))} (`kvbench run --help`)",
+            )
+    model = resolved.get("model") or {}
+    known = known_model_keys()
+    for key in model:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            raise ConfigError(
+                f"model {model.get('name')} has no setting model.{key}"
+                + (f" (did you mean model.{close[0]}?)" if close else ""),
+                f"drop +model.{key}=...; model keys are {', '.join(sorted(known))}",
+            )
+
+
+def _conf_keys(path: Path) -> set[str]:
+    import yaml
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return {str(key) for key in data} if isinstance(data, dict) else set()
+
+
+def known_top_keys() -> set[str]:
+    """Top-level keys of a run config: ``conf/config.yaml``'s and the three groups."""
+    from kvbench.compose import NOT_RUN_KEYS
+
+    return (_conf_keys(_conf() / "config.yaml") - {"defaults", *NOT_RUN_KEYS}) | {"model", "method", "task"}
+
+
+def known_model_keys() -> set[str]:
+    """Every key a ``conf/model/*.yaml`` declares (what :func:`kvbench.models.loading.load_model` reads)."""
+    return set().union(*(_conf_keys(path) for path in sorted((_conf() / "model").glob("*.yaml"))))
+
+
+def _conf() -> Path:
+    import kvbench.conf
+
+    return Path(kvbench.conf.__file__).parent
+
+
 def check_prefill_cache(resolved: dict[str, Any]) -> None:
     """``prefill_cache``: true, false or null (on in sweeps, off in a single run;
     :mod:`kvbench.engine.prefill_cache`)."""
@@ -98,7 +152,19 @@ def check_budget(resolved: dict[str, Any]) -> None:
     for key, value in budget.items():
         if key in BUDGET_TYPES:
             _typed(f"budget.{key}", value, *BUDGET_TYPES[key])
-    BudgetConfig.from_mapping(budget)  # unknown keys and ranges
+    config = BudgetConfig.from_mapping(budget)  # unknown keys and ranges
+    if config.tokens is not None and config.token_ratio is not None:
+        raise BudgetError(
+            f"budget.tokens={config.tokens} and budget.token_ratio={config.token_ratio} both set the budget "
+            "(budget.tokens wins, and the ratio would only rename the run)",
+            f"drop one: budget.tokens={config.tokens} or budget.token_ratio={config.token_ratio}",
+        )
+    if config.tokens is not None and config.local is not None and config.local > config.tokens:
+        raise BudgetError(
+            f"budget.local={config.local} is larger than budget.tokens={config.tokens} "
+            "(the window is part of the budget)",
+            f"use budget.local <= {config.tokens}, or raise budget.tokens",
+        )
 
 
 def check_engine(resolved: dict[str, Any]) -> None:
@@ -149,6 +215,42 @@ def check_task_types(resolved: dict[str, Any]) -> None:
     limit = cfg.get("limit")
     if limit is not None:
         _typed("task.limit", limit, (int,), True, 1, "task.limit=10")
+    for key, low in TASK_MINIMUMS.items():
+        value = cfg.get(key)
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if isinstance(item, (int, float)) and not isinstance(item, bool) and item < low:
+                default = cls.defaults.get(key)
+                raise ConfigError(
+                    f"task.{key}={_show_value(value)} {'holds' if isinstance(value, list) else 'is'} {item:g}, "
+                    f"below {low:g}: {TASK_MINIMUM_WHY.get(key, 'nothing to run')}",
+                    f"e.g. task.{key}={_example(default) if default not in (None, []) else low}",
+                )
+
+
+#: ``task.*`` counts that must be at least this (any task that has the key): below it a run computes
+#: nothing (or only the prompt) and still reports a score
+TASK_MINIMUMS: dict[str, float] = {
+    "max_new_tokens": 1,
+    "lengths": 1,
+    "needles": 1,
+    "num_samples": 1,
+    "repeats": 1,
+    "eval_every": 1,
+    "max_length": 1,
+    "chunk_tokens": 1,
+    "top_k": 1,
+    "map_tokens": 1,
+    "queries_per_context": 1,
+}
+TASK_MINIMUM_WHY = {
+    "max_new_tokens": "no answer would be generated, and every sample would score against an empty prediction",
+    "lengths": "a prompt needs tokens",
+}
+
+
+def _show_value(value: Any) -> str:
+    return _example(value) if isinstance(value, list) and len(value) <= 3 else _show(value)
 
 
 def _like(key: str, value: Any, default: Any, example: str | None = None) -> None:
@@ -199,14 +301,122 @@ def check_task(resolved: dict[str, Any]) -> None:
 
 
 def model_max_length(model: dict[str, Any]) -> int | None:
-    """The model's context limit when the config states it (``model.max_length``, or a random model's
-    ``max_position_embeddings``); None when only the weights know."""
+    """The model's context limit when known before its weights load (``model.max_length``, else the
+    ``max_position_embeddings`` of :func:`model_shape`); None when only the weights know."""
     if model.get("max_length"):
         return int(model["max_length"])
-    if model.get("source") == "random":
-        value = (model.get("config") or {}).get("max_position_embeddings")
-        return int(value) if value else None
-    return None
+    value = (model_shape(model) or {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def model_shape(model: dict[str, Any]) -> dict[str, int] | None:
+    """The model's architecture numbers (``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim``, ``max_position_embeddings``) when they are known without
+    loading weights: a random model's ``model.config``, a local folder's ``config.json``, or the
+    ``config.json`` of an asset already converted (``kvbench fetch``). None otherwise (a hub id, an
+    asset not converted yet): the checks that need it are then left to the loader."""
+    import json
+
+    source = model.get("source")
+    config: Any = None
+    try:
+        if source == "random":
+            config = dict(model.get("config") or {})
+        elif source == "pretrained" and model.get("path") and Path(str(model["path"])).expanduser().is_dir():
+            config = json.loads((Path(str(model["path"])).expanduser() / "config.json").read_text(encoding="utf-8"))
+        elif source == "asset" and model.get("asset"):
+            from kvbench.assets import kvbench_home
+
+            found = kvbench_home() / "models" / str(model["asset"]) / "config.json"
+            config = json.loads(found.read_text(encoding="utf-8")) if found.exists() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    config = {**config, **(config.get("text_config") or {})}  # (multimodal configs nest the decoder's)
+    shape: dict[str, int] = {}
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size"):
+        if isinstance(config.get(key), int):
+            shape[key] = config[key]
+    if isinstance(config.get("max_position_embeddings"), int):
+        shape["max_position_embeddings"] = config["max_position_embeddings"]
+    if "num_key_value_heads" not in shape and "num_attention_heads" in shape:
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+    if "head_dim" not in shape and shape.get("num_attention_heads") and "hidden_size" in shape:
+        shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    return shape or None
+
+
+def check_method_in_model(resolved: dict[str, Any]) -> None:
+    """``method.*`` values that name parts of the model (layers, head dimensions) exist in it, once its
+    config is known (:func:`model_shape`), before weights load: ``method.dense_layers=[99]`` on a 4-layer
+    model, dense layers that leave no layer to compress, a CacheBlend check layer past the last layer,
+    a PQ sub-space count that does not divide the head dimension, SparQ components beyond it."""
+    from kvbench.methods import METHOD_PRESETS, PARAMS, validate_method_config
+
+    if resolved["method"].get("name") not in {*PARAMS, *METHOD_PRESETS}:
+        return  # a method registered outside kvbench.methods (tests, notebooks) checks its own parameters
+    shape = model_shape(resolved["model"]) or {}
+    layers, head_dim = shape.get("num_hidden_layers"), shape.get("head_dim")
+    params = validate_method_config(resolved["method"])
+    name, model = resolved["method"]["name"], resolved["model"]["name"]
+    dense = tuple(getattr(params, "dense_layers", ()) or ())
+    if len(set(dense)) < len(dense):
+        raise ConfigError(f"method.dense_layers={list(dense)} names a layer twice", "list each layer once")
+    if layers is not None:
+        outside = [layer for layer in dense if layer >= layers]
+        if outside:
+            raise ConfigError(
+                f"method.dense_layers={list(dense)}: model {model} has {layers} layers (0-{layers - 1}), "
+                f"so there is no layer {outside[0]}",
+                f"use layers from 0 to {layers - 1}, e.g. method.dense_layers=[0,1]",
+            )
+        if dense and len(set(dense)) >= layers:
+            raise ConfigError(
+                f"method.dense_layers={list(dense)} makes every layer of model {model} dense: method {name} "
+                "would compress nothing",
+                f"leave some of layers 0-{layers - 1} out, or use method=full",
+            )
+        _check_layer_params(params, layers, model)
+    _check_head_dim(params, head_dim, model)
+
+
+def _check_layer_params(params: Any, layers: int, model: str) -> None:
+    """Single-layer parameters (a reuse method's ``stop_layer``, CacheBlend's check layers) inside the model."""
+    stop = getattr(params, "stop_layer", None)
+    if isinstance(stop, int) and stop >= layers:
+        raise ConfigError(
+            f"method.stop_layer={stop}: model {model} has {layers} layers (0-{layers - 1})",
+            f"use method.stop_layer <= {layers - 1}, or null",
+        )
+    check = getattr(params, "check_layer", None)
+    if check is None:
+        return
+    ratios = len(getattr(params, "filter_ratios", ()) or ()) or 1
+    if check + ratios > layers:
+        what = f"method.check_layer={check}" + (f" with {ratios} method.filter_ratios" if ratios > 1 else "")
+        raise ConfigError(
+            f"{what} needs layers up to {check + ratios - 1}, but model {model} has {layers} (0-{layers - 1})",
+            f"use method.check_layer <= {layers - ratios}",
+        )
+
+
+def _check_head_dim(params: Any, head_dim: int | None, model: str) -> None:
+    if head_dim is None:
+        return
+    m = getattr(params, "m", None)
+    if isinstance(m, int) and head_dim % m:
+        options = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
+        raise ConfigError(
+            f"method.m={m} does not divide model {model}'s head dimension {head_dim} (PQ splits each key into m parts)",
+            f"use one of method.m={', '.join(map(str, options))}",
+        )
+    r = getattr(params, "r", None)
+    if isinstance(r, int) and r > head_dim:
+        raise ConfigError(
+            f"method.r={r} is more query components than model {model}'s head dimension {head_dim}",
+            f"use method.r <= {head_dim}",
+        )
 
 
 def check_model(resolved: dict[str, Any]) -> None:
@@ -248,6 +458,12 @@ def check_lengths(resolved: dict[str, Any]) -> None:
     task, model = resolved["task"], resolved["model"]
     extra = EXACT_LENGTH_TASKS.get(task["name"])
     limit = model_max_length(model)
+    generate = task.get("max_new_tokens")
+    if limit is not None and isinstance(generate, int) and generate >= limit:
+        raise ConfigError(
+            f"task.max_new_tokens={generate} leaves no room for a prompt in model {model['name']}'s {limit} tokens",
+            f"use task.max_new_tokens well below {limit}, e.g. task.max_new_tokens=64",
+        )
     if extra is None or limit is None or not task.get("lengths"):
         return
     longest = max(int(x) for x in task["lengths"])
@@ -280,25 +496,26 @@ def check_output_dir(resolved: dict[str, Any]) -> None:
 
 def check_data(resolved: dict[str, Any]) -> None:
     """The task can find its data before any model loads: ``task.data_dir`` is a folder, the files the
-    task will read exist and its JSONL files parse line by line (up to ``task.limit`` rows each, so a bad
-    line is reported now, with its file and line number). Whether the hub answers is not a property of
-    the config: :func:`kvbench.runner.run` checks it before the model loads (a dry run plans offline)."""
+    task will read exist and have the shape the task reads (:meth:`Task.check_data`: a JSONL file's rows
+    parse and carry the fields the task reads, up to ``task.limit`` rows, a JSON file holds the list it
+    should, a text file is text), so a bad file is reported now, with its file and line number, in
+    ``--dry-run`` too. Whether the hub answers is not a property of the config:
+    :func:`kvbench.runner.run` checks it before the model loads (a dry run plans offline)."""
     from kvbench.tasks import create_task
-    from kvbench.tasks.sources import check_jsonl, data_dir
+    from kvbench.tasks.sources import data_dir
 
     task_cfg = resolved["task"]
     data_dir(task_cfg)
     task = create_task(task_cfg)
-    limit = task_cfg.get("limit")
     for path in task.data_files():
         stat = path.stat()
-        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, limit)
-        if path.suffix == ".jsonl" and key not in _CHECKED_FILES:  # sweep points share their data files
-            check_jsonl(path, limit=int(limit) if limit is not None else None)
+        key = (task.name, str(path.resolve()), stat.st_size, stat.st_mtime_ns, repr(sorted(task.cfg.items())))
+        if key not in _CHECKED_FILES:  # sweep points share their data files
+            task.check_data(path)
             _CHECKED_FILES.add(key)
 
 
-_CHECKED_FILES: set[tuple[str, int, int, Any]] = set()
+_CHECKED_FILES: set[tuple[str, str, int, int, str]] = set()
 
 
 def check_store(resolved: dict[str, Any]) -> None:
@@ -332,6 +549,7 @@ def check_reuse_task(resolved: dict[str, Any]) -> None:
 CONFIG_CHECKS: list[Check] = [
     check_store,
     check_groups,
+    check_known_keys,
     check_prefill_cache,
     check_engine,
     check_budget,
@@ -340,6 +558,7 @@ CONFIG_CHECKS: list[Check] = [
     check_task,
     check_reuse_task,
     check_model,
+    check_method_in_model,
     check_lengths,
     check_output_dir,
     check_data,
@@ -363,18 +582,76 @@ def check_method_budget(resolved: dict[str, Any]) -> None:
         )
     task = resolved["task"]
     extra = EXACT_LENGTH_TASKS.get(task["name"])
-    if budget.tokens is not None and extra is not None and task.get("lengths"):
-        shortest = min(int(x) for x in task["lengths"])
-        capacity = shortest + extra(task)
-        if budget.tokens > capacity:
-            raise BudgetError(
-                f"budget.tokens={budget.tokens} is larger than the context of task.lengths={shortest} "
-                f"({shortest} prompt tokens + {extra(task)} generated)",
-                f"use budget.tokens <= {capacity}, or a relative budget such as budget.token_ratio=0.1",
-            )
+    sink = budget.sink if budget.sink is not None else method.defaults().sink
+    limit = model_max_length(resolved["model"])
+    if limit is not None and sink >= limit:
+        raise BudgetError(
+            f"{_sink_key(budget, method)}={sink} is not smaller than model {resolved['model']['name']}'s "
+            f"{limit}-token context: every token would be a sink, and nothing compressed",
+            "use a few sink tokens, e.g. budget.sink=32",
+        )
+    if extra is None or not task.get("lengths"):
+        return
+    shortest = min(int(x) for x in task["lengths"])
+    capacity = shortest + extra(task)
+    if budget.tokens is not None and budget.tokens > capacity:
+        raise BudgetError(
+            f"budget.tokens={budget.tokens} is larger than the context of task.lengths={shortest} "
+            f"({shortest} prompt tokens + {extra(task)} generated)",
+            f"use budget.tokens <= {capacity}, or a relative budget such as budget.token_ratio=0.1",
+        )
+    _check_budget_parts(budget, method, sink, shortest, capacity)
 
 
-METHOD_CHECKS: list[Check] = [check_method_budget]
+def _sink_key(budget: Any, method: Any) -> str:
+    return "budget.sink" if budget.sink is not None else f"method.sink (method {method.name}'s default)"
+
+
+def _check_budget_parts(budget: Any, method: Any, sink: int, shortest: int, capacity: int) -> None:
+    """The budget's parts against the shortest prompt: sinks that leave no token to choose among, sinks
+    plus ``budget.tokens`` that attend every token although the budget alone is smaller than the prompt
+    (the run would read as compressed and compress nothing), a ``budget.local`` beyond the budget."""
+    from kvbench.budget import resolve_budget
+
+    if sink >= shortest:
+        raise BudgetError(
+            f"{_sink_key(budget, method)}={sink} is not smaller than the shortest prompt (task.lengths has "
+            f"{shortest}): every prompt token would be a sink, and nothing compressed",
+            f"use budget.sink below {shortest}, e.g. budget.sink=32",
+        )
+    if budget.tokens is not None and budget.tokens < shortest <= sink + budget.tokens:
+        raise BudgetError(
+            f"budget.tokens={budget.tokens} plus {sink} sink tokens ({_sink_key(budget, method)}) covers the "
+            f"whole {shortest}-token prompt of task.lengths: every token is attended, nothing compressed",
+            f"lower {_sink_key(budget, method).split(' ')[0]} or budget.tokens so their sum is below {shortest}",
+        )
+    resolve_budget(budget, shortest, method.defaults(), method.name, capacity)  # budget.local vs the budget
+
+
+def check_device_present(resolved: dict[str, Any]) -> None:
+    """A ``model.device`` of ``cuda``/``cuda:N`` exists on this machine (asking needs torch, so it is a
+    method check): without it a run would fail only when the model loads."""
+    device = str((resolved.get("model") or {}).get("device") or "auto")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        where = (
+            f"this machine has {count} CUDA device{'s' if count != 1 else ''}"
+            if count
+            else "this machine has no CUDA device"
+        )
+        raise ConfigError(
+            f"model.device={device}, but {where}",
+            "use model.device=auto (CUDA when present, else the CPU)"
+            + (f" or cuda:0..{count - 1}" if count else " or model.device=cpu"),
+        )
+
+
+METHOD_CHECKS: list[Check] = [check_device_present, check_method_budget]
 
 
 # ---------------------------------------------------------------------- entry points

@@ -186,7 +186,7 @@ class PQCacheParams(RetrievalParams):
         None,
         "k-means iteration cap, or adaptive (the paper's cost model, fitted per machine on the k-means it "
         "governs); null: the protocol's (pqcache: adaptive, pqcache_niah: 10)",
-        min=0,
+        min=1,
     )
     kmeans_rules: Literal["sklearn", "fixed"] = param(
         "sklearn",
@@ -208,6 +208,7 @@ class PQCacheParams(RetrievalParams):
         "k-means worker threads of this method instance; a layer's KV heads x sub-spaces "
         "are split among them (the authors run h_kv*m processes)",
         min=1,
+        max=512,
     )
 
     def validate(self) -> None:
@@ -228,7 +229,7 @@ class ClusterKVParams(RetrievalParams):
     clusters: int | None = param(
         None, "prefill clusters; null: round((L - sink) / 80) (paper); authors' code: 400", min=1
     )
-    kmeans_iters: int = param(20, "k-means iteration cap", min=0)
+    kmeans_iters: int = param(20, "k-means iteration cap", min=1)
     until_stable: bool = param(True, "stop once no label changes (paper: until convergence)")
     metric: Literal["cosine", "l2", "ip"] = param("cosine", "k-means metric: cosine (paper) | l2 | ip")
     seed: int = param(42, "k-means initialisation seed")

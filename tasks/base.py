@@ -242,6 +242,25 @@ class Task:
         configuration cannot find its data (a required file or folder missing) raises its error here."""
         return []
 
+    def check_data(self, path: Path) -> None:
+        """Check one of :meth:`data_files` by its shape before any model loads (:mod:`kvbench.validate`,
+        also in ``--dry-run``), raising :class:`ConfigError` with the file and line and the shape
+        expected. By default a JSONL file's rows parse, there is at least one, and each of the first
+        ``task.limit`` has :meth:`row_fields`; a ``.txt`` file is text (:func:`~kvbench.tasks.sources.check_text`).
+        Tasks with other formats override it."""
+        from kvbench.tasks.sources import check_jsonl, check_text
+
+        if path.suffix == ".jsonl":
+            fields = self.row_fields(path)
+            check_jsonl(path, limit=self.limit, fields=(lambda row: fields) if fields else None)
+        elif path.suffix == ".txt":
+            check_text(path)
+
+    def row_fields(self, path: Path) -> tuple[str, ...]:
+        """The keys every row of the JSONL data file ``path`` must have (what :meth:`samples` reads
+        unconditionally); none by default."""
+        return ()
+
     def hub_source(self) -> tuple[str, str] | None:
         """(data set, where else to get it) when this run reads its data from the Hugging Face hub, so that
         ``kvbench run`` can fail before the model loads when the hub does not answer

@@ -143,6 +143,9 @@ class GSM8kCoT(Task):
         files = [find_file(folder, TEST_FILES, "the GSM8k test set", WHERE)] if folder is not None else []
         return files + ([self._prompt_file()] if self.cfg["protocol"] != "wei8" else [])
 
+    def row_fields(self, path: Path) -> tuple[str, ...]:
+        return ("question", "answer")
+
     def hub_source(self) -> tuple[str, str] | None:
         return (HUB, WHERE) if data_dir(self.cfg) is None else None
 

@@ -299,6 +299,9 @@ class InfiniteBench(Task):
             return []
         return [self._local_file(folder, task) for task in self.names]
 
+    def row_fields(self, path: Path) -> tuple[str, ...]:
+        return ("answer",)
+
     def hub_source(self) -> tuple[str, str] | None:
         return (HUB, WHERE) if data_dir(self.cfg) is None and not self.generating else None
 

@@ -69,6 +69,14 @@ def move_question_first(template: str) -> str:
     return match.group(1) + "\n\n" + rest
 
 
+def prompt_fields(template: str) -> tuple[str, ...]:
+    """The row keys a prompt template formats in (``{context}``, ``{input}``), in order."""
+    import string
+
+    names = (field for _, field, _, _ in string.Formatter().parse(template) if field)
+    return tuple(dict.fromkeys(name.split(".")[0].split("[")[0] for name in names))
+
+
 def middle_truncate(tokenizer: Any, prompt: str, max_length: int) -> tuple[str, bool]:
     """LongBench's truncation: keep the first and last ``max_length // 2`` tokens of the raw prompt."""
     ids = tokenizer(prompt, add_special_tokens=True).input_ids
@@ -201,6 +209,12 @@ class LongBench(Task):
         folder = data_dir(self.cfg)
         return [self._local_file(folder, name) for name in self.names] if folder is not None else []
 
+    def row_fields(self, path: Path) -> tuple[str, ...]:
+        """A row's keys the prompt template names (``context``, ``input``) and ``answers``."""
+        name = path.stem.removesuffix("_e") if self.cfg["e"] else path.stem
+        dataset = self.datasets.get(name)
+        return ("answers", *prompt_fields(self.template(dataset))) if dataset is not None else ("answers",)
+
     def hub_source(self) -> tuple[str, str] | None:
         return (HUB, WHERE) if data_dir(self.cfg) is None else None
 
@@ -216,6 +230,12 @@ class LongBench(Task):
         for name, dataset in self.datasets.items():
             template = self.template(dataset)
             for index, row in enumerate(self.limited(self._rows(name))):
+                missing = [key for key in ("answers", *prompt_fields(template)) if key not in row]
+                if missing:  # (local files are checked before the model loads; a hub row is not)
+                    raise ConfigError(
+                        f"LongBench {name} row {index + 1} has no {', '.join(missing)}",
+                        f"use complete data: {WHERE}",
+                    )
                 prompt = template.format(**row)
                 prompt, truncated = middle_truncate(model.tokenizer, prompt, limit)
                 use_chat = name not in NO_CHAT and model.chat.available

@@ -271,6 +271,11 @@ class NeedleInAHaystack(Task):
         repeats = -(-length // len(ids))
         return (ids * repeats)[:length]
 
+    def data_files(self) -> list[Path]:
+        """The essays of ``task.data_dir`` (each checked to be text before the model loads); none for the
+        packaged haystack."""
+        return sorted(self._haystack_dir().glob("*.txt")) if self.cfg.get("data_dir") else []
+
     def _haystack_dir(self) -> Path:
         if self.cfg.get("data_dir"):
             path = Path(str(self.cfg["data_dir"])).expanduser()

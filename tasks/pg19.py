@@ -76,6 +76,19 @@ class PG19(Task):
     def data_files(self) -> list[Path]:
         return [self._book()] if self.cfg["source"] == "data_dir" else []
 
+    def check_data(self, path: Path) -> None:
+        import codecs
+
+        from kvbench.tasks.sources import check_text
+
+        try:
+            codecs.lookup(str(self.cfg["encoding"]))
+        except LookupError:
+            raise ConfigError(
+                f"task.encoding={self.cfg['encoding']!r} names no text encoding", "e.g. task.encoding=utf-8"
+            ) from None
+        check_text(path, str(self.cfg["encoding"]))
+
     def hub_source(self) -> tuple[str, str] | None:
         return (HUB, WHERE) if self.cfg["source"] == "hub" else None
 

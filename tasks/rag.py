@@ -85,6 +85,7 @@ from kvbench.tasks.rag_figures import FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
 from kvbench.tasks.rag_system_figures import SYSTEM_FIGURE_KINDS
+from kvbench.tasks.sources import check_jsonl, json_kind, missing_folder, read_json, read_json_rows
 
 PLACEHOLDER = "\u0000KVBENCH_RAG_USER\u0000"
 ANSWER_CUE = "\nAnswer:"
@@ -150,6 +151,60 @@ DATASETS: dict[str, RagDataset] = {
         RagDataset("example", "example_inputs", "cacheblend", "", "", max_new_tokens=32, metric=None),
     )
 }
+
+
+CACHEBLEND_SHAPE = 'a JSON list of {"question": ..., "answers": [...], "ctxs": [{"title": ..., "text": ...}, ...]}'
+EXAMPLE_SHAPE = 'a JSON object {"query": ..., "chunk_num": N, "0": <chunk>, ..., "<N-1>": <chunk>}'
+
+
+def _check_cacheblend(path: Path, limit: int | None) -> None:
+    """CacheBlend's musique/wikimqa file: the rows :meth:`Rag._records` reads, up to ``limit``."""
+    rows = read_json_rows(path, CACHEBLEND_SHAPE)
+    if not rows:
+        raise ConfigError(f"{path} holds an empty list (expected {CACHEBLEND_SHAPE})", "download the file again")
+    for line, row in rows[:limit]:
+        problem = _cacheblend_row_problem(row)
+        if problem:
+            raise ConfigError(
+                f"{path}:{line}: {problem} (expected {CACHEBLEND_SHAPE})", "repair that row or download the file again"
+            )
+
+
+def _cacheblend_row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"a JSON {json_kind(row)}, not an object"
+    missing = [key for key in ("question", "answers", "ctxs") if key not in row]
+    if missing:
+        return f"the row has no {', '.join(repr(k) for k in missing)}"
+    if not isinstance(row["question"], str) or not row["question"]:
+        return "its question is not a non-empty string"
+    if not isinstance(row["answers"], list):
+        return "its answers are not a list"
+    if not isinstance(row["ctxs"], list) or not row["ctxs"]:
+        return "its ctxs are not a non-empty list"
+    for index, ctx in enumerate(row["ctxs"]):
+        if not isinstance(ctx, dict) or not all(isinstance(ctx.get(k), str) for k in ("title", "text")):
+            return f"ctxs[{index}] is not an object with a title and a text"
+    return None
+
+
+def _check_example(path: Path) -> None:
+    """One of CacheBlend's ``example_inputs/<n>.json``."""
+    row = read_json(path, EXAMPLE_SHAPE)
+    fix = "repair the file or download it again"
+    if not isinstance(row, dict):
+        raise ConfigError(f"{path}:1: a JSON {json_kind(row)}, not an object (expected {EXAMPLE_SHAPE})", fix)
+    count = row.get("chunk_num")
+    if not isinstance(row.get("query"), str) or isinstance(count, bool) or not isinstance(count, (int, str)):
+        raise ConfigError(f"{path}: no query text or chunk_num (expected {EXAMPLE_SHAPE})", fix)
+    try:
+        chunks = int(count)
+    except ValueError:
+        raise ConfigError(f"{path}: chunk_num={count!r} is not a number (expected {EXAMPLE_SHAPE})", fix) from None
+    missing = [str(i) for i in range(chunks) if not isinstance(row.get(str(i)), str)]
+    if missing or chunks < 1:
+        what = f"chunk {missing[0]!r} is missing" if missing else f"chunk_num={chunks}"
+        raise ConfigError(f"{path}: {what} (expected {EXAMPLE_SHAPE})", fix)
 
 
 @dataclass
@@ -235,7 +290,7 @@ class Rag(Task):
             )
         folder = Path(str(value)).expanduser()
         if not folder.is_dir():
-            raise ConfigError(f"task.data_dir={folder} is not a folder", f"pass task.data_dir={where}")
+            raise missing_folder(folder, where)
         path = folder / self.dataset.file
         if not path.exists() and self.dataset.name == "multi_news":
             path = next(iter(sorted(folder.rglob(self.dataset.file))), path)
@@ -246,6 +301,22 @@ class Rag(Task):
         if self.dataset.name == "example" and not self._example_files(path):
             raise ConfigError(f"{path} holds no <n>.json inputs", f"pass task.data_dir={where}")
         return path
+
+    def data_files(self) -> list[Path]:
+        return self._example_files(self.path) if self.dataset.name == "example" else [self.path]
+
+    def check_data(self, path: Path) -> None:
+        """The dataset's file has the shape :meth:`_records` reads: CacheBlend's JSON list of objects with
+        ``question``, ``answers`` and ``ctxs`` (each ``title`` and ``text``); LongBench's JSONL rows with
+        ``context`` and ``answers``; an example input, one object with ``query``, ``chunk_num`` and the
+        chunks ``"0"``..``"<chunk_num - 1>"``. A file that is not is one error naming file and line."""
+        name = self.dataset.name
+        if name == "multi_news":
+            check_jsonl(path, limit=self.limit, fields=lambda row: ("context", "answers"))
+        elif name == "example":
+            _check_example(path)
+        else:
+            _check_cacheblend(path, self.limit)
 
     @staticmethod
     def _example_files(folder: Path) -> list[Path]:

@@ -15,23 +15,48 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from kvbench.errors import ConfigError
 
+#: where the experiment files look for the staged data: ``${oc.env:KVBENCH_DATA,../shared/data}``
+DATA_VARIABLE = "KVBENCH_DATA"
+STAGED_DATA = "../shared/data"
 
-def data_dir(cfg: dict[str, Any]) -> Path | None:
+
+def data_dir(cfg: dict[str, Any], where: str | None = None) -> Path | None:
+    """``task.data_dir`` as a folder (None when unset); a missing folder is one error that names the
+    setting behind it (``where``: what the folder should hold)."""
     value = cfg.get("data_dir")
     if not value:
         return None
     path = Path(str(value)).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"task.data_dir={path} is not a folder", "point task.data_dir at the benchmark's data files")
+        raise missing_folder(path, where)
     return path
+
+
+def missing_folder(path: Path, where: str | None = None) -> ConfigError:
+    """The error for a ``task.data_dir`` that is not a folder. A relative path is shown with the folder it
+    was looked for in; a path under the staged data (``../shared/data``, where the experiment files and
+    the golden checks point unless ``$KVBENCH_DATA`` says otherwise) names that variable, since it, not
+    the command line, usually chose the folder."""
+    shown = f"{path} (from {Path.cwd()})" if not path.is_absolute() else str(path)
+    what = "is a file, not a folder" if path.exists() else "is not a folder"
+    staged = os.environ.get(DATA_VARIABLE)
+    fix = f"point task.data_dir at {where}" if where else "point task.data_dir at the benchmark's data files"
+    if STAGED_DATA in str(path) or (staged and str(path).startswith(staged)):
+        now = f"now {staged}" if staged else f"unset, so {STAGED_DATA} relative to the working directory"
+        fix = (
+            f"set {DATA_VARIABLE}=<the folder holding the staged data> ({DATA_VARIABLE} is {now}; the experiment "
+            f"files read ${{{DATA_VARIABLE}}}/<dataset>), run from the repository root, or pass task.data_dir=<folder>"
+        )
+    return ConfigError(f"task.data_dir={shown} {what}", fix)
 
 
 def find_file(folder: Path, names: list[str], what: str, where: str) -> Path:
@@ -50,27 +75,164 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     """The rows of a JSONL file; a line that is not a JSON object is an error naming file and line."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, 1):
+            if raw.strip():
+                yield parse_line(path, number, raw)
+
+
+def check_jsonl(
+    path: Path, limit: int | None = None, fields: Callable[[dict[str, Any]], Sequence[str]] | None = None
+) -> None:
+    """Parse the first ``limit`` rows (all when None) of a JSONL file, raising as :func:`read_jsonl` does;
+    a file without a row is an error, and so is a row without one of ``fields(row)`` (file and line named,
+    with the fields a row must have)."""
+    rows = 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
             if not raw.strip():
                 continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            row = parse_line(path, number, raw)
+            rows += 1
+            missing = [key for key in (fields(row) if fields else ()) if key not in row]
+            if missing:
+                wanted = ", ".join(fields(row)) if fields else ""
                 raise ConfigError(
-                    f"{path}:{number}: not a valid JSON line ({exc})", "repair that line or download the file again"
-                ) from None
-            if not isinstance(row, dict):
-                raise ConfigError(
-                    f"{path}:{number}: a JSON {type(row).__name__}, not an object (one row per line)",
+                    f"{path}:{number}: the row has no {', '.join(repr(k) for k in missing)} "
+                    f"(each line must be a JSON object with {wanted})",
                     "repair that line or download the file again",
                 )
-            yield row
+            if limit is not None and rows >= limit:
+                return
+    if rows == 0:
+        raise ConfigError(f"{path} holds no rows (an empty JSONL file)", "download the file again")
 
 
-def check_jsonl(path: Path, limit: int | None = None) -> None:
-    """Parse the first ``limit`` rows (all when None) of a JSONL file, raising as :func:`read_jsonl` does."""
-    for index, _ in enumerate(read_jsonl(path), 1):
-        if limit is not None and index >= limit:
-            return
+def parse_line(path: Path, number: int, raw: bytes) -> dict[str, Any]:
+    """One JSONL line as an object, or the error naming file and line."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"{path}:{number}: not a valid JSON line ({exc})", "repair that line or download the file again"
+        ) from None
+    if not isinstance(row, dict):
+        raise ConfigError(
+            f"{path}:{number}: a JSON {json_kind(row)}, not an object (one row per line)",
+            "repair that line or download the file again",
+        )
+    return row
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (``object``, ``list``, ``string``, ...)."""
+    kinds = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), "null")
+
+
+def read_json(path: Path, shape: str) -> Any:
+    """A whole JSON file (``shape`` says what it should hold, for the error); an empty, truncated or
+    otherwise unparsable file is one error naming file and line."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise ConfigError(f"{path} is empty (expected {shape})", "download the file again")
+    try:
+        text = data.decode("utf-8")
+        return json.loads(text)
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text, so not JSON (expected {shape})", "download the file again"
+        ) from None
+    except json.JSONDecodeError as exc:
+        ends = " where the file ends: a truncated file" if exc.pos >= len(text.rstrip()) else ""
+        raise ConfigError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}{ends}) (expected {shape})", "download the file again"
+        ) from None
+
+
+def read_json_rows(path: Path, shape: str) -> list[tuple[int, Any]]:
+    """The items of a JSON file holding one list, each with the line it starts on, so that a bad item
+    can be named by file and line; an empty, truncated or unparsable file, or one that is not a list,
+    is one error naming file and line and the expected ``shape``."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise ConfigError(f"{path} is empty (expected {shape})", "download the file again")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text, so not JSON (expected {shape})", "download the file again"
+        ) from None
+    decoder = json.JSONDecoder()
+    rows: list[tuple[int, Any]] = []
+    try:
+        position = _skip_space(text, 0)
+        if text[position] != "[":
+            value, _ = decoder.raw_decode(text, position)
+            raise ConfigError(
+                f"{path}:{text.count(chr(10), 0, position) + 1}: a JSON {json_kind(value)}, not a list "
+                f"(expected {shape})",
+                "point task.data_dir at the benchmark's original files",
+            )
+        position = _skip_space(text, position + 1)
+        while text[position] != "]":
+            value, end = decoder.raw_decode(text, position)
+            rows.append((text.count("\n", 0, position) + 1, value))
+            position = _skip_space(text, end)
+            if text[position] == ",":
+                position = _skip_space(text, position + 1)
+            elif text[position] != "]":
+                raise json.JSONDecodeError("expected ',' or ']'", text, position)
+    except json.JSONDecodeError as exc:
+        ends = " where the file ends: a truncated file" if exc.pos >= len(text.rstrip()) else ""
+        raise ConfigError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}{ends}) (expected {shape})", "download the file again"
+        ) from None
+    except IndexError:  # ran off the end: the list never closes
+        line = text.count("\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: the JSON ends before its list closes: a truncated file (expected {shape})",
+            "download the file again",
+        ) from None
+    return rows
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
+
+
+#: how much of a text file :func:`check_text` reads (a haystack or a book can be large; binary content
+#: shows in its first bytes)
+TEXT_PROBE_BYTES = 1 << 20
+
+
+def check_text(path: Path, encoding: str = "utf-8") -> None:
+    """A file read as prose (an essay, a book, a prompt file) is text: not empty, no NUL byte, and at most
+    1% of its first megabyte bytes that ``encoding`` cannot decode or control characters (a stray byte
+    in an essay passes, as the reader replaces it). A file that is not is refused with the line of its
+    first such byte."""
+    with open(path, "rb") as handle:
+        data = handle.read(TEXT_PROBE_BYTES)
+    fix = "remove it from the folder or replace it with text"
+    if not data.strip():
+        raise ConfigError(f"{path} is empty (expected text)", fix)
+    if b"\x00" in data:
+        line = data[: data.index(b"\x00")].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: a NUL byte: a binary file, not text", fix)
+    text = data.decode(encoding, errors="replace")
+    odd = [m.start() for m in _NOT_TEXT.finditer(text)]
+    if len(odd) > len(text) / 100:
+        line = text[: odd[0]].count("\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: {len(odd)} of its first {len(text)} characters are not {encoding} text: "
+            "a binary file, not text",
+            fix,
+        )
+
+
+_NOT_TEXT = re.compile("[\x01-\x08\x0e-\x1f\ufffd]")
 
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
