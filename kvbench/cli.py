@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvbench.compose import CONFIG_MODULE, register_method_configs
-from kvbench.errors import KvbenchError
+from kvbench.errors import ConfigError, KvbenchError
+from kvbench.listing import conf_dir, group_options
+
+__all__ = ["conf_dir", "group_options", "main"]
 
 GROUPS = ("model", "method", "task", "experiment")
 _SWEEP_RUNS: list[Any] = []
-
-
-def conf_dir() -> Path:
-    import kvbench.conf
-
-    return Path(kvbench.conf.__file__).parent
 
 
 def check_code_origin() -> None:
@@ -41,7 +38,6 @@ def check_code_origin() -> None:
     import importlib.util
 
     import kvbench
-    from kvbench.errors import ConfigError
 
     core = Path(kvbench.__file__).resolve().parent
     for name in ("kvbench.tasks", "kvbench.methods", "kvbench.conf"):
@@ -55,15 +51,6 @@ def check_code_origin() -> None:
                 f"kvbench's code comes from {core} but {name} from {folder} (an editable install of another checkout)",
                 f"run from {folder.parent}, or give this checkout its own environment (make install)",
             )
-
-
-def group_options(group: str) -> list[str]:
-    """The choices of a config group: YAML files, except methods (declared in kvbench.methods.params)."""
-    if group == "method":
-        from kvbench.methods import method_choices
-
-        return method_choices()
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
 # ---------------------------------------------------------------------- run
@@ -108,7 +95,6 @@ run.log); `kvbench report` tabulates them."""
 
 def _parse_run_args(argv: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
     """Split ``kvbench run`` arguments into our flags and Hydra overrides."""
-    from kvbench.errors import ConfigError
 
     flags = {"multirun": False, "help": False, "dry_run": False, "wait": False}
     overrides: list[str] = []
@@ -140,9 +126,23 @@ def _parse_run_args(argv: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
     return flags, overrides
 
 
+def check_repeated_keys(overrides: Sequence[str]) -> None:
+    """A key given twice on one command line (``method=oracle method=full``): Hydra would keep the last
+    silently, so the run would not be the one half of the command asked for."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = item.partition("=")[0].lstrip("+~")
+        if key in seen and seen[key].partition("=")[1:] != item.partition("=")[1:]:  # (one value twice: harmless)
+            values = ",".join(o.partition("=")[2] for o in (seen[key], item))
+            raise ConfigError(
+                f"{key} is given twice ({seen[key]} and {item}): only the last would count",
+                f"keep one; to run both, sweep them: -m {key}={values}",
+            )
+        seen[key] = item
+
+
 def _check_choices(overrides: Sequence[str]) -> None:
     """Group choices (``method=nope``) named with the valid names, before Hydra's longer message."""
-    from kvbench.errors import ConfigError
 
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -159,7 +159,6 @@ def _check_choices(overrides: Sequence[str]) -> None:
 def resolve_points(overrides: Sequence[str], multirun: bool) -> tuple[list[list[str]], list[dict[str, Any]]]:
     """Every point of the command (one without ``-m``), composed and validated, before any runs."""
     from kvbench.compose import compose_many, is_sweep, merge_overrides, shard_overrides, sweep_points
-    from kvbench.errors import ConfigError
     from kvbench.experiments import sweeper_overrides
     from kvbench.validate import validate_points
 
@@ -286,6 +285,8 @@ def cmd_run(argv: Sequence[str]) -> int:
         _OPTIONS["wait"] = flags["wait"]
         from kvbench.compose import shard_overrides
 
+        _check_choices(overrides)  # (an unknown name first: it is the likelier slip)
+        check_repeated_keys(overrides)
         overrides = shard_overrides(overrides)
         points, configs = resolve_points(overrides, flags["multirun"])
         if flags["dry_run"]:
@@ -334,42 +335,10 @@ def sweep_table(configs: list[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------- list / fetch / report
 def cmd_list(args: argparse.Namespace) -> int:
-    from kvbench.assets import ASSETS
-    from kvbench.methods import available_methods
-    from kvbench.tasks import available_tasks
+    from kvbench.listing import listing
 
-    sections = {
-        "models": group_options("model"),
-        "methods": [m for m in available_methods() if m in group_options("method")],
-        "tasks": [t for t in available_tasks() if t in group_options("task")],
-        "experiments": group_options("experiment"),
-        "assets": sorted(ASSETS),
-    }
-    if args.what == "methods":
-        print(method_table(sections["methods"]))
-        return 0
-    for name, items in sections.items():
-        if args.what in (None, name):
-            print(f"{name}: {', '.join(items) if items else '(none)'}")
+    print(listing(args.what))
     return 0
-
-
-def method_table(names: Sequence[str]) -> str:
-    """``kvbench list methods``: per method its family, then one row per parameter (``method.<key>``):
-    name, type, default, help."""
-    from kvbench.methods import REGISTRY
-    from kvbench.params import help_rows
-
-    tables = {name: help_rows(REGISTRY.get(name).Params) for name in names}
-    rows = [row for table in tables.values() for row in table]
-    widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
-    lines = []
-    for name, table in tables.items():
-        lines.append(f"{name} ({REGISTRY.get(name).family})" + ("" if table else ": no parameters"))
-        lines += [
-            "  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3] for row in table
-        ]
-    return "\n".join(lines)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -392,7 +361,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kvbench.errors import ConfigError
     from kvbench.report import check_paths, comparison_figure, parse_where, pivot_table, protocol_diff, runs_table
 
     if args.html:
@@ -410,6 +378,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     paths = check_paths(args.paths or ["results/runs"])
     where = parse_where(args.where)
     if args.figure:
+        check_figure_path(Path(args.figure))
         print(comparison_figure(paths, Path(args.figure), where=where, kind=args.figure_kind))
         return 0
     if args.pivot:
@@ -420,15 +389,43 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_figure_path(path: Path) -> None:
+    """``report --figure F``: a ``.png`` name (figures are PNG files; F.csv and F.md may go beside) in a
+    folder that exists and can be written, checked before any run is read."""
+    import os
+    import tempfile
+
+    if path.suffix.lower() != ".png":
+        raise ConfigError(
+            f"--figure {path}: figures are written as PNG, so the file must end in .png",
+            f"use --figure {path.with_suffix('.png') if path.suffix else Path(str(path) + '.png')}",
+        )
+    if path.is_dir():
+        raise ConfigError(f"--figure {path} is a folder", f"name a file in it, e.g. --figure {path / 'figure.png'}")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ConfigError(
+            f"--figure {path}: the folder {folder} does not exist", f"create it first (mkdir -p {folder})"
+        )
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".kvbench-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"--figure {path}: cannot write in {folder} ({exc.strerror})", "choose a folder you can write to"
+        ) from None
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """``kvbench reproduce``: list the paper artifacts, or run one's missing runs and render it."""
-    from kvbench.errors import ConfigError
     from kvbench.experiments import DEFAULT_SCALE, SCALES
     from kvbench.reproduce import listing, reproduce
 
     if args.list or not args.name:
         print(listing())
         return 0
+    check_repeated_keys(args.overrides)
     scale, extra = DEFAULT_SCALE, []
     for item in args.overrides:
         if item.startswith("scale="):
@@ -453,14 +450,33 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_bench_options(args: argparse.Namespace) -> None:
+    """``kvbench bench``'s counts and names, in kvbench's words, before a benchmark starts."""
+    for option, value in (("--rounds", args.rounds), ("--repeats", args.repeats), ("--new-tokens", args.new_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{option} {value} runs nothing", f"give {option} 1 or more")
+    if args.model is not None and args.model not in group_options("model"):
+        raise ConfigError(
+            f"unknown model {args.model!r} (--model)", f"choose one of: {', '.join(group_options('model'))}"
+        )
+    for method in (args.methods or "").split(","):
+        if method and method not in group_options("method"):
+            raise ConfigError(
+                f"unknown method {method!r} (--methods)", f"choose from: {', '.join(group_options('method'))}"
+            )
+    from kvbench.models import check_device
+
+    check_device(args.device)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
     import os
 
+    check_bench_options(args)  # before torch and the benchmarks load
     import torch
 
     from kvbench.bench import BenchOptions, discover, render
-    from kvbench.errors import ConfigError
 
     benches = discover()
     names = args.names or sorted(benches)
@@ -469,6 +485,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown benchmark(s) {', '.join(unknown)}", f"choose from: {', '.join(sorted(benches))}")
     try:
         lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
+        if lengths is not None and min(lengths) < 1:
+            raise ValueError
     except ValueError:
         raise ConfigError(
             f"--lengths {args.lengths!r} is not a list of token counts", "e.g. --lengths 32768,65536"
@@ -490,8 +508,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvbench.engine.settings import engine_settings
 
     engine_settings(engine)  # a bad key or value: one line, before anything runs
-    if args.rounds is not None and args.rounds < 1:
-        raise ConfigError(f"--rounds {args.rounds} runs nothing", "give --rounds 1 or more")
     options = BenchOptions(
         quick=args.quick,
         device=args.device,
@@ -541,121 +557,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(error)
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
-    parser = argparse.ArgumentParser(prog="kvbench", description="Benchmark harness for KV-cache methods.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "run", help="run a model x method x task config (Hydra overrides; -m for sweeps; kvbench run --help)"
-    )
-    p_list = sub.add_parser("list", help="list models, methods, tasks, experiments and assets")
-    p_list.add_argument("what", nargs="?", choices=["models", "methods", "tasks", "experiments", "assets"])
-    p_fetch = sub.add_parser("fetch", help="download and convert offline assets ahead of time")
-    p_fetch.add_argument("assets", nargs="*", help="asset names (default: the quickstart's; 'all' for every asset)")
-    p_report = sub.add_parser("report", help="table of runs (finished, running or unfinished), pivots and figures")
-    p_report.add_argument("paths", nargs="*", help="run directories or folders of runs (default results/runs)")
-    p_report.add_argument("--format", choices=["md", "csv", "latex"], default="md")
-    p_report.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"), help="config/protocol differences of two runs")
-    p_report.add_argument(
-        "--pivot",
-        nargs=2,
-        metavar=("ROWS", "COLS"),
-        help="one metric as a grid: comma-separated columns down and across, e.g. method question; "
-        "the column dataset splits runs into their subsets (dataset method: a task-by-method table)",
-    )
-    p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
-    p_report.add_argument(
-        "--figure",
-        metavar="FILE.png",
-        help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves, "
-        "rag: CacheBlend's figures)",
-    )
-    p_report.add_argument(
-        "--figure-kind",
-        metavar="KIND",
-        help="which figure, for tasks with several (rag: quality_ttft (default), ratio, deviation, selection)",
-    )
-    p_report.add_argument(
-        "--where",
-        action="append",
-        default=[],
-        metavar="COL=VALUE",
-        help="keep only runs whose column has this value (repeatable), e.g. task=niah; "
-        "unknown columns are refused with the valid ones",
-    )
-    p_repro = sub.add_parser(
-        "reproduce",
-        help="run a paper artifact's sweep (what is missing) and render it beside the "
-        "published numbers; --list shows the artifacts",
-    )
-    p_repro.add_argument("name", nargs="?", help="<paper>/<artifact>, e.g. pqcache/table3")
-    p_repro.add_argument(
-        "overrides",
-        nargs="*",
-        help="scale=smoke|cpu|paper (default cpu), then Hydra overrides "
-        "(hydra/launcher=joblib runs the sweep in parallel)",
-    )
-    p_repro.add_argument("--list", action="store_true", help="list the artifacts with a one-line description")
-    p_repro.add_argument(
-        "--dry-run", action="store_true", help="validate every point and show its run directory and state"
-    )
-    p_repro.add_argument("--no-run", action="store_true", help="render from the runs that exist; run nothing")
-    p_repro.add_argument("--out", default=None, help="where the report goes (default results/reproduce/<scale>/<name>)")
-    p_repro.add_argument("--wait", action="store_true", help="wait for another process writing a run directory")
-    p_report.add_argument(
-        "--html",
-        metavar="DIR",
-        help="a self-contained web report in DIR: one page per paper "
-        "artifact (kvbench reproduce's tables and figures, embedded)",
-    )
-    p_report.add_argument(
-        "--scale",
-        default="cpu",
-        choices=["smoke", "cpu", "paper"],
-        help="--html: which scale's runs the pages show (default cpu)",
-    )
-    p_check = sub.add_parser("check", help="re-run golden configs and compare their scores (regression guard)")
-    p_check.add_argument("names", nargs="*", help="check names (default: all)")
-    p_check.add_argument("--golden", default=None, help="golden file (default: results/golden/checks.yaml)")
-    p_check.add_argument(
-        "--output-dir",
-        default=None,
-        help="where the check runs go (default: a temporary folder, removed when every check passes)",
-    )
-    p_check.add_argument(
-        "--update",
-        action="store_true",
-        help="re-run the checks and rewrite their expected values, printing what changed",
-    )
-    p_bench = sub.add_parser("bench", help="performance micro-benchmarks (ratios measured side by side)")
-    p_bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
-    p_bench.add_argument("--json", action="store_true", help="machine-readable output")
-    p_bench.add_argument("--save", metavar="FILE.json", help="also write the machine-readable record to FILE.json")
-    p_bench.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    p_bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p_bench.add_argument("--repeats", type=int, default=5)
-    p_bench.add_argument("--model", default=None, help="end-to-end benchmarks: model config (e.g. llama31_8b_shape)")
-    p_bench.add_argument(
-        "--lengths", default=None, help="end-to-end benchmarks: prompt lengths, e.g. 32768,65536,131072"
-    )
-    p_bench.add_argument("--new-tokens", type=int, default=None, help="end-to-end benchmarks: tokens generated per run")
-    p_bench.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="end-to-end benchmarks: a parameter of the compared method (repeatable), e.g. kmeans_device=model",
-    )
-    p_bench.add_argument(
-        "--rounds", type=int, default=None, help="end-to-end benchmarks: timed rounds, best kept (default 2; --quick 1)"
-    )
-    p_bench.add_argument("--methods", default=None, help="per-method benchmarks: the methods, e.g. full,quest")
-    p_bench.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="end-to-end benchmarks: an engine setting (repeatable), e.g. decode=dynamic",
-    )
-    args = parser.parse_args(argv)
+    from kvbench.cli_parser import parse
+
+    try:
+        args = parse(argv)
+    except KvbenchError as error:
+        return _fail(error)
     handlers = {
         "list": cmd_list,
         "fetch": cmd_fetch,
