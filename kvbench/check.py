@@ -185,9 +185,9 @@ def write_checks(path: Path, checks: list[dict[str, Any]]) -> None:
     order = ("name", "note", "needs", "overrides", "tolerance", "expect")
     body = [{key: check[key] for key in order if key in check} for check in checks]
     text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    from kvbench.results import write_atomic
+
+    write_atomic(path, text)  # a failed write leaves the old file and no temporary one
 
 
 def run_checks(

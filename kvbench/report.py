@@ -4,9 +4,11 @@ A pivot is how the papers print comparisons (methods down, question positions or
 ``--where`` narrows a folder of many runs to one study (``task=niah``, ``budget=256 tokens``).
 
 The runs table shows every run with its ``status`` — ``finished``, ``running 3/10``, ``unfinished
-3/10`` (interrupted or killed; the same command resumes it), ``failed 3/10`` or ``stale`` (metrics.json
-counts other samples than samples.jsonl holds: re-run to refresh) — so an interrupted run is not
-mistaken for a missing one. Pivots and figures compare finished runs only, and say how many they left
+3/10`` (interrupted or killed; the same command resumes it), ``stopped 3/10 (SIGTERM)`` (or ``disk
+full``: the same command resumes), ``failed 3/10``, ``stale`` (metrics.json counts other samples than
+samples.jsonl holds: the row is recomputed from the samples; re-run to refresh) or ``damaged: <what>``
+(a file of the run cannot be read: the other runs are listed all the same) — so an interrupted run
+is not mistaken for a missing one. Pivots and figures compare finished runs only, and say how many they left
 out.
 """
 
@@ -72,6 +74,9 @@ def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False, subse
         from kvbench.render import RUN_LEVEL, long_frame
 
         frame = long_frame(frame).drop(columns=[RUN_LEVEL])
+    for key in ("config.model.name", "config.method.name", "config.task.name"):
+        if key not in frame.columns:  # only damaged runs, whose config is unreadable
+            frame[key] = None
     if not every_column:
         frame = frame[[c for c in COLUMNS if c in frame.columns]]
     return frame.rename(columns=COLUMNS)
@@ -368,17 +373,11 @@ def to_markdown(frame) -> str:
 def flat_protocol(run: Path) -> dict:
     """A run's config (``config.*``) and task protocol (``protocol.*``) as one flat mapping: what
     :func:`protocol_diff` compares, and what ``kvbench reproduce`` lists as our protocol."""
-    import json
-
-    import yaml
-
-    from kvbench.results import _flatten
+    from kvbench.results import _flatten, read_config, read_json
 
     out: dict = {}
-    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
-    _flatten("config", config, out)
-    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
-    _flatten("protocol", metrics.get("protocol", {}), out)
+    _flatten("config", read_config(run / "config.yaml")[0] or {}, out)  # damaged files read as empty
+    _flatten("protocol", read_json(run / "metrics.json")[0].get("protocol", {}), out)
     return out
 
 

@@ -7,8 +7,10 @@ A run directory ``<output_dir>/<run-id>/`` holds:
 * ``samples.jsonl`` — one JSON object per finished sample, appended, flushed and fsynced one by one,
   so a killed run loses no finished sample and a re-run resumes after the last one;
 * ``metrics.json`` — aggregates derived from ``samples.jsonl`` (rewritten atomically);
-* ``status.json`` — ``state`` (running, interrupted, failed, finished) and ``total`` (the number of
-  samples the run will have, when the task knows it up front), so reports can show unfinished runs;
+* ``status.json`` — ``state`` (running, interrupted, stopped, failed, finished; a stopped run's
+  ``reason``: SIGTERM, disk full, permission denied), ``total`` (the number of samples the run will
+  have, when the task knows it up front) and the command that resumes, so reports can show unfinished
+  runs;
 * ``run.log`` — what the run did, one timestamped plain line per event (start, model load, each
   sample with its score and the running mean, the end or the interruption);
 * ``env.json`` — versions, git sha, device; plus task artifacts such as ``heatmap.png``.
@@ -18,12 +20,20 @@ Two rules keep these files trustworthy:
 * **Reading never writes.** Readers (:meth:`RunDir.records`, :func:`load`, ``kvbench report``, the
   notebooks) skip what they cannot parse and say so; they never modify a file. Only the writer repairs,
   and only a torn *last* line (:meth:`RunDir.repair_tail`, a run killed mid-append); a damaged line in
-  the middle is reported with its line number and kept, for a human to look at.
+  the middle is reported with its line number and kept, for a human to look at. A run whose
+  ``config.yaml`` is missing, or whose ``status.json`` or ``metrics.json`` cannot be read, is a row with
+  state ``damaged`` that names the file, never an exception that hides the other runs; metrics that
+  disagree with ``samples.jsonl`` are recomputed from it (:func:`inspect_run`).
 * **One writer per run directory.** The runner holds :meth:`RunDir.lock` (``flock`` on
   ``<output_dir>/.<run-id>.lock``, beside the run directory because that is only created when the
   first sample finishes) while it computes samples; a second process is refused with the holder's pid,
-  host and start time, or waits for it. Should a sample id appear twice anyway (files written before
-  the lock existed), the *first* record counts: it is the one a resumed run skipped on.
+  host and start time, or waits for it. A lock file that no process holds (its writer was killed, or
+  its host went away) is stale: readers say so in one line, and the next writer replaces it. Should a
+  sample id appear twice anyway (files written before the lock existed), the *first* record counts:
+  it is the one a resumed run skipped on.
+
+The writer never leaves a wrong state behind: a failed write leaves no temporary file, and a full or
+read-only folder, Ctrl-C or SIGTERM end the run with ``status.json`` saying so (:mod:`kvbench.runfiles`).
 """
 
 from __future__ import annotations
@@ -31,18 +41,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import socket
-import sys
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvbench.errors import ConfigError, KvbenchError
+from kvbench.errors import ConfigError
+from kvbench.runfiles import (  # noqa: F401 - re-exported: the names results' users import from here
+    OUTPUT_FAULTS,
+    OutputError,
+    RunLock,
+    RunLocked,
+    Stopped,
+    _append_line,
+    _overwrite,
+    interrupts_deferred,
+    now,
+    output_fault,
+    read_config,
+    read_json,
+    stop_on_sigterm,
+    warn,
+    write_atomic,
+)
 
 SAMPLES = "samples.jsonl"
 METRICS = "metrics.json"
@@ -65,27 +87,6 @@ def run_id_for(resolved: dict[str, Any]) -> str:
     """``<task>-<method>-<model>-<hash>``: readable, and unique per resolved config."""
     names = [str((resolved.get(group) or {}).get("name", group)) for group in ("task", "method", "model")]
     return "-".join(names + [config_hash(resolved)])
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def warn(message: str) -> None:
-    print(f"kvbench: warning: {message}", file=sys.stderr, flush=True)
-
-
-class RunLocked(KvbenchError):
-    """Another process is writing this run directory."""
 
 
 # ---------------------------------------------------------------------- samples.jsonl
@@ -131,127 +132,32 @@ def _warn_once(path: Path, size: int, number: int, message: str) -> None:
         warn(message)
 
 
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold Ctrl-C back while the body runs (an append must not be cut in half), then deliver it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received and callable(previous):
-            previous(signal.SIGINT, None)
-        elif received and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
-
-
-# ---------------------------------------------------------------------- the lock
-class RunLock:
-    """An exclusive ``flock`` on ``<output_dir>/.<run-id>.lock`` for the run directory ``run_path``; the
-    file holds who took it.
-
-    The file is removed on release. A process that opened it just before (and then got the lock on the
-    removed inode) notices that the path no longer names the file it locked and tries again, so two
-    holders are impossible. The kernel drops the lock when a holder dies, even by SIGKILL.
-    """
-
-    def __init__(self, run_path: Path) -> None:
-        self.run_path = Path(run_path)
-        self.path = self.run_path.parent / f".{self.run_path.name}.lock"
-        self.fd: int | None = None
-
-    def holder(self) -> dict[str, Any] | None:
-        """The holder's ``pid``, ``host``, ``started`` and ``command`` (None when nobody wrote them)."""
-        try:
-            return json.loads(self.path.read_text(encoding="utf-8") or "null")
-        except (OSError, json.JSONDecodeError):
-            return None
-
-    def held_by_live_process(self) -> bool:
-        """Whether a live process holds the lock — without touching the lock (readers never write)."""
-        holder = self.holder()
-        if not holder or holder.get("host") != socket.gethostname():
-            return bool(holder)
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except (ProcessLookupError, ValueError, KeyError, TypeError):
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def acquire(self, *, wait: bool, command: str | None = None) -> None:
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        announced = False
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if not wait:
-                    os.close(fd)
-                    raise RunLocked(
-                        f"{self.run_path} is being written by {self.describe()}",
-                        "wait for that run to finish, or pass --wait to start when it does",
-                    ) from None
-                if not announced:
-                    print(f"kvbench: waiting for {self.describe()} to finish", file=sys.stderr, flush=True)
-                    announced = True
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the previous holder removed the file we locked: lock the new one
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": now(), "command": command}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-        self.fd = fd
-
-    def describe(self) -> str:
-        holder = self.holder()
-        if not holder:
-            return "another process (starting up)"
-        text = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
-        return text + (f" (`{holder['command']}`)" if holder.get("command") else "")
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        os.close(self.fd)  # closing drops the flock
-        self.fd = None
-
-
 # ---------------------------------------------------------------------- one run directory
 @dataclass
 class RunState:
-    """Where a run stands: ``status`` is finished, running, unfinished, failed or stale (metrics.json
-    counts other samples than samples.jsonl holds)."""
+    """Where a run stands: ``status`` is finished, running, unfinished, stopped (SIGTERM, a full or
+    read-only folder: ``reason`` says which), failed, stale (metrics.json counts other samples than
+    samples.jsonl holds) or damaged (a file of the run cannot be read: ``reason`` names it)."""
 
     status: str
     done: int
     total: int | None
     #: for a run made of shards (``task.shard=i/n``): how many of its n shard directories exist, and n
     shards: tuple[int, int] | None = None
+    reason: str | None = None
 
     @property
     def label(self) -> str:
         if self.status in ("finished", "stale"):
             return self.status
+        if self.status == "damaged":
+            return f"damaged: {self.reason}"
         label = f"{self.status} {self.done}/{self.total}" if self.total is not None else f"{self.status} {self.done}"
+        label += f" ({self.reason})" if self.reason else ""
         return f"{label} (shards {self.shards[0]}/{self.shards[1]})" if self.shards else label
+
+
+_NOTED_LOCKS: set[str] = set()
 
 
 class RunDir:
@@ -308,16 +214,21 @@ class RunDir:
         return {str(r["id"]) for r in self.records()}
 
     def config(self) -> dict[str, Any] | None:
-        import yaml
-
-        path = self.path / CONFIG
-        return yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
+        """The recorded config; None when it is missing or damaged (:func:`read_config` says which)."""
+        return read_config(self.path / CONFIG)[0]
 
     def check_config(self, resolved: dict[str, Any]) -> None:
         """Refuse to resume a run whose recorded ``config.yaml`` differs from ``resolved`` (a hand edit,
         or a directory copied under the wrong name): its samples would not be this config's."""
-        recorded = self.config()
+        recorded, problem = read_config(self.path / CONFIG)
         if recorded is None:
+            if problem and (self.path / CONFIG).exists():
+                raise ConfigError(
+                    f"{self.path / CONFIG}: {problem.removeprefix(CONFIG + ' ')}; its samples cannot be matched "
+                    "to this run's config",
+                    f"restore {self.path / CONFIG} (its hash is the directory name), "
+                    f"or move {self.path} away to start over",
+                )
             return
         ours = json.loads(json.dumps(resolved, default=str))
         differences = _differences(recorded, ours, skip=UNHASHED)
@@ -332,26 +243,41 @@ class RunDir:
             )
 
     def metrics(self) -> dict[str, Any]:
-        path = self.path / METRICS
-        return json.loads(path.read_text()) if path.exists() else {}
+        """``metrics.json`` ({} when missing or damaged: :func:`read_json` says which)."""
+        return read_json(self.path / METRICS)[0]
 
     def status(self) -> dict[str, Any]:
-        path = self.path / STATUS
-        try:
-            return json.loads(path.read_text()) if path.exists() else {}
-        except json.JSONDecodeError:
-            return {}
+        """``status.json`` ({} when missing or damaged)."""
+        return read_json(self.path / STATUS)[0]
 
-    def state(self, records: list[dict[str, Any]] | None = None) -> RunState:
-        """Finished, running (a live process holds the lock), failed, unfinished, or stale."""
-        done = len(self.records() if records is None else records)
-        status = self.status()
+    def state(self, records: list[dict[str, Any]] | None = None, metrics: dict[str, Any] | None = None) -> RunState:
+        """Finished, running (a live process holds the lock), stopped, failed, unfinished, stale, or
+        damaged (config.yaml, status.json or metrics.json unreadable; samples.jsonl unreadable).
+        ``metrics``: judge by these (metrics recomputed from the samples) instead of ``metrics.json``.
+        A lock file that no process holds is named once on stderr as stale."""
+        try:
+            done = len(self.records() if records is None else records)
+        except OSError as exc:
+            return RunState("damaged", 0, None, reason=f"{SAMPLES} unreadable ({exc.strerror})")
+        status, problem = read_json(self.path / STATUS)
         total = status.get("total")
-        metrics = self.metrics()
-        if RunLock(self.path).held_by_live_process():
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+            problem, total = problem or f"{STATUS} total {total!r} is not a count", None
+        lock = RunLock(self.path)
+        probe = lock.probe()
+        if probe == "held":
             return RunState("running", done, total)
-        if status.get("state") == "failed":
-            return RunState("failed", done, total)
+        if probe == "stale" and lock.holder() and str(lock.path) not in _NOTED_LOCKS:
+            _NOTED_LOCKS.add(str(lock.path))
+            warn(lock.stale_note())
+        problem = read_config(self.path / CONFIG)[1] or problem
+        if metrics is None:
+            metrics, metrics_problem = read_json(self.path / METRICS)
+            problem = problem or metrics_problem
+        if problem:
+            return RunState("damaged", done, total, reason=problem)
+        if status.get("state") in ("failed", "stopped"):
+            return RunState(status["state"], done, total, reason=status.get("reason"))
         if not metrics or (total is not None and done < total):
             return RunState("unfinished", done, total)
         if metrics.get("n") is not None and metrics["n"] != done:
@@ -403,20 +329,26 @@ class RunDir:
         given with a state (a failure's ``error``) leave with it; ``total`` stays."""
         if not self.path.is_dir():
             return
-        current = self.status()
+        current, problem = read_json(self.path / STATUS)
+        if problem:
+            self.log(f"{problem}: rewritten")
         kept = current if current.get("state") == state else {k: v for k, v in current.items() if k == "total"}
         status = {**kept, **extra, "state": state}
         if status == current:  # the same state with the same keys (its ``updated`` kept): nothing changes
             return
         status["updated"] = now()
-        write_atomic(self.path / STATUS, json.dumps(status, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(status, indent=2, sort_keys=True) + "\n"
+        try:
+            write_atomic(self.path / STATUS, text)
+        except OSError as exc:
+            if not output_fault(exc) or not (self.path / STATUS).exists():
+                raise
+            _overwrite(self.path / STATUS, text)  # a full disk or read-only folder: the file itself may take it
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, ensure_ascii=False, default=_jsonable) + "\n"
-        with interrupts_deferred(), open(self.samples_path, "a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with interrupts_deferred():
+            _append_line(self.samples_path, line)
 
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         write_atomic(self.path / METRICS, json.dumps(metrics, indent=2, sort_keys=True, default=_jsonable) + "\n")
@@ -452,15 +384,21 @@ def _jsonable(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- many runs
+#: the files that make a folder a run directory: a run lacking its config.yaml is listed as damaged
+RUN_FILES = (CONFIG, SAMPLES, STATUS)
+
+
 def find_runs(paths: Iterable[str | Path]) -> list[Path]:
-    """Run directories at or below ``paths`` (directories holding a ``config.yaml``), finished or not."""
+    """Run directories at or below ``paths`` (folders holding a ``config.yaml``, ``samples.jsonl`` or
+    ``status.json``: one whose config is missing is still a run, a damaged one), finished or not."""
     found: list[Path] = []
     for path in paths:
         path = Path(path)
-        if (path / CONFIG).exists():
+        if any((path / name).exists() for name in RUN_FILES):
             found.append(path)
         elif path.is_dir():
-            found.extend(sorted(p.parent for p in path.glob(f"**/{CONFIG}") if not p.parent.name.startswith(".")))
+            inside = {p.parent for name in RUN_FILES for p in path.glob(f"**/{name}")}
+            found.extend(sorted(p for p in inside if not p.name.startswith(".")))
     return found
 
 
@@ -494,24 +432,23 @@ def load(paths: Iterable[str | Path] | str | Path = "results/runs", *, samples: 
     Unfinished runs are included, marked by ``state``; keep ``state == "finished"`` for final numbers.
     Reading never modifies the files (see the module doc)."""
     import pandas as pd
-    import yaml
 
     if isinstance(paths, (str, Path)):
         paths = [paths]
     rows: list[dict[str, Any]] = []
     shards: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for run in find_runs(paths):
-        run_dir = RunDir(run)
-        config = yaml.safe_load((run / CONFIG).read_text()) if (run / CONFIG).exists() else {}
-        base_config = unsharded(config)
-        if base_config is not None:
+        config = read_config(run / CONFIG)[0]
+        base_config = unsharded(config) if config is not None else None
+        if config is not None and base_config is not None:
             shards.setdefault(run_id_for(base_config), []).append((run, config))
             continue
-        records = run_dir.records()
-        state = run_dir.state(records)
+        records, state, metrics = inspect_run(run, config)
+        if config is None and state.status == "damaged":  # no model, method or task to tell it by
+            state.reason = f"{state.reason} ({run.name})"
         base: dict[str, Any] = {"run_id": run.name, "run_dir": str(run), "state": state.status}
-        _flatten("config", config, base)
-        _rows(base, records, state, run_dir.metrics(), samples, rows)
+        _flatten("config", config or {}, base)
+        _rows(base, records, state, metrics, samples, rows)
     for run_id, parts in shards.items():
         config = unsharded(parts[0][1]) or {}
         merged = merge_shards([run for run, _ in parts])
@@ -524,6 +461,39 @@ def load(paths: Iterable[str | Path] | str | Path = "results/runs", *, samples: 
         _flatten("config", config, base)
         _rows(base, merged.records, merged.state, merged.metrics, samples, rows)
     return pd.DataFrame(rows)
+
+
+def inspect_run(run: Path, config: dict[str, Any] | None) -> tuple[list[dict[str, Any]], RunState, dict[str, Any]]:
+    """A run directory's samples, state and metrics, whatever is damaged, without writing anything.
+
+    Metrics that disagree with ``samples.jsonl`` — ``metrics.json`` unreadable, or counting another
+    ``n`` (a torn last line, samples added by hand) — are recomputed from the samples as the runner
+    computes them; when that is impossible (no config, an unknown method) they are left out and the
+    run is ``damaged``, naming why."""
+    run_dir = RunDir(run)
+    try:
+        records = run_dir.records()
+    except OSError as exc:
+        return [], RunState("damaged", 0, None, reason=f"{SAMPLES} unreadable ({exc.strerror})"), {}
+    metrics, problem = read_json(run / METRICS)
+    stale = bool(metrics) and metrics.get("n") is not None and metrics["n"] != len(records)
+    if not problem and not stale:
+        return records, run_dir.state(records), metrics
+    wrong = problem or f"{METRICS} counts n={metrics['n']} but {SAMPLES} holds {len(records)}"
+    try:
+        if config is None or not records:
+            raise ValueError(f"{CONFIG} missing or damaged" if config is None else f"no samples in {SAMPLES}")
+        recomputed = shard_metrics(config, records)
+    except Exception as exc:  # any failure to recompute leaves the run readable, as damaged
+        state = run_dir.state(records)
+        why = state.reason if state.status == "damaged" else f"{wrong}, not recomputed ({exc})"
+        return records, RunState("damaged", state.done, state.total, reason=why), {}
+    state = run_dir.state(records, metrics=recomputed)
+    if problem and state.status != "damaged":
+        state = RunState("damaged", state.done, state.total, reason=f"{problem}; metrics recomputed from {SAMPLES}")
+    elif state.status == "finished":
+        state = RunState("stale", state.done, state.total)  # the file on disk is stale; the row is recomputed
+    return records, state, ({**recomputed, "artifacts": metrics.get("artifacts")} if metrics else recomputed)
 
 
 def _rows(
@@ -567,18 +537,24 @@ class Merged:
 def merge_shards(runs: list[Path]) -> Merged:
     """The run that the shard directories ``runs`` (of one config, ``task.shard=i/n``) make up: their
     samples (each id once), the metrics recomputed from them as the runner would, and its state —
-    finished once all n shards are; otherwise unfinished (or running / failed when a shard is)."""
-    import yaml
-
+    finished once all n shards are; otherwise unfinished (or running / failed / damaged when a shard is)."""
     records: list[dict[str, Any]] = []
     seen: set[str] = set()
     states, totals, count = [], [], None
+    config: dict[str, Any] = {}
     for run in sorted(runs):
         run_dir = RunDir(run)
-        config = yaml.safe_load((run / CONFIG).read_text())
-        count = int(str(config["task"]["shard"]).partition("/")[2])
-        part = run_dir.records()
-        states.append(run_dir.state(part))
+        config = read_config(run / CONFIG)[0] or config
+        count = int(str(config["task"]["shard"]).partition("/")[2]) if config else count
+        try:
+            part = run_dir.records()
+        except OSError as exc:
+            part = []
+            states.append(RunState("damaged", 0, None, reason=f"{SAMPLES} unreadable ({exc.strerror})"))
+        else:
+            states.append(run_dir.state(part))
+        if states[-1].status == "damaged":
+            states[-1].reason = f"shard {run.name}: {states[-1].reason}"
         totals.append(states[-1].total)
         for record in part:
             if str(record["id"]) not in seen:
@@ -593,13 +569,16 @@ def merge_shards(runs: list[Path]) -> Merged:
         if complete and statuses == {"finished"}
         else "running"
         if "running" in statuses
+        else "damaged"
+        if "damaged" in statuses
         else "failed"
         if "failed" in statuses
         else "unfinished"
     )
     metrics = shard_metrics(unsharded(config) or config, records) if status == "finished" and records else {}
     shards = (len(runs), count) if count is not None else None
-    return Merged(records=records, state=RunState(status, len(records), total, shards), metrics=metrics)
+    reason = next((s.reason for s in states if s.status == "damaged"), None)
+    return Merged(records=records, state=RunState(status, len(records), total, shards, reason), metrics=metrics)
 
 
 def shard_metrics(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:

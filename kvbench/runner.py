@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.settings import EngineSettings, engine_settings
 from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.profile import Profile
-from kvbench.results import RunDir, run_id_for
+from kvbench.results import OutputError, RunDir, Stopped, output_fault, run_id_for, stop_on_sigterm, warn
 
 TELEMETRY_MEANS = (
     "ttft_s",
@@ -150,48 +151,113 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
     run_dir.check_config(p.resolved)
     _check_hub(task, run_dir)  # before the lock and the model: one line, nothing written
     known = task.shard_sample_ids()
-    with run_dir.lock(wait=wait, command=command):
+    with run_dir.lock(wait=wait, command=command), stop_on_sigterm():
         try:
-            run_dir.repair_tail()
-            done = run_dir.finished_ids()
-            ran = 0
-            if known is None or not set(known) <= done:
-                run_dir.log(
-                    f"start: pid {os.getpid()} on {socket.gethostname()}"
-                    + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
-                    + (f"; command: {command}" if command else "")
-                )
-                ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done, p.engine)
-            records = run_dir.records()
-            if known is not None:
-                wanted = set(known)
-                records = [r for r in records if str(r["id"]) in wanted]
-            if not records:
-                raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
-            metrics = summarise(task, p.method, p.budget, records)
-            run_dir.write_metrics(metrics)
-            title = f"{p.resolved['model']['name']} · {p.method.name} · {p.method.budget_label(p.budget)}"
-            metrics["artifacts"] = [path.name for path in task.artifacts(records, run_dir.path, title)]
-            run_dir.write_metrics(metrics)
-            run_dir.set_status("finished", total=len(records) if known is None else len(known))
-            if ran:
-                run_dir.log(f"finished: {ran} new samples, n={metrics.get('n')}, score {metrics.get('score')}")
-        except KeyboardInterrupt:
-            saved = len(run_dir.finished_ids() & set(known)) if known is not None else len(run_dir.finished_ids())
-            run_dir.set_status("interrupted")
-            run_dir.log(f"interrupted: {saved} samples saved")
-            of = f" of {len(known)}" if known is not None else ""
-            raise Interrupted(
-                f"interrupted: {saved}{of} samples saved in {run_dir.path}",
-                saved=saved,
-                total=len(known) if known is not None else None,
-                run_dir=run_dir.path,
-            ) from None
+            metrics, ran = _run_locked(p, known, command)
         except BaseException as exc:
-            run_dir.set_status("failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            run_dir.log(f"failed: {type(exc).__name__}: {exc}")
-            raise
+            error = _record_end(exc, run_dir, known, command)
+            if error is exc:
+                raise
+            raise error from None
     return RunSummary(run_dir=run_dir.path, metrics=metrics, ran=ran, seconds=time.perf_counter() - started)
+
+
+def _run_locked(p: Plan, known: list[str] | None, command: str | None) -> tuple[dict[str, Any], int]:
+    """The body of :func:`run`, holding the lock: the samples left, then metrics, artifacts and status."""
+    run_dir, task = p.run_dir, p.task
+    run_dir.repair_tail()
+    done = run_dir.finished_ids()
+    ran = 0
+    if known is None or not set(known) <= done:
+        run_dir.log(
+            f"start: pid {os.getpid()} on {socket.gethostname()}"
+            + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
+            + (f"; command: {command}" if command else "")
+        )
+        ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done, p.engine)
+    records = run_dir.records()
+    if known is not None:
+        wanted = set(known)
+        records = [r for r in records if str(r["id"]) in wanted]
+    if not records:
+        raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
+    metrics = summarise(task, p.method, p.budget, records)
+    run_dir.write_metrics(metrics)
+    title = f"{p.resolved['model']['name']} · {p.method.name} · {p.method.budget_label(p.budget)}"
+    metrics["artifacts"] = [path.name for path in task.artifacts(records, run_dir.path, title)]
+    run_dir.write_metrics(metrics)
+    run_dir.set_status("finished", total=len(records) if known is None else len(known))
+    if ran:
+        run_dir.log(f"finished: {ran} new samples, n={metrics.get('n')}, score {metrics.get('score')}")
+    return metrics, ran
+
+
+def _record_end(exc: BaseException, run_dir: RunDir, known: list[str] | None, command: str | None) -> BaseException:
+    """Record in ``status.json`` and ``run.log`` why a run ended early, and return what to raise:
+    Ctrl-C and SIGTERM become :class:`Interrupted` (state ``interrupted`` / ``stopped``), a full or
+    read-only output folder an :class:`OutputError` (state ``stopped``) — each naming the samples saved
+    and the command that resumes; anything else is recorded as ``failed`` and raised as it is. Recording
+    is best effort: a folder that takes no write leaves the status as it was, and says so."""
+    count = _saved(run_dir, known)
+    saved = "?" if count is None else str(count)
+    of = f" of {len(known)}" if known is not None else ""
+    resume = {"resume": command} if command else {}
+    again = f"run `{command}` again" if command else "run the same command again"
+    fault = output_fault(exc)
+    if isinstance(exc, (KeyboardInterrupt, Stopped)):
+        if isinstance(exc, Stopped):
+            why = str(exc)
+            _record(run_dir, "stopped", reason=signal.Signals(exc.signum).name, **resume)
+        else:
+            why = "interrupted"
+            _record(run_dir, "interrupted", **resume)
+        _record_log(run_dir, f"{why}: {saved} samples saved")
+        error = Interrupted(
+            f"{why}: {saved}{of} samples saved in {run_dir.path}",
+            saved=count or 0,
+            total=len(known) if known is not None else None,
+            run_dir=run_dir.path,
+        )
+        if isinstance(exc, Stopped):
+            error.exit_code = 128 + exc.signum
+        return error
+    if fault and isinstance(exc, OSError):
+        where = exc.filename or run_dir.path
+        _record(run_dir, "stopped", reason=fault, error=f"{exc.strerror}: {where}", **resume)
+        _record_log(run_dir, f"stopped: {exc.strerror}: {where}; {saved} samples saved")
+        folder = where if Path(where).exists() else Path(where).parent  # a file that was never made: its folder
+        fix = "free space on that disk" if fault in ("disk full", "disk quota exceeded") else f"make {folder} writable"
+        return OutputError(
+            f"cannot write {where}: {exc.strerror}; {saved}{of} samples are saved in {run_dir.path}",
+            f"{fix}, then {again}: it resumes after them",
+        )
+    _record(run_dir, "failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__, **resume)
+    _record_log(run_dir, f"failed: {type(exc).__name__}: {exc}")
+    return exc
+
+
+def _saved(run_dir: RunDir, known: list[str] | None) -> int | None:
+    """How many samples ``samples.jsonl`` holds (of the run's own, when known); None when unreadable."""
+    try:
+        ids = run_dir.finished_ids()
+    except OSError:
+        return None
+    return len(ids & set(known)) if known is not None else len(ids)
+
+
+def _record(run_dir: RunDir, state: str, **extra: Any) -> None:
+    """:meth:`RunDir.set_status`, best effort (the run is ending already: say what could not be written)."""
+    try:
+        run_dir.set_status(state, **extra)
+    except OSError as exc:
+        warn(f"could not record state {state} in {run_dir.path / 'status.json'} ({exc.strerror})")
+
+
+def _record_log(run_dir: RunDir, message: str) -> None:
+    try:
+        run_dir.log(message)
+    except OSError:
+        pass
 
 
 def _run_samples(
