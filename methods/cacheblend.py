@@ -10,12 +10,18 @@ As run here (paper §4 and the authors' ``vllm_blend`` code; seed-cacheblend.md 
 * layers ``0 .. check_layer - 1`` are prefilled in full for every row (layer 0's K/V cannot deviate:
   it depends on the token alone; the first layer whose K/V can deviate is 1, the code's single check
   layer);
-* at ``check_layer`` every row is computed; each token's KV deviation is the squared L2 distance
-  between its fresh V and its cached (reused) V, summed over heads and dimensions (the code's
-  ``temp_diff``); the ``int(n_ctx · r)`` tokens with the largest deviation among the ``n_ctx``
-  non-query tokens stay active, with every query-segment token (``suffix: query``; the released QA
-  scripts force only the last token, ``suffix: last_token``); every row's fresh K/V is written at this
-  layer;
+* at ``check_layer`` every row's Q/K/V is computed; each token's KV deviation is the squared L2
+  distance between its fresh V and its cached (reused) V, summed over heads and dimensions (the code's
+  ``temp_diff``; ``deviation: k`` ranks by the post-RoPE K instead, as LMCache v1 does); the
+  ``int(n_ctx · r)`` tokens with the largest deviation among the ``n_ctx`` non-query tokens stay
+  active, with every query-segment token (``suffix: query``; the released QA scripts force only the
+  last token, ``suffix: last_token``, and precompute the question's K/V like a chunk's, which is done
+  here too, so a query row the check does not select keeps a real K/V); every row's fresh K/V is
+  written at this layer; then, as the released code and LMCache do (``check_rows: selected``), only
+  the selected rows go through attention, the output projection and the MLP — the query and residual
+  are cut to them before attention. ``check_rows: all`` runs every row through the whole check layer
+  (kvbench's behaviour before; the same selected rows' values to float rounding, more compute: every
+  CacheBlend TTFT recorded before 2026-11-29 used it);
 * gradual filtering (paper Fig. 9): with ``filter_ratios`` (one ratio per check layer, starting at
   ``check_layer``), the deviation at each later check layer is computed only on the rows still active,
   and the set narrows to the next ratio; the default ``[]`` derives ``[r]`` (one check, the code's
@@ -26,7 +32,10 @@ As run here (paper §4 and the authors' ``vllm_blend`` code; seed-cacheblend.md 
 * ``mask: exact`` (default) lets an active query at position p attend keys at positions ≤ p;
   ``mask: code`` is the released code's bottom-right-aligned mask (xFormers
   ``LowerTriangularFromBottomRightMask``), with which the i-th of m active queries attends the first
-  ``n - m + i + 1`` rows, so some queries see later keys — an approximation, kept to reproduce it;
+  ``n - m + i + 1`` rows, so some queries see later keys — an approximation, kept to reproduce it. It
+  applies from the check layer on, as in the released code (whose check layer already attends with the
+  selected queries only); with ``check_rows: all`` the check layer runs every row with the exact mask.
+  Every figure in RESULTS.md was measured with ``mask: exact``;
 * ``selection: random`` picks the recomputed tokens uniformly at random instead (the HKVD ablation of
   Fig. 6), seeded by ``seed``.
 
@@ -68,11 +77,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvbench.engine.reuse import ReusePrefill
+from kvbench.engine.reuse import CachedSpan, ReusePrefill
 from kvbench.methods import register
 from kvbench.methods.params import CacheBlendParams
 from kvbench.methods.reuse import ReuseMethod
-from kvbench.requests import Segment
+from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -183,6 +192,18 @@ class CacheBlend(ReuseMethod):
     def expects_reuse(self) -> bool:
         return self.ratios[-1] < 1.0
 
+    def cached_segments(self, ctx: GenerationContext, segments: tuple[Segment, ...]) -> list[CachedSpan]:
+        """The prefix and every chunk; with ``suffix: last_token`` the query segment too, cached like a
+        chunk (the released QA scripts precompute the question's K/V as they do the documents'), so that
+        a query row the check layer does not select keeps a real K/V, as every other reused row does."""
+        spans = super().cached_segments(ctx, segments)
+        if self.params.suffix != "last_token":
+            return spans
+        for segment, (begin, end) in zip(segments, segment_spans(segments)):
+            if segment.role == "query" and end > begin:
+                spans.append(CachedSpan(begin, end, self.chunk_key(ctx, segment, begin)))
+        return sorted(spans, key=lambda span: span.begin)
+
     def initial_rows(self, plan: ReusePrefill) -> np.ndarray:
         return np.arange(plan.n)
 
@@ -214,9 +235,12 @@ class CacheBlend(ReuseMethod):
             generator = torch.Generator().manual_seed(self.params.seed + layer)
             drawn = torch.randperm(len(candidates), generator=generator)[:k].tolist()  # (host: no device read)
             return np.sort(np.concatenate([candidates[drawn], forced]))
-        cached = plan.cached_values(layer)
+        if self.params.deviation == "k":
+            fresh, cached = plan.fresh_keys(layer), plan.cached_keys(layer)
+        else:
+            fresh, cached = fresh_v, plan.cached_values(layer)
         assert cached is not None
-        deviation = (fresh_v.float() - cached.float()).pow(2).sum(dim=(0, 2))
+        deviation = (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))
         plan.deviations[layer] = deviation
         among = plan.device_index(candidates)
         chosen = among[torch.topk(deviation[among], k).indices] if k else among[:0]

@@ -285,6 +285,14 @@ class CacheBlendParams(ReuseParams):
         "query", "rows always recomputed: the whole query | the last token (the released QA scripts)"
     )
     seed: int = param(0, "random selection seed")
+    check_rows: Literal["selected", "all"] = param(
+        "selected",
+        "check layer: Q/K/V for every row, then attention, output projection and MLP for the selected rows "
+        "(the released code, LMCache) | all: every row runs the whole check layer (kvbench before 2026-11)",
+    )
+    deviation: Literal["v", "k"] = param(
+        "v", "KV deviation that ranks tokens: v (released code, LMCache v0) | k, post-RoPE (LMCache v1)"
+    )
     controller: bool = param(
         False,
         "loading controller (paper 5.1): r = max(r_load, recompute_ratio) from the measured "

@@ -69,6 +69,12 @@ class ReuseMethod(KVMethod):
         """CacheBlend's released mask for the recomputed rows (``mask: code``)."""
         return getattr(self.params, "mask", "exact") == "code"
 
+    @property
+    def cut_at_attention(self) -> bool:
+        """Whether a shrinking layer computes its attention, output projection and MLP for the rows that
+        continue only (CacheBlend's ``check_rows: selected``; no shrink in the other reuse methods)."""
+        return getattr(self.params, "check_rows", "all") == "selected"
+
     def budget_label(self, budget: Any) -> str:
         return "no budget (reuse)"
 

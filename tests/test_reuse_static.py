@@ -5,7 +5,9 @@ included) per set of active rows, and the RAM tier in host memory.
 The digests below were recorded from the plan before this change (commit c7341fdb: masks built per
 layer, positions read back per layer and block, CacheBlend's deviations read to the host) on
 torch 2.13 CPU with two threads; every reuse method and mask setting must reproduce them bit for bit:
-K, V and positions of every layer after the prefill, and the last token's logits.
+K, V and positions of every layer after the prefill, and the last token's logits. One digest was
+re-recorded since, on purpose: ``cacheblend-last-random-large``, whose query segment is now cached like
+a chunk under ``suffix: last_token`` (the query rows the check layer drops held never-written slots).
 """
 
 from __future__ import annotations
@@ -32,14 +34,20 @@ from kvbench.requests import Segment, join_segments
 SMALL = (6, 40, 50, 45, 12)  # prefix, 3 chunks, query: CacheBlend keeps 33 rows (one rectangle)
 LARGE = (6, 200, 200, 200, 70)  # CacheBlend keeps 160 rows (5 blocks); prefix_cache: the padded suffix
 LONG_FIRST = (6, 300, 40, 40, 70)  # prefix_cache: 150 rows after a 306-token hit (blocks)
+#: CacheBlend's check layer as the plan before ran it (every row through the whole layer); the released
+#: code's way (check_rows: selected, the default since) is tested in tests/test_cacheblend_authors.py
+ALL = {"check_rows": "all"}
 CASES = {
-    "cacheblend-exact-small": ({"name": "cacheblend"}, SMALL),
-    "cacheblend-code-small": ({"name": "cacheblend", "mask": "code"}, SMALL),
-    "cacheblend-exact-large": ({"name": "cacheblend"}, LARGE),
-    "cacheblend-code-large": ({"name": "cacheblend", "mask": "code"}, LARGE),
-    "cacheblend-filter-large": ({"name": "cacheblend", "filter_ratios": [0.4, 0.3, 0.15]}, LARGE),
-    "cacheblend-last-random-large": ({"name": "cacheblend", "suffix": "last_token", "selection": "random"}, LARGE),
-    "cacheblend-r1-small": ({"name": "cacheblend", "recompute_ratio": 1.0}, SMALL),
+    "cacheblend-exact-small": ({"name": "cacheblend", **ALL}, SMALL),
+    "cacheblend-code-small": ({"name": "cacheblend", "mask": "code", **ALL}, SMALL),
+    "cacheblend-exact-large": ({"name": "cacheblend", **ALL}, LARGE),
+    "cacheblend-code-large": ({"name": "cacheblend", "mask": "code", **ALL}, LARGE),
+    "cacheblend-filter-large": ({"name": "cacheblend", "filter_ratios": [0.4, 0.3, 0.15], **ALL}, LARGE),
+    "cacheblend-last-random-large": (
+        {"name": "cacheblend", "suffix": "last_token", "selection": "random", **ALL},
+        LARGE,
+    ),
+    "cacheblend-r1-small": ({"name": "cacheblend", "recompute_ratio": 1.0, **ALL}, SMALL),
     "full_reuse-small": ({"name": "full_reuse"}, SMALL),
     "full_reuse-large": ({"name": "full_reuse"}, LARGE),
     "full_reuse-code-large": ({"name": "full_reuse", "mask": "code"}, LARGE),
@@ -54,7 +62,7 @@ DIGESTS = {
     "tiny_llama/cacheblend-exact-large": "7b39f9e48cbfa1c8",
     "tiny_llama/cacheblend-code-large": "97fd312dfe426409",
     "tiny_llama/cacheblend-filter-large": "498a71fce1849b4d",
-    "tiny_llama/cacheblend-last-random-large": "e684c9aa1a27728d",
+    "tiny_llama/cacheblend-last-random-large": "686747ec79dbaba5",
     "tiny_llama/cacheblend-r1-small": "13fb8194ff5498bb",
     "tiny_llama/full_reuse-small": "feb0587ede280e24",
     "tiny_llama/full_reuse-large": "a38479d4f6d7d30d",
@@ -67,7 +75,7 @@ DIGESTS = {
     "tiny_qwen2/cacheblend-exact-large": "ad434c71651f95db",
     "tiny_qwen2/cacheblend-code-large": "ad434c71651f95db",
     "tiny_qwen2/cacheblend-filter-large": "05eb225e992dcf11",
-    "tiny_qwen2/cacheblend-last-random-large": "eb28328ce55fbf66",
+    "tiny_qwen2/cacheblend-last-random-large": "086889fb5420bcf6",
     "tiny_qwen2/cacheblend-r1-small": "a4ee84f18b8e8f18",
     "tiny_qwen2/full_reuse-small": "38a731fe84103997",
     "tiny_qwen2/full_reuse-large": "03da0438015b6657",

@@ -90,11 +90,16 @@ class GenerationContext:
             if self.plan is not None:
                 self.plan.active = positions
                 self.plan.before_layer(layer)
-            hidden = self.driver.layer(layer, hidden, rotary, positions.to(hidden.device))
+            cut_rows = self.plan.rows_after_attention if self.plan is not None and self.plan.cuts_in_layer else None
+            if cut_rows is not None:
+                hidden, cut = self.driver.layer_cut(layer, hidden, rotary, positions.to(hidden.device), cut_rows)
+            else:
+                hidden, cut = self.driver.layer(layer, hidden, rotary, positions.to(hidden.device)), False
             keep = after_layer(layer) if after_layer is not None else None
             if keep is not None:
                 keep = keep.to(hidden.device)
-                hidden = hidden.index_select(1, keep)
+                if not cut:  # (a layer that cut its rows itself already holds only the kept ones)
+                    hidden = hidden.index_select(1, keep)
                 positions = positions[keep.to(positions.device)]
                 cos, sin = rotary
                 rotary = (cos.index_select(1, keep), sin.index_select(1, keep))
@@ -392,6 +397,7 @@ class GenerationContext:
         return [layer for layer in range(self.spec.n_layers) if layer not in dense]
 
     def check_after_prefill(self) -> None:
+        self.store.check_written()  # no slot the decode steps attend may be a never-written one
         self.telemetry.kept_after_prefill = self.store.held_tokens()
         self.telemetry.kv_bytes_after_prefill = self.store.nbytes()
         if self.profile.selection_digest:

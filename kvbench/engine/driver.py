@@ -12,6 +12,9 @@ rotary_emb}`` and ``model.lm_head``) so the engine can run them itself:
 * :meth:`rotary` — the model's own rotary embedding (cos, sin) at any positions ``[t]``;
 * :meth:`layer` — one stock decoder layer (its norms, attention through the registered kvbench
   attention function, MLP) on the active rows, with their positions' rotary embedding;
+* :meth:`layer_cut` — the same layer, but the rows that continue are decided by its attention and
+  only they go through the output projection, the residual and the MLP (CacheBlend's check layer, as
+  its released code and LMCache run it: Q/K/V for every row, the rest for the selected ones);
 * :meth:`logits` — final norm and head of the last row only (``logits_to_keep=1``).
 
 Running the same modules in the same order as ``model.forward`` does, with the same tensors, gives
@@ -22,11 +25,16 @@ builds its own from positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvbench.errors import ConfigError
+
+#: model types whose decoder layer is ``x + o(attn(norm(x)))`` then ``x + mlp(norm(x))`` (what
+#: :meth:`ModelDriver.layer_cut` runs itself; GLM-4 adds norms after attention and MLP)
+CUT_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelDriver:
@@ -61,6 +69,45 @@ class ModelDriver:
         return self.layers[index](
             hidden, attention_mask=None, position_ids=positions.view(1, -1), position_embeddings=rotary
         )
+
+    def layer_cut(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        rows: Callable[[], torch.Tensor | None],
+    ) -> tuple[torch.Tensor, bool]:
+        """Decoder layer ``index`` where ``rows()``, asked once the attention has run, names the rows that
+        continue (indices into ``hidden``'s rows, or None for all): only they go through the output
+        projection, the residual add and the MLP. Returns the hidden states of those rows and whether
+        the cut was made here. The stock layer's order of operations is kept (the Llama-family layer:
+        ``x + o(attn)`` then ``x + mlp(norm(x))``); a model whose layer has another shape
+        (:data:`CUT_ARCHS`) runs whole, and the caller cuts after it."""
+        if self.model.config.model_type not in CUT_ARCHS:
+            return self.layer(index, hidden, rotary, positions), False
+        layer = self.layers[index]
+        chosen: list[torch.Tensor | None] = []
+
+        def cut_input(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            keep = rows()
+            chosen.append(keep)
+            return None if keep is None else (args[0].index_select(1, keep),)
+
+        handle = layer.self_attn.o_proj.register_forward_pre_hook(cut_input)
+        try:
+            attended, _ = layer.self_attn(
+                hidden_states=layer.input_layernorm(hidden),
+                attention_mask=None,
+                position_ids=positions.view(1, -1),
+                position_embeddings=rotary,
+            )
+        finally:
+            handle.remove()
+        keep = chosen[0] if chosen else None
+        residual = hidden if keep is None else hidden.index_select(1, keep)
+        hidden = residual + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), keep is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[1, vocab]`` of the last row of ``hidden``."""

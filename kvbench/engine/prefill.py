@@ -62,6 +62,16 @@ class PrefillPlan:
         post-RoPE) at layer ``layer``; returns ``[1, t, H, d]``."""
         raise NotImplementedError
 
+    #: whether a layer's attention may decide the rows that continue before the layer's output
+    #: projection and MLP run (:meth:`rows_after_attention`; CacheBlend's check layer)
+    cuts_in_layer = False
+
+    def rows_after_attention(self) -> torch.Tensor | None:
+        """Asked by the layer once its attention has run (when :attr:`cuts_in_layer`): indices into the
+        active rows that go on through the output projection and the MLP — the same ones
+        :meth:`after_layer` then returns — or None for all."""
+        return None
+
     def after_layer(self, layer: int) -> torch.Tensor | None:
         """Indices into the active rows that stay active for the next layer; ``None`` keeps all."""
         return None

@@ -76,7 +76,13 @@ class CachedSpan:
 
 
 class ReusePolicy(Protocol):
-    """What :class:`ReusePrefill` asks of a reuse method (``methods/reuse.py::ReuseMethod`` implements it)."""
+    """What :class:`ReusePrefill` asks of a reuse method (``methods/reuse.py::ReuseMethod`` implements it).
+
+    One hook is optional and looked up by name: ``observe_attention(plan, layer, query, scaling)``,
+    called at every layer once the active rows' fresh K/V are written (the layer's K is then complete),
+    with the active rows' post-RoPE queries ``[heads, t, d]`` — for a policy that measures attention
+    (:func:`kvbench.engine.attention_stats.segment_mass`). A policy without it costs nothing.
+    """
 
     #: ``profile.deviation``: the full prefill's K, V and query rows' Q, for the deviation figures
     reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None
@@ -84,6 +90,12 @@ class ReusePolicy(Protocol):
     @property
     def bottom_right_mask(self) -> bool:
         """CacheBlend's released bottom-right-aligned mask for the recomputed rows (``mask: code``)."""
+        ...
+
+    @property
+    def cut_at_attention(self) -> bool:
+        """Whether a layer that shrinks the active rows runs attention, output projection and MLP for
+        the rows that continue only (CacheBlend's ``check_rows: selected``), rather than for every row."""
         ...
 
     def chunk_store(self) -> ChunkStore: ...
@@ -257,6 +269,11 @@ class ReusePrefill(PrefillPlan):
     ) -> None:
         n = int(input_ids.numel())
         self.method = method
+        #: CacheBlend's check layer as its released code runs it: only the rows that continue go through
+        #: attention, the output projection and the MLP (the policy's ``cut_at_attention``)
+        self.cuts_in_layer = bool(getattr(method, "cut_at_attention", False))
+        #: the policy's optional ``observe_attention(plan, layer, query, scaling)`` (see :class:`ReusePolicy`)
+        self._observe = getattr(method, "observe_attention", None)
         self.n = n
         self.segments = segments
         self.device = torch.device(ctx.spec.device)
@@ -312,6 +329,8 @@ class ReusePrefill(PrefillPlan):
         self.recomputed: list[int] = []
         self.installed_layers = 0
         self._keep: torch.Tensor | None = None
+        self._fresh_keys: torch.Tensor | None = None  # the running layer's fresh keys (see fresh_keys)
+        self._fresh_layer = -1
         self.deviations: dict[int, torch.Tensor] = {}  # check layer -> KV deviation of its active rows (device)
         # profile.deviation: the full prefill's K, V, Q
         self.reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = method.reference
@@ -363,11 +382,24 @@ class ReusePrefill(PrefillPlan):
         no cache covers, such as the query), or None when nothing is installed; valid until the layer's
         fresh rows overwrite them."""
         kv = self.ctx.store[layer]
-        if kv.n == 0:
-            return None
-        out = torch.zeros(kv.n_kv_heads, self.rows.count, kv.head_dim, dtype=kv.dtype, device=kv.home)
+        return self._cached_rows(kv.values) if kv.n else None
+
+    def cached_keys(self, layer: int) -> torch.Tensor | None:
+        """The installed keys of the active rows at ``layer``, re-rotated to their positions in this prompt
+        (post-RoPE, as :meth:`fresh_keys`); as :meth:`cached_values` otherwise."""
+        kv = self.ctx.store[layer]
+        return self._cached_rows(kv.keys) if kv.n else None
+
+    def fresh_keys(self, layer: int) -> torch.Tensor:
+        """The active rows' fresh post-RoPE keys at the running layer (``[kv_heads, t, d]``; valid while a
+        policy's ``on_layer`` runs)."""
+        assert self._fresh_keys is not None and self._fresh_layer == layer
+        return self._fresh_keys
+
+    def _cached_rows(self, held: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(held.shape[0], self.rows.count, held.shape[-1], dtype=held.dtype, device=held.device)
         index, positions = self.rows.covered
-        out[:, index.to(kv.home)] = kv.values[:, positions.to(kv.home)]
+        out[:, index.to(held.device)] = held[:, positions.to(held.device)]
         return out
 
     def _install(self, layer: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -428,14 +460,20 @@ class ReusePrefill(PrefillPlan):
         if self.reference is not None:
             self._queries[layer] = query[0][:, active.queries].clone()
         started = time.perf_counter()
+        self._fresh_keys, self._fresh_layer = key[0], layer
         keep = self.method.on_layer(self, layer, value[0])
+        self._fresh_keys = None
         nxt = self._next = self._shrink(keep) if keep is not None else None
         self.timing["select_s"] += time.perf_counter() - started
         if kv.n == 0:
             kv.append(key[0], value[0], active.host)
         else:
             kv.write(active.host, key[0], value[0], active.host)
-        if active.count == self.n:
+        kv.check_written(layer)  # every key this layer attends is a cached or a computed row
+        if self._observe is not None:  # the layer's K now complete: the policy may measure attention
+            self._observe(self, layer, query[0], scaling)
+        cut = nxt is not None and self.cuts_in_layer
+        if active.count == self.n and not cut:
             # Every row is fresh, in order: the dense kernel of `full` (rows dropped after it are unused).
             return attention.dense(module, query, key, value, scaling)
         m = active.count
@@ -444,6 +482,13 @@ class ReusePrefill(PrefillPlan):
             rows = active.order
             positions = np.arange(self.n - m, self.n) if code else active.positions
             layout_of, name = active, "code" if code else "exact"
+        elif cut:
+            # only the rows that continue attend, as they will at the next layers (the released code's
+            # short query: exact positions, or the bottom-right mask over these rows)
+            assert self._keep is not None and nxt.keep is not None
+            rows = self._keep
+            positions = np.arange(self.n - nxt.count, self.n) if code else nxt.positions
+            layout_of, name = nxt, "code" if code else "exact"
         else:
             assert self._keep is not None and nxt.keep is not None
             rows = self._keep
@@ -458,12 +503,15 @@ class ReusePrefill(PrefillPlan):
                 q, kv.keys, kv.values, kv.positions[0], active.host, scaling, layout=layout
             )
         else:
-            # rows that are neither cached nor active leave their slots unwritten at this layer (zero K/V at
-            # position -1, attended as such: CacheBlend's suffix=last_token drops query rows that no cache
-            # covers); the positions are then read where they are, as before
+            # the active rows are not every uncached row: the positions are read where they are
             where = self._on_device(self._host_ints(positions))
             out[:, rows] = attention.with_past(q, kv.keys, kv.values, kv.positions[0], where, scaling)
         return out
+
+    def rows_after_attention(self) -> torch.Tensor | None:
+        """The rows the running layer's policy kept (a shrink at this layer), which alone go on through
+        the output projection and the MLP when the plan cuts in the layer."""
+        return self._keep if self._next is not None else None
 
     def after_layer(self, layer: int) -> torch.Tensor | None:
         spent = time.perf_counter() - self._layer_started

@@ -132,6 +132,9 @@ class LayerKV:
         self.tier: DeviceTier | None = None
         self._rewrites = 0
         self._written: torch.cuda.Event | None = None  # the last asynchronous write into the pinned host tier
+        #: slots below ``n`` no write has filled (a write beyond the held slots leaves the ones it skips);
+        #: host ints, so the check costs no device read (see :meth:`check_written`)
+        self._holes = np.zeros(0, dtype=np.int64)
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, capacity: int, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -225,8 +228,11 @@ class LayerKV:
         host = slots if slots.device.type == "cpu" else slots.cpu()
         top = int(host.max()) + 1
         if top > self.n:
+            self._holes = np.concatenate([self._holes, np.arange(self.n, top, dtype=np.int64)])
             self.reserve(top - self.n)
             self.n = top
+        if self._holes.size:
+            self._holes = np.setdiff1d(self._holes, host.numpy())
         first = int(host[0])
         if top - first == t and bool((host[1:] > host[:-1]).all()):  # a contiguous run: plain copies
             where: slice | torch.Tensor = slice(first, top)
@@ -240,6 +246,17 @@ class LayerKV:
         if self.offload:
             self.stats.bytes_d2h += t * self.n_kv_heads * self.token_bytes()
             self._rewritten()
+
+    def check_written(self, layer: int | None = None) -> None:
+        """Refuse to be attended while a held slot was never written: its K/V would be the buffer's
+        filler (zeros at position -1), attended as if it were a token. Raises ``RuntimeError`` naming the
+        slots; reads nothing from the device."""
+        if self._holes.size:
+            where = f"layer {layer}" if layer is not None else "a layer"
+            raise RuntimeError(
+                f"{where} holds {self._holes.size} slot(s) never written (first: {self._holes[:5].tolist()}), "
+                "which attention would read as tokens; every held slot must come from a cache or a computed row"
+            )
 
     def keep(self, slots: torch.Tensor) -> None:
         """Evict every slot not in ``slots`` (``[kv_heads, m]``, same m per head); keeps slot order.
@@ -602,6 +619,7 @@ class LayerKV:
         self._v[:, : snap.n].copy_(snap.values)
         self._pos[:, : snap.n].copy_(snap.positions)
         self.n, self.seen = snap.n, snap.seen
+        self._holes = self._holes[self._holes < snap.n]
         self.resident_sink, self.resident_recent = snap.resident_sink, snap.resident_recent
         if self.cache is not None:
             self.cache.forget_from(snap.n)
@@ -663,6 +681,11 @@ class KVStore:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def check_written(self) -> None:
+        """:meth:`LayerKV.check_written` for every layer."""
+        for index, layer in enumerate(self.layers):
+            layer.check_written(index)
 
     def held_tokens(self) -> list[int]:
         return [layer.n for layer in self.layers]
