@@ -127,17 +127,24 @@ def _parse_run_args(argv: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
 
 
 def check_repeated_keys(overrides: Sequence[str]) -> None:
-    """A key given twice on one command line (``method=oracle method=full``): Hydra would keep the last
-    silently, so the run would not be the one half of the command asked for."""
+    """A key given twice with two values on one command line. Two choices of a group (``method=oracle
+    method=full``) are refused: Hydra would keep the last silently and run another model, method or task
+    than half of the command names (a sweep was meant). A plain key given twice (``task.limit=2 ...
+    task.limit=5``, the usual way a script adds to a base command) keeps the last, as Hydra does, and a
+    note says so, so it is not silent."""
+    from kvbench.errors import note
+
     seen: dict[str, str] = {}
     for item in overrides:
         key = item.partition("=")[0].lstrip("+~")
         if key in seen and seen[key].partition("=")[1:] != item.partition("=")[1:]:  # (one value twice: harmless)
-            values = ",".join(o.partition("=")[2] for o in (seen[key], item))
-            raise ConfigError(
-                f"{key} is given twice ({seen[key]} and {item}): only the last would count",
-                f"keep one; to run both, sweep them: -m {key}={values}",
-            )
+            if key in GROUPS:
+                values = ",".join(o.partition("=")[2] for o in (seen[key], item))
+                raise ConfigError(
+                    f"{key} is given twice ({seen[key]} and {item}): only the last would run",
+                    f"keep one; to run both, sweep them: -m {key}={values}",
+                )
+            note(f"{key} is given twice ({seen[key]}, then {item}): the last counts")
         seen[key] = item
 
 
@@ -459,7 +466,8 @@ def check_bench_options(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"unknown model {args.model!r} (--model)", f"choose one of: {', '.join(group_options('model'))}"
         )
-    for method in (args.methods or "").split(","):
+    for entry in (args.methods or "").split(","):
+        method = entry.partition(":")[0]  # (reuse_ttft takes name:tier; it checks the tier itself)
         if method and method not in group_options("method"):
             raise ConfigError(
                 f"unknown method {method!r} (--methods)", f"choose from: {', '.join(group_options('method'))}"

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from kvbench.methods import register
 from kvbench.methods.params import InfLLMParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_keyed
+
+if TYPE_CHECKING:
+    from kvbench.engine.context import GenerationContext
 
 
 def local_attention_received(
@@ -149,6 +152,12 @@ class InfLLM(RetrievalMethod):
     def _take(self, full_blocks: int) -> int:
         """Blocks attended: PQCache's ``ceil(select / block_size)``, at most the full ones."""
         return min(math.ceil(self.ctx.budget.select / self.block), full_blocks)
+
+    def attend_limit(self, ctx: GenerationContext, layer: int) -> int:
+        """Whole blocks: the sinks, ``ceil(select / block_size)`` blocks, the remainder past the last full
+        block (under one block), the window and the current token."""
+        budget = ctx.budget
+        return budget.sink + math.ceil(budget.select / self.block) * self.block + self.block - 1 + budget.local + 1
 
     def covers(self, kv: LayerKV) -> bool:
         """Whether every full block is taken (or there is none): the selection is every held token."""

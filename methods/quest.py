@@ -123,6 +123,10 @@ class Quest(RetrievalMethod):
         select = self.ctx.budget.select
         return max(self.params.min_pages, select // self.params.page_size) if select > 0 else 0
 
+    def attend_limit(self, ctx: GenerationContext, layer: int) -> int:
+        """Whole pages: the sinks, the window, ``budget_pages()`` pages and the current token."""
+        return ctx.budget.sink + ctx.budget.local + self.budget_pages() * self.params.page_size + 1
+
     def covers(self, kv: LayerKV) -> bool:
         """Whether the budget's tokens or pages cover every middle token (the dense step)."""
         return self.layout(kv).middle <= max(self.ctx.budget.select, self.budget_pages() * self.params.page_size)

@@ -35,6 +35,8 @@ CHUNK = 560
 CONFIGS: tuple[tuple[str, dict[str, Any], str | None], ...] = (
     ("full", {}, None),
     ("cacheblend@0.15", {"name": "cacheblend", "recompute_ratio": 0.15}, "ram"),
+    # the check layer as kvbench ran it before 2026-11-29: every row through attention and MLP
+    ("cacheblend@0.15 check_rows=all", {"name": "cacheblend", "recompute_ratio": 0.15, "check_rows": "all"}, "ram"),
     ("full_reuse", {"name": "full_reuse"}, "ram"),
     ("cacheblend@0.15", {"name": "cacheblend", "recompute_ratio": 0.15}, "disk"),
     ("full_reuse", {"name": "full_reuse"}, "disk"),
@@ -166,11 +168,12 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
                     out = generate(loaded, method, ids, max_new_tokens=1, segments=segments, budget=BudgetConfig())
                     if round_:
                         times[key].append(out.telemetry["ttft_s"])
-                        recomputed[key] = (out.telemetry.get("prefill") or {}).get("recompute_ratio")
+                        plan = out.telemetry.get("prefill") or {}
+                        recomputed[key] = (plan.get("recompute_ratio"), plan.get("through_ratio"))
             full = times["full", None]
             for (label, tier), seconds in times.items():
                 ratios = [s / f for s, f in zip(seconds, full)]
-                share = recomputed.get((label, tier))
+                share, through = recomputed.get((label, tier), (None, None))
                 rows.append(
                     {
                         "prompt": index,
@@ -178,6 +181,7 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
                         "method": label,
                         "chunks from": tier or "-",
                         "recomputed": "-" if share is None else round(share, 3),
+                        "through MLP": "-" if through is None else round(through, 3),
                         "ttft_s": round(statistics.median(seconds), 4),
                         "ratio to full": round(statistics.median(ratios), 3),
                     }
@@ -188,7 +192,9 @@ def reuse_ttft(options: BenchOptions) -> BenchResult:
         "the chunk caches (excluded from TTFT); ttft_s: median; ratio: median of the per-round ratios to full",
         "disk: one safetensors file per chunk, dropped from the page cache before each read (cold reads); ram: "
         "host memory (pinned on a GPU machine: a load is a host-to-device copy)",
-        "recomputed: share of the prompt's rows computed, averaged over layers (telemetry.prefill.recompute_ratio)",
+        "recomputed: share of the prompt's rows whose K/V were computed, averaged over layers "
+        "(telemetry.prefill.recompute_ratio); through MLP: of those, the rows that also ran attention, output "
+        "projection and MLP (through_ratio: less at a check layer that cuts to the selected rows)",
         f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.2f} at the end",
     ]
     return BenchResult("reuse_ttft", "TTFT of reuse methods vs full prefill (same prompts, one process)", rows, notes)

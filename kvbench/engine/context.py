@@ -23,7 +23,7 @@ from kvbench.engine import attention
 from kvbench.engine.driver import ModelDriver
 from kvbench.engine.recall import attended_recall, exact_topk
 from kvbench.engine.settings import EngineSettings
-from kvbench.errors import ConfigError
+from kvbench.errors import CompressionNotApplied, ConfigError
 from kvbench.kv.store import KVStore
 from kvbench.profile import Profile
 from kvbench.telemetry import Clock, Telemetry
@@ -406,4 +406,25 @@ class GenerationContext:
         self.method.check_after_prefill(self)
 
     def check_after_first_step(self) -> None:
+        self.check_attended()
         self.method.check_after_first_step(self)
+
+    def check_attended(self) -> None:
+        """Fail the run when a compressing layer attended more at the first decode step than its budget
+        allows (:meth:`KVMethod.attend_limit`): a budget the report names must be the one that ran."""
+        if not (self.method.needs_budget and self.budget.compresses):
+            return
+        attended = self.telemetry.attended
+        over = [
+            (layer, attended[layer][0], self.method.attend_limit(self, layer))
+            for layer in self.compressing_layers()
+            if attended[layer] and attended[layer][0] > self.method.attend_limit(self, layer)
+        ]
+        if over:
+            layer, count, limit = over[0]
+            raise CompressionNotApplied(
+                f"method {self.method.name} attended {count:g} tokens at layer {layer}'s first decode step, more "
+                f"than its budget allows ({limit}: {self.budget.source}, sink {self.budget.sink}); "
+                f"{len(over)} layer(s) over",
+                "this is a bug in the method; report it with the run's config.yaml",
+            )

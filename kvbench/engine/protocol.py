@@ -336,3 +336,11 @@ class KVMethod:
 
     def check_after_first_step(self, ctx: GenerationContext) -> None:
         """Fail the run if the first decode step did not do what was asked (retrieval: attended everything)."""
+
+    def attend_limit(self, ctx: GenerationContext, layer: int) -> int:
+        """The most tokens one head may attend at ``layer``'s first decode step under a compressing budget:
+        the sinks, the layer's budget and the current token. A method whose unit is coarser than a token
+        (Quest's pages, InfLLM's blocks) states its own bound; the engine fails a run that attends more
+        (:meth:`~kvbench.engine.context.GenerationContext.check_after_first_step`)."""
+        budget = ctx.budget
+        return budget.sink + budget.layer_budget(layer) + 1

@@ -326,7 +326,8 @@ class ReusePrefill(PrefillPlan):
         if self._pin and ids.device.type == "cpu":
             ids = ids.pin_memory()
         super().__init__(ctx, self._on_device(ids), self.rows.device)
-        self.recomputed: list[int] = []
+        self.recomputed: list[int] = []  # rows whose Q/K/V each layer computed
+        self.through: list[int] = []  # rows that ran each layer's attention, output projection and MLP
         self.installed_layers = 0
         self._keep: torch.Tensor | None = None
         self._fresh_keys: torch.Tensor | None = None  # the running layer's fresh keys (see fresh_keys)
@@ -517,6 +518,9 @@ class ReusePrefill(PrefillPlan):
         spent = time.perf_counter() - self._layer_started
         self.recompute_per_layer[layer] += spent
         self.timing["recompute_s"] += spent
+        # rows that ran the layer's attention, output projection and MLP (a layer that cut in itself ran
+        # only the ones that continue through them; the others' Q/K/V only)
+        self.through.append(self._next.count if self._next is not None and self.cuts_in_layer else self.rows.count)
         if self._next is not None:
             self.rows, self._next = self._next, None
         return self._keep
@@ -539,6 +543,9 @@ class ReusePrefill(PrefillPlan):
             "reused_tokens": self.n - self.recomputed[-1] if self.recomputed else 0,
             "recompute_per_layer": [r / self.n for r in self.recomputed],
             "recompute_ratio": sum(self.recomputed) / (self.n * len(self.recomputed)) if self.recomputed else None,
+            # the same share counting only rows through attention, output projection and MLP (less than
+            # recompute_ratio by the rows a check layer computed Q/K/V for and then cut)
+            "through_ratio": sum(self.through) / (self.n * len(self.through)) if self.through else None,
             "chunks": len(self.spans),
             "chunk_tiers": tiers,
             **self.timing,
