@@ -131,7 +131,7 @@ RUN_CASES = {
     # the command line itself
     "an added top-level key": (["+foo=bar"], "unknown setting foo"),
     "an added model key": (["+model.revison=main"], "has no setting model.revison"),
-    "a key given twice": (["method=oracle", "method=full"], "method is given twice (method=oracle and method=full)"),
+    "a method given twice": (["method=oracle", "method=full"], "method is given twice (method=oracle and method=full)"),
     "an unknown run option": (["--verbose"], "unknown option --verbose"),
     # data files, named by file and line, with the shape expected
     "rag file of the wrong shape": ([*RAG, "task.data_dir=RAG_DICT"], "musique_s.json:1: a JSON object, not a list"),
@@ -201,9 +201,9 @@ COMMAND_CASES = {
         ["reproduce", "pqcache/table3", "--no-run", "scale=nope"],
         "unknown scale 'nope'",
     ),
-    "reproduce: a key given twice": (
-        ["reproduce", "pqcache/table3", "task.limit=1", "--dry-run", "task.limit=2"],
-        "task.limit is given twice",
+    "reproduce: a method given twice": (
+        ["reproduce", "pqcache/table3", "method=full", "--dry-run", "method=oracle"],
+        "method is given twice",
     ),
     "bench: an unknown model": (["bench", "pqcache_e2e", "--model", "nosuch"], "unknown model 'nosuch' (--model)"),
     "bench: negative repeats": (["bench", "--repeats", "-1", "pqcache_e2e"], "--repeats -1 runs nothing"),
@@ -235,6 +235,17 @@ def test_bad_command_is_one_line(name, tmp_path, no_loading, capsys):
     assert_one_line(code, capsys.readouterr().err, needle)
     assert sorted(tmp_path.rglob("*")) == before, "a refused command wrote files"
     assert time.perf_counter() - started < 5
+
+
+def test_a_plain_key_given_twice_keeps_the_last_with_a_note(tmp_path, essays, no_loading, capsys):
+    args = run_args(tmp_path, essays, ["--dry-run"]) + ["task.max_new_tokens=6"]
+    assert cli.main(["run", *args]) == 0
+    captured = capsys.readouterr()
+    assert "max_new_tokens: 6" in captured.out
+    assert captured.err == (
+        "kvbench: note: task.max_new_tokens is given twice (task.max_new_tokens=4, then task.max_new_tokens=6): "
+        "the last counts\n"
+    )
 
 
 def test_reproduce_takes_options_after_the_overrides(monkeypatch, capsys):
