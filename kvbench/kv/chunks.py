@@ -2,7 +2,8 @@
 
 Reuse methods take most of a prompt's K/V from caches computed earlier: each document chunk prefilled
 alone (CacheBlend, full KV reuse), or an exact token prefix (prefix caching). This store keeps them
-between requests and runs, in two tiers with a byte capacity each and least-recently-used eviction:
+between requests and runs, in two tiers with a byte capacity each and least-recently-used eviction
+(or, with :attr:`ChunkStore.priority` set, the lowest-scored entry first):
 
 * ``ram`` — tensors in host memory, also on a GPU machine (the tier above the device): an entry put
   in RAM is copied to the host, into one pinned buffer when CUDA is available, so a load from RAM is
@@ -57,6 +58,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +200,17 @@ class ChunkStore:
         self.stats = {tier: TierStats() for tier in TIERS}
         self.precompute_s = 0.0
         self.precomputed = 0
+        #: eviction order: ``None`` evicts the least recently used entry; a function of an entry's digest
+        #: evicts the entry it scores lowest, the least recently used among equal scores (a reuse method
+        #: sets it for its requests, e.g. Cache-Craft's expected frequency x saving per byte)
+        self.priority: Callable[[str], float] | None = None
+
+    def _victim(self, digests: Iterable[str]) -> int:
+        """Which of ``digests`` (least recently used first) to evict: its index."""
+        if self.priority is None:
+            return 0
+        scores = [self.priority(digest) for digest in digests]
+        return scores.index(min(scores))
 
     # ------------------------------------------------------------------ disk layout
     def folder(self, model: str) -> Path:
@@ -308,7 +321,8 @@ class ChunkStore:
         if key in self._ram:
             self._ram_bytes -= self._ram.pop(key).nbytes()
         while self._ram and self._ram_bytes + size > self.ram_capacity:
-            _, old = self._ram.popitem(last=False)
+            victim = list(self._ram)[self._victim(k.digest for k in self._ram)]
+            old = self._ram.pop(victim)
             self._ram_bytes -= old.nbytes()
             self.stats["ram"].evictions += 1
         self._ram[key] = entry
@@ -349,7 +363,9 @@ class ChunkStore:
         self.stats["disk"].bytes_written += size
         folder = path.parent
         while self._disk_bytes > self.disk_capacity and len(self._disk) > 1:
-            digest, old = self._disk.popitem(last=False)
+            held = [d for d in self._disk if d != key.digest]  # (never the entry just written)
+            digest = held[self._victim(held)]
+            old = self._disk.pop(digest)
             (folder / f"{digest}.safetensors").unlink(missing_ok=True)
             self._disk_bytes -= old
             self.stats["disk"].evictions += 1

@@ -1,0 +1,78 @@
+"""Attention statistics of chosen query rows, computed row block by row block.
+
+A policy that needs attention *probabilities* during a prefill (Cache-Craft's inter- and intra-chunk
+attention, a question's attention to each chunk) cannot get them from the fused kernels the prefill
+runs, which return only the attention's output. :func:`segment_mass` recomputes them for the rows
+asked for: the causal softmax of each row over every key of the layer (keys at positions after the
+row's own are masked, as the prefill's exact mask does), summed over each *segment* of keys (a
+segment is any labelled set of positions, e.g. a document chunk) and reduced over the query heads.
+
+Memory stays bounded: the logits of at most ``block_elements`` (query head, row, key) entries exist
+at once — a block of ``max(1, block_elements // (heads · keys))`` rows — never the whole
+``heads × rows × keys`` matrix. The softmax is computed in float32 whatever the model's dtype.
+A reuse policy calls it from its ``observe_attention`` hook (:class:`~kvbench.engine.reuse.ReusePrefill`),
+which runs after a layer's fresh K/V are written, so the keys are the layer's complete K.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: how the per-head masses of a row are combined: the mean over query heads (default), their max, their sum
+HEAD_REDUCTIONS = ("mean", "max", "sum")
+
+
+def segment_mass(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_segments: torch.Tensor,
+    n_segments: int,
+    scaling: float,
+    *,
+    heads: str = "mean",
+    block_elements: int = 1 << 22,
+) -> torch.Tensor:
+    """Attention mass of each query row on each segment of keys, ``[rows, n_segments]`` (float32).
+
+    ``query`` ``[H, rows, d]`` and ``keys`` ``[kv_heads, n, d]`` are post-RoPE (query head ``h`` reads KV
+    head ``h // (H / kv_heads)``); ``query_positions`` ``[rows]`` and ``key_positions`` ``[n]`` are
+    prompt positions (a key attends a row when its position is at most the row's); ``key_segments``
+    ``[n]`` labels each key with a segment in ``[0, n_segments)``, or ``-1`` for a key that is attended
+    (it takes part in the softmax) but counted in no segment. Entry ``[r, s]`` is
+    ``reduce_h sum_{keys k of s} softmax_h(q_r · K / sqrt)[k]`` with ``reduce`` = ``heads``.
+    """
+    if heads not in HEAD_REDUCTIONS:
+        raise ValueError(f"heads={heads!r} is not one of {HEAD_REDUCTIONS}")
+    n_heads, rows, dim = query.shape
+    kv_heads, n, _ = keys.shape
+    group = n_heads // kv_heads
+    device = query.device
+    out = torch.zeros(rows, n_segments, dtype=torch.float32, device=device)
+    if rows == 0 or n == 0:
+        return out
+    k = keys.to(device=device, dtype=torch.float32)
+    key_positions = key_positions.to(device)
+    # one-hot [n, segments] (a key of no segment, -1, has an all-zero row): the sums are one matmul
+    labels = key_segments.to(device).long()
+    member = torch.zeros(n, n_segments + 1, dtype=torch.float32, device=device)
+    member[torch.arange(n, device=device), torch.where(labels < 0, n_segments, labels)] = 1.0
+    member = member[:, :n_segments]
+    q_positions = query_positions.to(device)
+    q = query.float().view(kv_heads, group, rows, dim)
+    block = max(1, int(block_elements) // max(1, n_heads * n))
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        logits = torch.einsum("kgrd,knd->kgrn", q[:, :, start:stop], k) * scaling
+        future = key_positions[None, :] > q_positions[start:stop, None]  # [b, n]
+        logits = logits.masked_fill(future[None, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).reshape(n_heads, stop - start, n)
+        mass = probs @ member  # [H, b, segments]
+        if heads == "mean":
+            out[start:stop] = mass.mean(dim=0)
+        elif heads == "max":
+            out[start:stop] = mass.amax(dim=0)
+        else:
+            out[start:stop] = mass.sum(dim=0)
+    return out
