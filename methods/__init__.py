@@ -66,7 +66,12 @@ def create_method(cfg: Mapping[str, Any]) -> KVMethod:
 #: (``method=full,h2o,pqcache_niah``), where a ``method.<key>=`` override would reach every method. The
 #: run records the method's own name (``pqcache``) and the parameters, as if they had been given.
 #: ``pqcache_niah``: PQCache as its authors' NIAH script runs it (``test_nah.py``: 10 k-means iterations).
-METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {"pqcache_niah": ("pqcache", {"protocol": "pqcache_niah"})}
+#: ``pyramidkv_equal``: PyramidKV with its per-layer counts rounded so that the layers together keep what
+#: uniform layers keep (``rounding: exact``), for comparisons at equal KV bytes (the PQCache tables).
+METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "pqcache_niah": ("pqcache", {"protocol": "pqcache_niah"}),
+    "pyramidkv_equal": ("pyramidkv", {"rounding": "exact"}),
+}
 
 
 def method_choices() -> list[str]:

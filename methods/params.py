@@ -113,7 +113,9 @@ class PyramidKVParams(SnapKVParams):
     pooling: Literal["avg", "max"] = param("max", "vote pooling (KVCache-Factory: max)")
     beta: float = param(20.0, "pyramid steepness: the top layer keeps C/beta, the bottom 2C - C/beta")
     rounding: Literal["exact", "authors"] = param(
-        "exact", "exact: layers sum to L x C | authors: floored step (up to (L-2)/2 more per layer)"
+        "authors",
+        "authors: KVCache-Factory's floored step (up to (L-2)/2 more per layer than uniform) | "
+        "exact: layers sum to L x C, the same KV as uniform (preset pyramidkv_equal)",
     )
     short_prompt_uniform: bool = param(True, "prompts shorter than 2C keep the uniform budget (authors' code)")
 

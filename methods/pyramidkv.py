@@ -15,16 +15,25 @@ choose from (``s - sink - local``),
     min = C / beta,   max = 2C - min;   if max >= A: max = A, min = 2C - max
     select_l = max - l · (max - min) / (L - 1)          (layer l = 0 .. L-1, an arithmetic sequence)
 
-with ``beta`` = 20 (the authors' code). The sequence averages ``C`` exactly, so the layers together
-keep what ``L`` SnapKV layers keep. ``rounding`` turns it into token counts:
+with ``beta`` = 20 (the authors' code). The real-valued sequence averages ``C``. ``rounding`` turns it
+into token counts:
 
-* ``exact`` (default): the real-valued sequence rounded by cumulative sums (each layer within one
-  token of its real value, non-increasing), so the total is **exactly** ``L × C``: the same KV bytes
-  as every other method in the comparison.
-* ``authors``: the authors' integer arithmetic, ``min = C // beta`` and a floored step
-  ``(max - min) // (L - 1)``. The floor shortens the step, so the layers together keep
+* ``authors`` (default): the authors' integer arithmetic (KVCache-Factory ``PyramidKVCluster.update_kv``),
+  ``min = C // beta`` and a floored step ``(max - min) // (L - 1)``; ``select_l = max - l · step``
+  exactly as their code computes it (``tests/test_pyramidkv_authors.py`` pins the counts against a
+  transcription of it over windows 8–64). The floor shortens the step, so the layers together keep
   ``L·C + L·r/2`` tokens, with ``r = (max - min) mod (L - 1)``: up to ``(L - 2)/2`` extra tokens per
   layer (about 9 % more KV than SnapKV for SmolLM2's 30 layers at a 1k prompt and a 10 % budget).
+* ``exact``: the real-valued sequence rounded by cumulative sums (each layer within one token of its
+  real value, non-increasing), so the total is **exactly** ``L × C``: the same KV bytes as every other
+  method in a comparison. The PQCache tables run it (``method=pyramidkv_equal``), since they compare
+  methods at equal memory.
+
+The authors' schedule applies at every window: at a 64-token window (kvpress's default) their code
+still builds the pyramid, as kvbench does. kvpress 0.5.5 instead falls back to SnapKV's uniform budget
+whenever ``min < window`` (its own guard, not in the authors' code), which is why the two tools' sets
+agree at windows 8–16 and not at 64. ``C``, ``A`` and the window here are kvbench's: ``A`` excludes the
+sinks (the authors' code has none; with ``sink: 0`` the counts are theirs).
 
 As in the authors' code, prompts shorter than ``2C`` keep the uniform budget on every layer
 (``short_prompt_uniform``). The resolved per-layer budgets (``local + select_l``, sinks excluded) are

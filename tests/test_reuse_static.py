@@ -322,6 +322,7 @@ def test_reuse_ttft_makes_one_prompt_of_each_length(tiny_llama):
     assert [(label, tier) for label, _, tier in _configs(("cacheblend:ram", "full_reuse"))] == [
         ("full", None),
         ("cacheblend@0.15", "ram"),
+        ("cacheblend@0.15 check_rows=all", "ram"),
         ("full_reuse", "ram"),
         ("full_reuse", "disk"),
     ]
