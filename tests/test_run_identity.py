@@ -1,0 +1,40 @@
+"""A method key added after runs were recorded names its legacy value (``param(..., legacy=)``): a run at
+that value is the run recorded before the key existed (same id, resumable), any other value is a new run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from kvbench.results import config_hash, identity, run_id_for
+
+RECORD = Path(__file__).resolve().parents[1] / "benchmarks/records/cacheblend-fig12"
+
+
+def _recorded() -> tuple[str, dict]:
+    folder = sorted(p for p in RECORD.iterdir() if p.name.startswith("rag-cacheblend-"))[0]
+    return folder.name, yaml.safe_load((folder / "config.yaml").read_text())
+
+
+def test_a_recorded_run_keeps_its_id_when_keys_are_added_at_their_legacy_value():
+    name, recorded = _recorded()
+    assert "check_rows" not in recorded["method"]  # recorded before the key existed
+    assert run_id_for(recorded) == name
+    legacy = {**recorded, "method": {**recorded["method"], "check_rows": "all", "deviation": "v"}}
+    assert run_id_for(legacy) == name
+    assert identity(legacy)["method"] == recorded["method"]
+
+
+def test_another_value_of_an_added_key_is_another_run():
+    name, recorded = _recorded()
+    for key, value in (("check_rows", "selected"), ("deviation", "k")):
+        changed = {**recorded, "method": {**recorded["method"], key: value}}
+        assert run_id_for(changed) != name
+        assert config_hash(changed) != config_hash(recorded)
+
+
+def test_keys_without_a_legacy_value_are_always_part_of_the_id():
+    _, recorded = _recorded()
+    other = {**recorded, "method": {**recorded["method"], "recompute_ratio": 0.3}}
+    assert config_hash(other) != config_hash(recorded)
