@@ -398,7 +398,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def check_figure_path(path: Path) -> None:
     """``report --figure F``: a ``.png`` name (figures are PNG files; F.csv and F.md may go beside) in a
-    folder that exists and can be written, checked before any run is read."""
+    folder that can be written (or made: its nearest existing parent can be written), checked before
+    any run is read."""
     import os
     import tempfile
 
@@ -410,10 +411,10 @@ def check_figure_path(path: Path) -> None:
     if path.is_dir():
         raise ConfigError(f"--figure {path} is a folder", f"name a file in it, e.g. --figure {path / 'figure.png'}")
     folder = path.parent if str(path.parent) else Path(".")
+    while not folder.exists() and folder != folder.parent:  # a missing folder is made when the figure is written
+        folder = folder.parent
     if not folder.is_dir():
-        raise ConfigError(
-            f"--figure {path}: the folder {folder} does not exist", f"create it first (mkdir -p {folder})"
-        )
+        raise ConfigError(f"--figure {path}: {folder} is not a folder", "name a file in a folder")
     try:
         handle, probe = tempfile.mkstemp(prefix=".kvbench-probe-", dir=folder)
         os.close(handle)

@@ -111,6 +111,7 @@ def test_reuse_ttft_reports_every_config_against_full():
     assert [(r["method"], r["chunks from"]) for r in rows] == [
         ("full", "-"),
         ("cacheblend@0.15", "ram"),
+        ("cacheblend@0.15 check_rows=all", "ram"),
         ("full_reuse", "ram"),
         ("cacheblend@0.15", "disk"),
         ("full_reuse", "disk"),

@@ -40,16 +40,10 @@ def test_bad_input_is_one_line_with_a_fix(tmp_path, args, needle):
     essays.mkdir()
     (essays / "e.txt").write_text("A sentence about startups. " * 400)
     out_dir = tmp_path / "runs"
-    result = kvbench(
-        "run",
-        "model=tiny_llama",
-        f"output_dir={out_dir}",
-        "progress=false",
-        f"task.data_dir={essays}",
-        "task.lengths=[600]",
-        "task.depths=[0]",
-        *args,
-    )
+    base = ["model=tiny_llama", f"output_dir={out_dir}", "progress=false", f"task.data_dir={essays}"]
+    base += ["task.lengths=[600]", "task.depths=[0]"]
+    given = {arg.split("=", 1)[0] for arg in args}
+    result = kvbench("run", *[arg for arg in base if arg.split("=", 1)[0] not in given], *args)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr

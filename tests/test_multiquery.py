@@ -20,7 +20,7 @@ from kvbench.methods.selection import compose
 from kvbench.requests import MultiQueryRequest, Query, Segment
 
 NEW = 10
-REUSE = ("cacheblend", "full_reuse", "prefix_cache")
+REUSE = ("cacheblend", "cachecraft", "full_reuse", "prefix_cache")
 
 
 def ids(n, seed, vocab=250):

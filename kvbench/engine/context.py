@@ -406,8 +406,8 @@ class GenerationContext:
         self.method.check_after_prefill(self)
 
     def check_after_first_step(self) -> None:
+        self.method.check_after_first_step(self)  # (its own words first: "attended all of them")
         self.check_attended()
-        self.method.check_after_first_step(self)
 
     def check_attended(self) -> None:
         """Fail the run when a compressing layer attended more at the first decode step than its budget
