@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -53,14 +54,37 @@ class Params:
         owner's name: :func:`parse` prefixes it)."""
 
 
-def param(default: Any, help: str, *, min: float | None = None, max: float | None = None) -> Any:
-    """A field with its help text and an optional inclusive range (checked by :func:`parse`)."""
+_NO_LEGACY = object()
+
+
+def param(
+    default: Any, help: str, *, min: float | None = None, max: float | None = None, legacy: Any = _NO_LEGACY
+) -> Any:
+    """A field with its help text and an optional inclusive range (checked by :func:`parse`).
+
+    ``legacy``: for a key added after runs were recorded, the value that reproduces what those runs did
+    without it. A run whose value is the legacy one is the same run as before the key existed, so the
+    run id leaves the key out (:func:`identity_values`): adding a key never renames an old run, and a
+    run that sets a new behaviour (another value) gets its own id."""
     metadata: dict[str, Any] = {"help": help}
     if min is not None:
         metadata["min"] = min
     if max is not None:
         metadata["max"] = max
+    if legacy is not _NO_LEGACY:
+        metadata["legacy"] = legacy
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def identity_values(cls: type[Params], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a config node of ``cls``'s keys) without the keys that hold their legacy value (see
+    :func:`param`): what identifies a run."""
+    legacy = {f.name: f.metadata["legacy"] for f in dataclasses.fields(cls) if "legacy" in f.metadata}
+    return {
+        key: value
+        for key, value in values.items()
+        if not (key in legacy and json.dumps(value, default=str) == json.dumps(legacy[key], default=str))
+    }
 
 
 class _Mismatch(Exception):

@@ -77,10 +77,27 @@ UNHASHED = ("output_dir", "progress", "prefill_cache", "engine")
 
 
 def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> str:
-    """Stable hash of a resolved config, without keys that do not change results."""
-    data = {key: value for key, value in resolved.items() if key not in set(ignore)}
+    """Stable hash of a resolved config, without keys that do not change results and without method keys
+    at their legacy value (a key added later, set as runs before it behaved: :func:`identity`)."""
+    data = {key: value for key, value in identity(resolved).items() if key not in set(ignore)}
     blob = json.dumps(data, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def identity(resolved: dict[str, Any]) -> dict[str, Any]:
+    """``resolved`` as it identifies a run: the method node without the keys at their legacy value
+    (:func:`kvbench.params.identity_values`), so a run recorded before a key existed and the same run
+    with the key at that value are one run."""
+    method = resolved.get("method")
+    if not isinstance(method, dict):
+        return resolved
+    from kvbench.methods.params import PARAMS
+    from kvbench.params import identity_values
+
+    cls = PARAMS.get(str(method.get("name")))
+    if cls is None:
+        return resolved
+    return {**resolved, "method": identity_values(cls, method)}
 
 
 def run_id_for(resolved: dict[str, Any]) -> str:
@@ -230,8 +247,8 @@ class RunDir:
                     f"or move {self.path} away to start over",
                 )
             return
-        ours = json.loads(json.dumps(resolved, default=str))
-        differences = _differences(recorded, ours, skip=UNHASHED)
+        ours = json.loads(json.dumps(identity(resolved), default=str))
+        differences = _differences(identity(recorded), ours, skip=UNHASHED)
         if differences:
             key, was, now_ = differences[0]
             more = f" and {len(differences) - 1} more key(s)" if len(differences) > 1 else ""

@@ -71,6 +71,9 @@ def create_method(cfg: Mapping[str, Any]) -> KVMethod:
 METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "pqcache_niah": ("pqcache", {"protocol": "pqcache_niah"}),
     "pyramidkv_equal": ("pyramidkv", {"rounding": "exact"}),
+    # CacheBlend with the check layer kvbench ran before 2026-11-29 (every row through attention and MLP):
+    # the recorded CacheBlend experiments ran it; their runs keep their ids (check_rows' legacy value)
+    "cacheblend_allrows": ("cacheblend", {"check_rows": "all"}),
 }
 
 

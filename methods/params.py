@@ -291,9 +291,10 @@ class CacheBlendParams(ReuseParams):
         "selected",
         "check layer: Q/K/V for every row, then attention, output projection and MLP for the selected rows "
         "(the released code, LMCache) | all: every row runs the whole check layer (kvbench before 2026-11)",
+        legacy="all",
     )
     deviation: Literal["v", "k"] = param(
-        "v", "KV deviation that ranks tokens: v (released code, LMCache v0) | k, post-RoPE (LMCache v1)"
+        "v", "KV deviation that ranks tokens: v (released code, LMCache v0) | k, post-RoPE (LMCache v1)", legacy="v"
     )
     controller: bool = param(
         False,
