@@ -24,6 +24,7 @@ parameters: ``METHOD_CHECKS.append(method_params_check)``); both run for every s
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -100,16 +101,20 @@ def _conf_keys(path: Path) -> set[str]:
     return {str(key) for key in data} if isinstance(data, dict) else set()
 
 
-def known_top_keys() -> set[str]:
-    """Top-level keys of a run config: ``conf/config.yaml``'s and the three groups."""
+@functools.cache
+def known_top_keys() -> frozenset[str]:
+    """Top-level keys of a run config: ``conf/config.yaml``'s and the three groups (read once a process:
+    the shipped config tree does not change while kvbench runs)."""
     from kvbench.compose import NOT_RUN_KEYS
 
-    return (_conf_keys(_conf() / "config.yaml") - {"defaults", *NOT_RUN_KEYS}) | {"model", "method", "task"}
+    return frozenset((_conf_keys(_conf() / "config.yaml") - {"defaults", *NOT_RUN_KEYS}) | {"model", "method", "task"})
 
 
-def known_model_keys() -> set[str]:
-    """Every key a ``conf/model/*.yaml`` declares (what :func:`kvbench.models.loading.load_model` reads)."""
-    return set().union(*(_conf_keys(path) for path in sorted((_conf() / "model").glob("*.yaml"))))
+@functools.cache
+def known_model_keys() -> frozenset[str]:
+    """Every key a ``conf/model/*.yaml`` declares (what :func:`kvbench.models.loading.load_model` reads;
+    read once a process)."""
+    return frozenset(set().union(*(_conf_keys(path) for path in sorted((_conf() / "model").glob("*.yaml")))))
 
 
 def _conf() -> Path:
