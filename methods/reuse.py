@@ -19,7 +19,10 @@ recomputed every row after its check layers, or that reused nothing.
 
 Chunk prefill modes (``chunk_bos``): ``true`` precomputes each chunk after the tokenizer's BOS (at
 positions 1..n, the BOS row dropped), as CacheBlend's scripts do; ``false`` precomputes it alone at
-0..n-1. A tokenizer without a BOS token (Qwen2.5) always precomputes alone; the mode used is recorded.
+0..n-1. A tokenizer without a BOS token always precomputes alone; the mode used is recorded
+(``prepared.chunk_mode``). The packaged Qwen2.5-Coder tokenizers do name one, ``<|endoftext|>``
+(``bos_token`` in their tokenizer_config.json, though Qwen's chat template never emits it), so every
+Qwen record shows ``chunk_mode: bos``: Qwen chunks were precomputed after ``<|endoftext|>``, not alone.
 The ``prefix`` segment is an exact prefix: cached at its real positions, it is exact by causality.
 """
 
