@@ -297,15 +297,7 @@ class ReusePrefill(PrefillPlan):
         self.timing["load_s"] += opened
         self.timing["load_wait_s"] += opened
         # the request's layout, on the host (numpy: planning reads no tensor)
-        cached_flags = np.zeros(n, dtype=bool)
-        for span in self.spans:
-            cached_flags[span.begin : span.end] = True
-        query_flags = np.zeros(n, dtype=bool)
-        for segment, (begin, end) in zip(segments, segment_spans(segments)):
-            if segment.role == "query":
-                query_flags[begin:end] = True
-        self.cached_flags = cached_flags
-        self.query_flags = query_flags
+        self.cached_flags, self.query_flags = cached_flags, query_flags = self._flags(n, segments)
         self.cached_mask = torch.from_numpy(cached_flags)
         self.query_mask = torch.from_numpy(query_flags)
         spans = [(span.begin, span.end) for span in self.spans]
@@ -347,6 +339,17 @@ class ReusePrefill(PrefillPlan):
             self.loader.prefetch(self.cache_layers[0])
 
     # ------------------------------------------------------------------ host → device
+    def _flags(self, n: int, segments: tuple[Segment, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(rows a cached span covers, rows of the query segment): host booleans ``[n]``."""
+        cached = np.zeros(n, dtype=bool)
+        for span in self.spans:
+            cached[span.begin : span.end] = True
+        query = np.zeros(n, dtype=bool)
+        for segment, (begin, end) in zip(segments, segment_spans(segments)):
+            if segment.role == "query":
+                query[begin:end] = True
+        return cached, query
+
     def _host_ints(self, values: np.ndarray | list[int]) -> torch.Tensor:
         """Host ints as an int64 CPU tensor (pinned on CUDA, for asynchronous copies)."""
         host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
