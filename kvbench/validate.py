@@ -482,8 +482,11 @@ def check_lengths(resolved: dict[str, Any]) -> None:
 
 
 def check_output_dir(resolved: dict[str, Any]) -> None:
-    """Results can be written under ``output_dir``: probe with a temporary file in the folder itself or
-    its nearest existing parent (permission bits are not enough: root may "write" to /proc)."""
+    """Results can be written under ``output_dir``. An existing output folder is checked without writing
+    into it (its permission bits and whether its file system is mounted read-only: planning and
+    ``--no-run`` never write where results are); a folder still to be made is probed with a temporary
+    file in its nearest existing parent (permission bits are not enough there: root may "write" to
+    /proc)."""
     path = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
     probe = path
     while not probe.exists() and probe.parent != probe:
@@ -491,6 +494,12 @@ def check_output_dir(resolved: dict[str, Any]) -> None:
     fix = "set output_dir=<a writable folder>"
     if not probe.is_dir():
         raise ConfigError(f"cannot write results under {path}: {probe} is not a folder", fix)
+    if probe == path:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        if read_only or not os.access(path, os.W_OK | os.X_OK):
+            why = "read-only file system" if read_only else "permission denied"
+            raise ConfigError(f"cannot write results under {path}: it is not writable ({why})", fix)
+        return
     try:
         handle, name = tempfile.mkstemp(prefix=".kvbench-probe-", dir=probe)
         os.close(handle)

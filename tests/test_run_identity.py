@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvbench.results import config_hash, identity, run_id_for
@@ -38,3 +39,25 @@ def test_keys_without_a_legacy_value_are_always_part_of_the_id():
     _, recorded = _recorded()
     other = {**recorded, "method": {**recorded["method"], "recompute_ratio": 0.3}}
     assert config_hash(other) != config_hash(recorded)
+
+
+def test_planning_a_recorded_experiment_writes_nothing_into_its_records(tmp_path):
+    """`kvbench reproduce --dry-run` over a record folder reads it and leaves every file and the folder's
+    listing as they were (the output-folder check used to create and delete a probe file in it)."""
+    import os
+    import shutil
+
+    from kvbench.reproduce import reproduce
+
+    from .conftest import SHARED_DATA
+
+    if not (SHARED_DATA / "cacheblend").is_dir():
+        pytest.skip("needs ../shared/data/cacheblend (the experiment's data is checked while planning)")
+    records = tmp_path / "records"
+    shutil.copytree(RECORD, records)
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in records.rglob("*")}
+    listing = sorted(os.listdir(records))
+    mtime = records.stat().st_mtime_ns
+    reproduce("cacheblend/fig12", "cpu", [f"output_dir={records}"], dry_run=True)
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in records.rglob("*")} == before
+    assert sorted(os.listdir(records)) == listing and records.stat().st_mtime_ns == mtime
