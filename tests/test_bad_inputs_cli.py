@@ -15,6 +15,8 @@ import pytest
 
 from kvbench import cli
 
+from .test_cli_reliability import base_args
+
 MUSIQUE_ROW = {"question": "who?", "answers": ["a"], "ctxs": [{"title": "t", "text": "some text"}]}
 
 
@@ -56,21 +58,10 @@ def data(tmp_path: Path) -> dict[str, str]:
 
 
 def run_args(tmp_path: Path, essays: Path, extra: list[str]) -> list[str]:
-    """A small NIAH run on tiny_llama; ``extra`` overrides replace the base keys they name."""
-    base = [
-        "model=tiny_llama",
-        f"output_dir={tmp_path / 'runs'}",
-        "progress=false",
-        f"task.data_dir={essays}",
-        "task.lengths=[600]",
-        "task.depths=[0]",
-        "task.max_new_tokens=4",
-    ]
-    keys = {a.partition("=")[0] for a in extra}
-    if "task" in keys:
-        base = [a for a in base if not a.startswith("task.")]
+    """tests/test_cli_reliability.py's small NIAH run on tiny_llama (``extra`` replaces the base keys it
+    names), with ``extra``'s options first."""
     options = [a for a in extra if a.startswith("-")]
-    return options + [a for a in base if a.partition("=")[0] not in keys] + [a for a in extra if a not in options]
+    return options + base_args(tmp_path, essays, [a for a in extra if a not in options])
 
 
 RAG = ["task=rag", "method=cacheblend"]

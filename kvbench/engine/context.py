@@ -415,11 +415,9 @@ class GenerationContext:
         if not (self.method.needs_budget and self.budget.compresses):
             return
         attended = self.telemetry.attended
-        over = [
-            (layer, attended[layer][0], self.method.attend_limit(self, layer))
-            for layer in self.compressing_layers()
-            if attended[layer] and attended[layer][0] > self.method.attend_limit(self, layer)
-        ]
+        firsts = [(layer, attended[layer][0]) for layer in self.compressing_layers() if attended[layer]]
+        limits = [(layer, count, self.method.attend_limit(self, layer)) for layer, count in firsts]
+        over = [(layer, count, limit) for layer, count, limit in limits if count > limit]
         if over:
             layer, count, limit = over[0]
             raise CompressionNotApplied(
