@@ -48,6 +48,12 @@ of the task's figures (``kvbench report --figure-kind``: the rag task's ``pipeli
 ``paired`` — methods compared on the same samples against a ``baseline`` run: mean difference,
 bootstrap 95 % interval, McNemar (0/100 scores) or paired permutation p-value (:mod:`kvbench.stats`).
 
+``agreement`` — each run's answers against the ``baseline`` run's on the same samples (exact agreement
+after the task's answer normalisation, ROUGE-L F1, Jaccard of token sets, with bootstrap 95 % intervals;
+:mod:`kvbench.agreement`): a quality signal that needs no gold answer::
+
+    - agreement: {baseline: {method: full}, by: [method], split: [model, config.task.dataset]}
+
 ``bench`` — the benchmark's rows as a table; ``columns`` lists the columns to show, or maps each to its
 label (a column a benchmark computes rather than measures says so in its label).
 
@@ -68,7 +74,7 @@ from typing import Any
 
 from kvbench.errors import ConfigError
 
-KINDS = ("table", "claims", "curve", "figure", "paired", "bench")
+KINDS = ("table", "claims", "curve", "figure", "paired", "agreement", "bench")
 ALIASES = {
     "model": "config.model.name",
     "method": "config.method.name",
@@ -103,6 +109,7 @@ _ITEM_KEYS = {
     },
     "figure": {"title", "split", "where", "panels", "kind"},
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
+    "agreement": {"baseline", "split", "by", "match", "where", "title"},
     "bench": {"columns", "title"},
 }
 OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap", "gap_ratio")
@@ -119,6 +126,10 @@ def check_render(item: Any) -> None:
     unknown = sorted(set(options) - _ITEM_KEYS[kind])
     if unknown:
         raise ConfigError(f"{kind}: unknown options {unknown}", f"{kind} takes {', '.join(sorted(_ITEM_KEYS[kind]))}")
+    if kind == "agreement":
+        from kvbench.agreement import check
+
+        check(options)
     if kind == "claims":
         for row in options.get("rows") or []:
             op = (row.get("ours") or {}).get("op")
@@ -922,6 +933,13 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
     return [
         Section(title, markdown=to_markdown(table), latex=to_latex(table), csv=table.to_csv(index=False), frame=table)
     ]
+
+
+def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) -> list[Section]:
+    """``agreement``: see :mod:`kvbench.agreement`."""
+    from kvbench.agreement import render_agreement as render
+
+    return render(exp, spec, runs, samples)
 
 
 def render_bench(spec: Mapping[str, Any], bench_rows: Any, notes: Sequence[str]) -> list[Section]:

@@ -11,9 +11,10 @@ directories. A benchmark experiment runs ``kvbench bench`` once per scale and op
 its JSON record under ``<output_dir>/bench/``.
 
 Rendering reads finished runs only (:mod:`kvbench.render`): the tables beside the paper's numbers,
-claims, curves, figures, paired statistics and the protocol-difference table, printed as markdown
-and written to ``results/reproduce/<scale>/<experiment>/`` as ``report.md``, ``report.tex``, one CSV
-per section and the figures. ``kvbench report --html`` turns the same sections into web pages.
+claims, curves, figures, paired statistics, agreement with a baseline's answers and the
+protocol-difference table, printed as markdown and written to
+``results/reproduce/<scale>/<experiment>/`` as ``report.md``, ``report.tex``, one CSV per section and
+the figures. ``kvbench report --html`` turns the same sections into web pages.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvbench.experiments import Experiment, bench_options, load_experiment, load
 from kvbench.render import (
     Section,
     protocol_section,
+    render_agreement,
     render_bench,
     render_claims,
     render_curve,
@@ -289,7 +291,7 @@ def render(
     art = get_artifact(exp.compare)
     runs = our_runs(run_dirs)
     needs_samples = any(
-        kind == "paired" or (spec or {}).get("source") == "samples"
+        kind in ("paired", "agreement") or (spec or {}).get("source") == "samples"
         for item in exp.render
         for kind, spec in item.items()
     )
@@ -323,6 +325,8 @@ def render(
             sections += render_figure(exp, spec, runs, out_dir, stem)
         elif kind == "paired":
             sections += render_paired(exp, spec, runs, samples)
+        elif kind == "agreement":
+            sections += render_agreement(exp, spec, runs, samples)
         elif kind == "bench":
             sections += render_bench(spec, bench_rows, bench["notes"] if bench else [])
     sections.append(protocol_section(exp, scale, runs, why(exp, scale), bench))

@@ -42,14 +42,19 @@ class Paired:
     b_only: int | None = None
 
 
-def bootstrap_diff(a: ArrayLike, b: ArrayLike, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
-    """95 % percentile bootstrap interval of mean(a - b), resampling pairs; None below two pairs."""
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+def bootstrap_mean(x: ArrayLike, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95 % percentile bootstrap interval of mean(x), resampling the values; None below two values."""
+    d = np.asarray(x, dtype=float)
     if d.size < 2:
         return None
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def bootstrap_diff(a: ArrayLike, b: ArrayLike, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95 % percentile bootstrap interval of mean(a - b), resampling pairs; None below two pairs."""
+    return bootstrap_mean(np.asarray(a, dtype=float) - np.asarray(b, dtype=float), resamples, seed)
 
 
 def mcnemar_exact(a_only: int, b_only: int) -> float:
