@@ -380,3 +380,42 @@ class CacheCraftParams(ReuseParams):
 
 
 PARAMS["cachecraft"] = CacheCraftParams
+
+
+# ---------------------------------------------------------------------- Cache-Craft's baselines (appended)
+@dataclass(frozen=True)
+class ChunkRecomputeParams(ReuseParams):
+    """Full reuse plus a planned share of every chunk's tokens recomputed from layer 0 (no check layer):
+    Cache-Craft's Random-Recomp and Prefill-H2O baselines (``methods/random_recomp.py``, ``methods/prefill_h2o.py``)."""
+
+    recompute_ratio: float = param(
+        0.15,
+        "share of each chunk's tokens recomputed from layer 0: ceil(ratio x |C|) per chunk (0.15 as cacheblend)",
+        min=0,
+        max=1,
+    )
+
+
+@dataclass(frozen=True)
+class RandomRecompParams(ChunkRecomputeParams):
+    seed: int = param(0, "random selection seed (with the chunk's tokens: a chunk gets the same draw in every request)")
+
+
+@dataclass(frozen=True)
+class PrefillH2OParams(ChunkRecomputeParams):
+    heads: Literal["mean", "max", "sum"] = param(
+        "mean", "how the query heads' received-attention column sums are combined: mean | max | sum"
+    )
+    stats_block: int = param(1 << 22, "score pass: attention entries (head x row x key) computed at once", min=1)
+
+
+@dataclass(frozen=True)
+class SetCacheParams(PrefixCacheParams):
+    store_prompts: bool = param(
+        True, "store each served (reordered) prompt up to its last chunk after the request: what later requests hit"
+    )
+
+
+PARAMS["random_recomp"] = RandomRecompParams
+PARAMS["prefill_h2o"] = PrefillH2OParams
+PARAMS["set_cache"] = SetCacheParams

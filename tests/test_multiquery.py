@@ -20,7 +20,7 @@ from kvbench.methods.selection import compose
 from kvbench.requests import MultiQueryRequest, Query, Segment
 
 NEW = 10
-REUSE = ("cacheblend", "cachecraft", "full_reuse", "prefix_cache")
+REUSE = ("cacheblend", "cachecraft", "full_reuse", "prefix_cache", "random_recomp", "prefill_h2o", "set_cache")
 
 
 def ids(n, seed, vocab=250):

@@ -76,3 +76,49 @@ def segment_mass(
         else:
             out[start:stop] = mass.sum(dim=0)
     return out
+
+
+def column_mass(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    *,
+    heads: str = "mean",
+    block_elements: int = 1 << 22,
+) -> torch.Tensor:
+    """Attention *received* by each key, summed over the query rows, ``[n]`` (float32): H2O's accumulated
+    attention score (Prefill-H2O, :mod:`kvbench.methods.prefill_h2o`).
+
+    Shapes and the causal rule are :func:`segment_mass`'s: ``query`` ``[H, rows, d]`` and ``keys``
+    ``[kv_heads, n, d]`` post-RoPE, a key takes part in a row's softmax when its position is at most the
+    row's (so a key's column sums the rows at or after it, its own row included). Entry ``k`` is
+    ``reduce_h sum_r softmax_h(q_r · K / sqrt)[k]`` with ``reduce`` = ``heads`` applied to each head's
+    column sums (``max``: the largest head's sum). Row blocks of at most ``block_elements`` logits, never
+    the whole ``heads × rows × keys`` matrix.
+    """
+    if heads not in HEAD_REDUCTIONS:
+        raise ValueError(f"heads={heads!r} is not one of {HEAD_REDUCTIONS}")
+    n_heads, rows, dim = query.shape
+    kv_heads, n, _ = keys.shape
+    group = n_heads // kv_heads
+    device = query.device
+    per_head = torch.zeros(n_heads, n, dtype=torch.float32, device=device)
+    if rows and n:
+        k = keys.to(device=device, dtype=torch.float32)
+        key_positions = key_positions.to(device)
+        q_positions = query_positions.to(device)
+        q = query.float().view(kv_heads, group, rows, dim)
+        block = max(1, int(block_elements) // max(1, n_heads * n))
+        for start in range(0, rows, block):
+            stop = min(rows, start + block)
+            logits = torch.einsum("kgrd,knd->kgrn", q[:, :, start:stop], k) * scaling
+            future = key_positions[None, :] > q_positions[start:stop, None]  # [b, n]
+            logits = logits.masked_fill(future[None, None], float("-inf"))
+            per_head += torch.softmax(logits, dim=-1).sum(dim=2).reshape(n_heads, n)
+    if heads == "mean":
+        return per_head.mean(dim=0)
+    if heads == "max":
+        return per_head.amax(dim=0)
+    return per_head.sum(dim=0)
