@@ -77,8 +77,8 @@ UNHASHED = ("output_dir", "progress", "prefill_cache", "engine")
 
 
 def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> str:
-    """Stable hash of a resolved config, without keys that do not change results and without method keys
-    at their legacy value (a key added later, set as runs before it behaved: :func:`identity`)."""
+    """Stable hash of a resolved config, without keys that do not change results and without method and
+    task keys at their legacy value (a key added later, set as runs before it behaved: :func:`identity`)."""
     data = {key: value for key, value in identity(resolved).items() if key not in set(ignore)}
     blob = json.dumps(data, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
@@ -86,18 +86,34 @@ def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> s
 
 def identity(resolved: dict[str, Any]) -> dict[str, Any]:
     """``resolved`` as it identifies a run: the method node without the keys at their legacy value
-    (:func:`kvbench.params.identity_values`), so a run recorded before a key existed and the same run
-    with the key at that value are one run."""
+    (:func:`kvbench.params.identity_values`) and the task node without the options its task added after
+    runs were recorded, at the values that reproduce those runs (:meth:`kvbench.tasks.base.Task.recorded_config`),
+    so a run recorded before a key existed and the same run with the key at that value are one run."""
+    task = resolved.get("task")
+    if isinstance(task, dict):
+        cls = _task_class(task.get("name"))
+        if cls is not None:
+            resolved = {**resolved, "task": cls.recorded_config(task)}
     method = resolved.get("method")
     if not isinstance(method, dict):
         return resolved
     from kvbench.methods.params import PARAMS
     from kvbench.params import identity_values
 
-    cls = PARAMS.get(str(method.get("name")))
-    if cls is None:
+    params = PARAMS.get(str(method.get("name")))
+    if params is None:
         return resolved
-    return {**resolved, "method": identity_values(cls, method)}
+    return {**resolved, "method": identity_values(params, method)}
+
+
+def _task_class(name: Any) -> Any:
+    """The registered task class called ``name``; None for a name no task has (an old or foreign record)."""
+    from kvbench.tasks import REGISTRY
+
+    try:
+        return REGISTRY.get(name)
+    except ConfigError:
+        return None
 
 
 def run_id_for(resolved: dict[str, Any]) -> str:

@@ -1,10 +1,12 @@
-"""``rag_stream``: the rag task's questions as one stream of requests to a server (CacheBlend Fig. 14).
+"""``rag_stream``: the rag task's questions as one stream of requests to a server (CacheBlend Fig. 14,
+Cache-Craft's RAG stream).
 
 CacheBlend's throughput experiment (§7.1) builds "Musique/2WikiMQA extended": 1,500 questions each
 asked four times (the original and three GPT-4 paraphrases), every request's top-6 chunks in a random
 order, sent to one engine whose chunk store starts empty; the first 1K requests are skipped. This task
 builds that stream from the rag task's data (every option of ``task=rag`` applies: ``dataset``,
-``chunk_tokens``, ``top_k``, ``retriever``, ``max_length``):
+``chunk_tokens``, ``top_k``, ``retriever``, ``max_length``). It is ``task.popularity=repeat``, the
+default:
 
 * the first ``limit`` questions, each asked ``repeats`` times (default 4), the requests in a seeded
   random order (``seed``) — the arrival order; sample ids are ``<question id>~<k>``;
@@ -14,6 +16,73 @@ builds that stream from the rag task's data (every option of ``task=rag`` applie
 * each record says whether it is in the warm-up (the first ``warmup`` requests, excluded from the
   statistics), its place in the stream and its chunk order.
 
+A chunk of that stream recurs only with its own question and always with the same companions, so
+Cache-Craft's prefix overlap beta (the share of a chunk's stored attention to earlier chunks that
+also precede it in the new prompt) is mostly 0 or 1. **``task.popularity=zipf``** builds Cache-Craft's
+stream instead (issue 43).
+
+**What Cache-Craft describes** (SIGMOD 2025, §7, as digested in ../research/seed-cachecraft.md): RAG
+requests in which chunks recur across questions as in production — the production trace Sys-X, and
+200 questions each of 2WikiMQA and MuSiQue, every request with its top-5 retrieved chunks; chunk
+popularity is skewed (the top 5 % of chunks serve 60 % of Sys-X's requests; MuSiQue 60 %, 2WikiMQA
+40 %), more than half of the requests draw their five chunks from three or more earlier requests, and
+the chunk cache is warmed with the first 20 queries. The paper does not say how its MuSiQue/2WikiMQA
+streams order or repeat the questions.
+
+**The zipf stream** (every draw seeded by ``seed``, reproducible; nothing but the data set's own
+questions, passages and answers):
+
+* the corpus is the first ``limit`` questions of the data set (file order), each with its own passages
+  (CacheBlend's files: 10 per question); a passage is one chunk (``task.chunk_tokens=null`` is
+  required: re-cutting the concatenation of a request's passages would make a chunk depend on its
+  companions) and its id is ``<dataset>-p<n>``, n counting the file's distinct passages in order of
+  first appearance, so a passage that the file gives to several questions is one chunk (MuSiQue's
+  ``musique_s.json``: 203 of 1,255 distinct passages belong to 2–3 questions; 2WikiMQA's
+  ``wikimqa_s_clean.json``: 177 of 748 to 2–8) — the stream's only sharing across questions;
+* popularity: each question gets a Zipf rank (a seeded permutation of the questions; rank 0 is the
+  most popular) and each of the ``requests`` requests asks a question drawn with probability
+  proportional to ``1 / (rank + 1) ** zipf_s``;
+* partial overlap: a question's ``candidates`` best passages (by ``task.retriever`` against the question,
+  as ``task=rag`` ranks them) are its candidates; each request takes ``top_k`` of them in a seeded draw
+  without replacement weighted ``1 / (retrieval rank + 1)`` (Efraimidis–Spirakis), in the order drawn,
+  so two requests of one question share some of their chunks, in different orders, and a passage
+  shared by two questions meets other companions; ``shuffle_chunks=true`` then puts the drawn chunks in
+  a uniformly random order (seeded by the request's place, as in the repeat stream), ``false`` keeps
+  the draw order (the better-ranked chunks tend to come first);
+* sample ids are ``<question id>~<k>`` (the question's k-th request); the first ``warmup`` requests
+  (default 20, the paper's warm-up) are flagged, and the figure leaves them out (the protocol's
+  ``stream_stats`` describe the whole stream, and apart, as ``after_warmup``, the requests after it);
+* each record's ``meta`` holds its ``stream_position``, ``warmup``, ``question_id``,
+  ``question_rank`` (its Zipf rank), ``chunk_ids`` / ``chunk_ranks`` (retrieval rank) /
+  ``chunk_popularity`` (0 = the chunk most often requested in the whole stream) in prompt order,
+  ``chunk_order`` (prompt slot -> index in draw order), ``chunks_seen`` (how many of its chunks an
+  earlier request had) and ``stream_seed``; the run's protocol holds the stream's statistics
+  (:func:`stream_stats`).
+
+**Skew.** ``zipf_s`` (default 2.0) is chosen so that at the defaults (``task=rag_stream
+task.popularity=zipf task.chunk_tokens=null``: 2WikiMQA, 30 questions, top 6 of 10 candidates, 200
+requests, seed 0) the top 5 % of the chunks the stream retrieves (ranked by the number of requests that
+retrieve each, ties to the one requested first; ``ceil(5 % x distinct)`` chunks) are in 61 % of the
+requests (``top5_request_share`` in the protocol's ``stream_stats``; MiniLM and BM25 alike; 0.62 on
+average over seeds 0-4, 0.60-0.62 on MuSiQue, with top_k 5 and over every question of either file) and
+take 44 % of all chunk retrievals (``top5_access_share``). "Serve 60 % of requests" is read as the share
+of requests holding at least one such chunk: the paper's per-data-set figures (MuSiQue 60 %, 2WikiMQA
+40 %) count data sets whose questions are asked once, and CacheBlend's files read that way (every
+question once, all its passages) give 49 % and 76 %. With a few dozen questions, 5 % of the chunks are
+about one question's candidates, so the share is in effect the most popular question's share of the
+requests (62 % at s = 2); without skew (``zipf_s=0``) it is 0.43, at s = 1 0.49. The same stream has
+90 % of its chunk retrievals hit a chunk an earlier request retrieved, 93 % of its requests share some
+but not all chunks with an earlier one, and 35 % repeat an earlier request's set in another order.
+
+**Deviations** from the paper, beyond the data (no Sys-X, no SQuAD/DROP/CNN/XSUM): a request's chunks
+come from its own question's passages, not from one index over a shared corpus; the Zipf law is over
+questions (a chunk's popularity follows from its question's and its retrieval rank), not over chunks;
+repeats ask the identical question; the candidate pool, its rank weights and the Zipf law are this
+task's choices where the paper gives only the resulting skew; the files hold 150 (MuSiQue) and 102
+(2WikiMQA) questions, not 200; the share of requests that draw their chunks from three or more earlier
+requests is not measured; the warm-up requests are served like the others (the store empty at the
+start) and only left out of the figure.
+
 A run executes the requests in that order, one at a time, with one chunk store for the whole run:
 start it on an empty store — ``store.tier=ram store.disk_gb=0`` (a disk folder keeps entries between
 runs, and a RAM store would promote them) — and run it to the end in one go (a resumed run restarts with an
@@ -21,17 +90,23 @@ empty store; every record keeps what its request really had to compute, so the f
 happened). For prefix caching
 use ``method.warm=none method.store_prompts=true`` (it then stores every prompt after answering it).
 
-Deviation: GPT-4 paraphrases cannot be made offline; a repeat asks the identical question, so it
+Deviation (CacheBlend): GPT-4 paraphrases cannot be made offline; a repeat asks the identical question, so it
 retrieves the same chunks (a paraphrase may retrieve a slightly different set). Everything about
 queueing is in :mod:`kvbench.stream`; ``kvbench report --figure F.png --where task=rag_stream`` draws
 TTFT p50/p90 against achieved throughput for the runs (one line per method) and writes the numbers
 beside the figure (``F.csv``, ``F.md``).
+
+**Run identity.** The keys of the zipf stream came after runs of the repeat stream were recorded; at
+``popularity=repeat`` they stay out of the run id and the recorded config (:meth:`RagStream.recorded_config`,
+applied by :func:`kvbench.results.identity`), so those runs keep their ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from functools import cached_property
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -42,18 +117,124 @@ from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, T
 from kvbench.tasks.rag import Rag, RawSample
+from kvbench.tasks.rag_retrieval import retriever
+
+POPULARITIES = ("repeat", "zipf")
+#: Zipf exponent over the questions: the top 5 % of chunks in about 60 % of requests at the defaults
+ZIPF_S = 2.0
+#: the keys of the zipf stream (issue 43) at the values the task had before them: at popularity=repeat
+#: they leave a run's id and recorded config as they were (:meth:`RagStream.recorded_config`)
+STREAM_KEYS: dict[str, Any] = {"popularity": "repeat", "zipf_s": ZIPF_S, "requests": 200, "candidates": 10}
+#: the share of the most requested chunks that :func:`stream_stats` reports on (the paper's top 5 %)
+TOP_SHARE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One request of the zipf stream before retrieval: which question (index into the questions), its
+    how-many-th request of that question, and the retrieval ranks of its chunks in prompt order."""
+
+    position: int
+    question: int
+    ask: int
+    ranks: tuple[int, ...]
+    order: tuple[int, ...]  # prompt slot -> index in draw order (identity without shuffle_chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """A question of the zipf corpus: its record and its passages' chunk ids."""
+
+    raw: RawSample
+    chunk_ids: tuple[str, ...]
+    rank: int  # Zipf popularity rank, 0 = most popular
+
+
+def zipf_probabilities(n: int, s: float) -> np.ndarray:
+    """P(rank r) proportional to ``1 / (r + 1) ** s`` for ranks ``0..n-1``."""
+    weights = (np.arange(n, dtype=np.float64) + 1.0) ** -float(s)
+    return weights / weights.sum()
+
+
+def rank_weighted_draw(rng: np.random.Generator, n: int, k: int) -> list[int]:
+    """``k`` of the ranks ``0..n-1`` without replacement, rank r weighted ``1 / (r + 1)``, in the order
+    drawn (Efraimidis–Spirakis: the largest keys ``u ** (1 / w)``)."""
+    keys = rng.random(n) ** (np.arange(n, dtype=np.float64) + 1.0)
+    return [int(i) for i in np.argsort(-keys, kind="stable")[:k]]
+
+
+def stream_stats(chunk_sets: list[list[str]], top: float = TOP_SHARE) -> dict[str, Any]:
+    """Popularity and overlap of a stream of requests (each a list of chunk ids, in stream order).
+
+    ``top5_request_share``: share of the requests holding one of the ``top`` most requested chunks
+    (counted by the requests that retrieve them, ties to the earlier first request; ``ceil(top x
+    distinct)`` chunks); ``top5_access_share``: those chunks' share of all retrievals;
+    ``seen_share``: retrievals of a chunk an earlier request had; ``partial_overlap_share``: requests
+    that share some but not all of their chunks with an earlier request; ``same_set_share``: requests
+    whose chunk set an earlier request had (any order)."""
+    counts = request_counts(chunk_sets)
+    ranks = popularity_ranks(chunk_sets)
+    hot = {c for c, rank in ranks.items() if rank < max(1, math.ceil(top * len(ranks)))}
+    retrievals = sum(len(c) for c in chunk_sets)
+    holders: dict[str, list[frozenset[str]]] = {}  # chunk -> the distinct earlier sets that hold it
+    earlier: set[frozenset[str]] = set()
+    seen_n = partial = same = 0
+    for chunks in chunk_sets:
+        now = frozenset(chunks)
+        seen_n += sum(c in holders for c in chunks)
+        partial += any(not now <= old for c in now for old in holders.get(c, ()))
+        same += now in earlier
+        if now not in earlier:
+            earlier.add(now)
+            for c in now:
+                holders.setdefault(c, []).append(now)
+    n = len(chunk_sets)
+    return {
+        "requests": n,
+        "distinct_chunks": len(counts),
+        "top_share": top,
+        "top_chunks": len(hot),
+        "top5_request_share": sum(bool(hot & set(c)) for c in chunk_sets) / n if n else None,
+        "top5_access_share": sum(counts[c] for c in hot) / retrievals if retrievals else None,
+        "seen_share": seen_n / retrievals if retrievals else None,
+        "partial_overlap_share": partial / n if n else None,
+        "same_set_share": same / n if n else None,
+    }
+
+
+def request_counts(chunk_sets: list[list[str]]) -> dict[str, int]:
+    """How many requests retrieve each chunk, in order of first appearance."""
+    counts: dict[str, int] = {}
+    for chunks in chunk_sets:
+        for chunk in dict.fromkeys(chunks):
+            counts[chunk] = counts.get(chunk, 0) + 1
+    return counts
+
+
+def popularity_ranks(chunk_sets: list[list[str]]) -> dict[str, int]:
+    """Each chunk's popularity rank in the stream: 0 = retrieved by the most requests, ties to the chunk
+    requested first."""
+    counts = request_counts(chunk_sets)
+    return {chunk: rank for rank, chunk in enumerate(sorted(counts, key=lambda c: -counts[c]))}
 
 
 @register
 class RagStream(Rag):
     name = "rag_stream"
-    defaults = {**Rag.defaults, "repeats": 4, "seed": 0, "warmup": 20, "shuffle_chunks": True}
+    defaults = {
+        **Rag.defaults,
+        "repeats": 4,
+        "seed": 0,
+        "warmup": 20,
+        "shuffle_chunks": True,
+        **STREAM_KEYS,
+    }
     figure_kinds = ()
     shares_chunk_store = False  # every run starts on an empty store, also inside a sweep
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        for key, low in (("repeats", 1), ("warmup", 0), ("seed", 0)):
+        for key, low in (("repeats", 1), ("warmup", 0), ("seed", 0), ("requests", 1), ("candidates", 1)):
             value = self.cfg[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"task.{key}={value!r} must be an integer >= {low}", f"e.g. task.{key}={max(low, 1)}")
@@ -64,6 +245,57 @@ class RagStream(Rag):
             )
         if self.cfg["pipeline"] != "stuff":
             raise ConfigError("task rag_stream serves single prompts", "drop task.pipeline (or use task=rag)")
+        self._check_popularity()
+
+    def _check_popularity(self) -> None:
+        cfg, popularity = self.cfg, self.cfg["popularity"]
+        if popularity not in POPULARITIES:
+            raise ConfigError(
+                f"unknown task.popularity {popularity!r}", "use task.popularity=repeat or task.popularity=zipf"
+            )
+        s = cfg["zipf_s"]
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+            raise ConfigError(f"task.zipf_s={s!r} must be a number >= 0", f"e.g. task.zipf_s={ZIPF_S}")
+        if popularity == "repeat":
+            moved = [key for key in ("zipf_s", "requests", "candidates") if cfg[key] != STREAM_KEYS[key]]
+            if moved:
+                raise ConfigError(
+                    f"task.{moved[0]} shapes the zipf stream, not task.popularity=repeat",
+                    f"set task.popularity=zipf, or drop task.{moved[0]}",
+                )
+            return
+        if cfg["repeats"] != self.defaults["repeats"]:
+            raise ConfigError(
+                "task.repeats counts the repeat stream's requests, not task.popularity=zipf's",
+                "drop task.repeats and set task.requests",
+            )
+        if cfg["top_k"] is None:
+            raise ConfigError("task.popularity=zipf retrieves task.top_k chunks per request", "set e.g. task.top_k=5")
+        if cfg["candidates"] < cfg["top_k"]:
+            raise ConfigError(
+                f"task.candidates={cfg['candidates']} is fewer than task.top_k={cfg['top_k']} (a request draws "
+                "top_k of its question's candidates)",
+                f"set task.candidates={cfg['top_k']} or more",
+            )
+        if cfg["chunk_tokens"] is not None:
+            raise ConfigError(
+                "task.popularity=zipf keeps each passage one chunk (re-cut chunks would depend on their companions)",
+                "set task.chunk_tokens=null",
+            )
+
+    @property
+    def zipf(self) -> bool:
+        return self.cfg["popularity"] == "zipf"
+
+    @classmethod
+    def recorded_config(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """As :meth:`Task.recorded_config`, and at ``popularity=repeat`` (the stream recorded before the
+        zipf stream's keys existed) without those keys at their :data:`STREAM_KEYS` values; a zipf run
+        records every key."""
+        recorded = super().recorded_config(cfg)
+        if recorded.get("popularity", STREAM_KEYS["popularity"]) != STREAM_KEYS["popularity"]:
+            return recorded
+        return {key: value for key, value in recorded.items() if not (key in STREAM_KEYS and value == STREAM_KEYS[key])}
 
     # ------------------------------------------------------------------ the stream
     def limited(self, samples: Iterable[T]) -> Iterator[T]:
@@ -71,13 +303,24 @@ class RagStream(Rag):
         return iter(samples)
 
     def _records(self) -> Iterator[RawSample]:
+        if self.zipf:
+            yield from self._zipf_records()
+            return
         questions = list(islice(super()._records(), self.limit))
         asked = [(raw, k) for raw in questions for k in range(int(self.cfg["repeats"]))]
         for index in np.random.default_rng(int(self.cfg["seed"])).permutation(len(asked)):
             raw, k = asked[int(index)]
             yield dataclasses.replace(raw, id=f"{raw.id}~{k}")
 
+    def sample_ids(self) -> list[str]:
+        if self.zipf:  # from the draws alone: no retrieval, no model
+            return [f"{self._questions[d.question].raw.id}~{d.ask}" for d in self._draws]
+        return super().sample_ids()
+
     def samples(self, model: Any) -> Iterable[Sample]:
+        if self.zipf:
+            yield from self._zipf_samples(model)
+            return
         warmup, seed = int(self.cfg["warmup"]), int(self.cfg["seed"])
         for position, sample in enumerate(super().samples(model)):
             segments = list(sample.segments or [])
@@ -99,8 +342,100 @@ class RagStream(Rag):
             )
             yield sample
 
+    # ------------------------------------------------------------------ the zipf stream
+    @cached_property
+    def _questions(self) -> list[Question]:
+        """The first ``limit`` questions, their passages' chunk ids (numbered in order of first appearance,
+        so an id does not depend on ``limit``) and their Zipf ranks (a seeded permutation)."""
+        ids: dict[str, str] = {}
+        records: list[tuple[RawSample, tuple[str, ...]]] = []
+        for raw in islice(Rag._records(self), self.limit):
+            chunk_ids = tuple(ids.setdefault(p, f"{self.dataset.name}-p{len(ids)}") for p in raw.passages)
+            records.append((raw, chunk_ids))
+        ranks = np.random.default_rng([int(self.cfg["seed"]), 43, 1]).permutation(len(records))
+        return [Question(raw, chunk_ids, int(rank)) for (raw, chunk_ids), rank in zip(records, ranks)]
+
+    @cached_property
+    def _draws(self) -> list[Draw]:
+        """Every request of the zipf stream, before retrieval (seeded; no model, no retriever)."""
+        questions, seed = self._questions, int(self.cfg["seed"])
+        by_rank = sorted(range(len(questions)), key=lambda q: questions[q].rank)
+        p = zipf_probabilities(len(questions), float(self.cfg["zipf_s"]))
+        picks = np.random.default_rng([seed, 43, 2]).choice(len(questions), size=int(self.cfg["requests"]), p=p)
+        asked: dict[int, int] = {}
+        draws = []
+        for position, rank in enumerate(picks):
+            q = by_rank[int(rank)]
+            n = min(int(self.cfg["candidates"]), len(questions[q].raw.passages))
+            k = min(int(self.cfg["top_k"]), n)
+            drawn = rank_weighted_draw(np.random.default_rng([seed, 43, 3, position]), n, k)
+            order = list(range(k))
+            if self.cfg["shuffle_chunks"] and k > 1:
+                order = [int(i) for i in np.random.default_rng([seed, position]).permutation(k)]
+            draws.append(Draw(position, q, asked.get(q, 0), tuple(drawn[i] for i in order), tuple(order)))
+            asked[q] = asked.get(q, 0) + 1
+        return draws
+
+    def _ranking(self, question: Question) -> list[int]:
+        """The question's passages, best first, as ``task=rag`` ranks them (ties to the earlier passage)."""
+        raw = question.raw
+        distances = retriever(str(self.cfg["retriever"])).distances(str(raw.question), raw.passages)
+        return sorted(range(len(raw.passages)), key=lambda i: (float(distances[i]), i))
+
+    @cached_property
+    def _stream(self) -> tuple[list[list[int]], dict[str, Any], dict[str, int]]:
+        """Each request's passages (indices into its question's, prompt order), the stream's statistics
+        (:func:`stream_stats`: the whole stream, and ``after_warmup``) and every chunk's popularity rank."""
+        rankings: dict[int, list[int]] = {}
+        passages = []
+        for draw in self._draws:
+            if draw.question not in rankings:
+                rankings[draw.question] = self._ranking(self._questions[draw.question])
+            passages.append([rankings[draw.question][r] for r in draw.ranks])
+        chunk_sets = [self._chunk_ids(d, p) for d, p in zip(self._draws, passages)]
+        stats = {**stream_stats(chunk_sets), "after_warmup": stream_stats(chunk_sets[int(self.cfg["warmup"]) :])}
+        return passages, stats, popularity_ranks(chunk_sets)
+
+    def _chunk_ids(self, draw: Draw, passages: list[int]) -> list[str]:
+        ids = self._questions[draw.question].chunk_ids
+        return [ids[i] for i in passages]
+
+    def _zipf_records(self) -> Iterator[RawSample]:
+        passages, _, _ = self._stream
+        for draw, picked in zip(self._draws, passages):
+            raw = self._questions[draw.question].raw
+            yield dataclasses.replace(raw, id=f"{raw.id}~{draw.ask}", passages=[raw.passages[i] for i in picked])
+
+    def _zipf_samples(self, model: Any) -> Iterator[Sample]:
+        warmup, seed = int(self.cfg["warmup"]), int(self.cfg["seed"])
+        passages, _, popularity = self._stream
+        seen: set[str] = set()
+        for draw, picked, sample in zip(self._draws, passages, super().samples(model)):
+            question = self._questions[draw.question]
+            chunk_ids = self._chunk_ids(draw, picked)
+            kept = list(range(len(chunk_ids)))
+            for _ in range(int(sample.meta.get("dropped_chunks", 0))):  # as rag's fit_chunks drops them
+                del kept[len(kept) // 2]
+            sample.meta.update(
+                stream_position=draw.position,
+                warmup=draw.position < warmup,
+                chunk_order=list(draw.order),
+                question_id=question.raw.id,
+                stream_seed=seed,
+                popularity="zipf",
+                question_rank=question.rank,
+                chunk_ids=[chunk_ids[i] for i in kept],
+                chunk_ranks=[draw.ranks[i] for i in kept],
+                chunk_popularity=[popularity[chunk_ids[i]] for i in kept],
+                chunks_seen=sum(chunk_ids[i] in seen for i in kept),
+            )
+            if len(kept) < len(chunk_ids):
+                sample.meta["dropped_chunk_ids"] = [c for i, c in enumerate(chunk_ids) if i not in kept]
+            seen.update(chunk_ids[i] for i in kept)
+            yield sample
+
     def protocol(self) -> dict[str, Any]:
-        return {
+        protocol = {
             **super().protocol(),
             "task": self.name,
             "repeats": self.cfg["repeats"],
@@ -108,6 +443,21 @@ class RagStream(Rag):
             "warmup": self.cfg["warmup"],
             "shuffle_chunks": self.cfg["shuffle_chunks"],
             "stream": "limit questions x repeats, seeded random order; served one at a time in that order",
+        }
+        if not self.zipf:
+            return protocol
+        del protocol["repeats"]
+        return {
+            **protocol,
+            "popularity": "zipf",
+            "zipf_s": self.cfg["zipf_s"],
+            "requests": self.cfg["requests"],
+            "candidates": self.cfg["candidates"],
+            "retrieved_order": "uniformly shuffled" if self.cfg["shuffle_chunks"] else "as drawn",
+            "stream": "requests questions drawn by Zipf rank (P ~ 1/(rank+1)^zipf_s, ranks a seeded permutation); "
+            "each takes top_k of its question's candidates best passages, drawn weighted 1/(retrieval rank+1); "
+            "served one at a time in that order",
+            "stream_stats": self._stream[1],
         }
 
     # ------------------------------------------------------------------ the figure

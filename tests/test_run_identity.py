@@ -61,3 +61,63 @@ def test_planning_a_recorded_experiment_writes_nothing_into_its_records(tmp_path
     reproduce("cacheblend/fig12", "cpu", [f"output_dir={records}"], dry_run=True)
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in records.rglob("*")} == before
     assert sorted(os.listdir(records)) == listing and records.stat().st_mtime_ns == mtime
+
+
+# ---------------------------------------------------------------------- task keys (rag_stream's zipf stream)
+FIG14 = Path(__file__).resolve().parents[1] / "benchmarks/records/fig14-smollm2"
+
+
+def _recorded_stream() -> tuple[str, dict]:
+    folder = sorted(p for p in FIG14.iterdir() if p.name.startswith("rag_stream-full-"))[0]
+    return folder.name, yaml.safe_load((folder / "config.yaml").read_text())
+
+
+def test_a_recorded_stream_run_keeps_its_id_with_the_new_task_keys_at_their_legacy_value():
+    from kvbench.tasks.rag_stream import STREAM_KEYS
+
+    name, recorded = _recorded_stream()
+    assert "popularity" not in recorded["task"]  # recorded before the zipf stream existed
+    assert run_id_for(recorded) == name
+    legacy = {**recorded, "task": {**recorded["task"], **STREAM_KEYS}}
+    assert STREAM_KEYS["popularity"] == "repeat" and run_id_for(legacy) == name
+    assert identity(legacy)["task"] == recorded["task"]
+
+
+def test_another_value_of_a_new_task_key_is_another_run():
+    from kvbench.tasks.rag_stream import STREAM_KEYS, RagStream
+
+    name, recorded = _recorded_stream()
+    zipf = {**recorded["task"], **STREAM_KEYS, "popularity": "zipf", "chunk_tokens": None}
+    runs = {
+        run_id_for({**recorded, "task": task})
+        for task in (
+            recorded["task"],
+            zipf,
+            {**zipf, "zipf_s": 1.0},
+            {**zipf, "requests": 100},
+            {**zipf, "candidates": 8},
+        )
+    }
+    assert len(runs) == 5 and name in runs
+    # a zipf run keeps every key in its id and recorded config, also at the default (a later change of a
+    # default cannot rename or reinterpret it)
+    assert RagStream.recorded_config(zipf) == zipf and identity({**recorded, "task": zipf})["task"] == zipf
+
+
+def test_a_dry_run_of_the_recorded_stream_experiment_finds_its_runs(tmp_path, capsys):
+    """`kvbench reproduce cacheblend/fig14 --dry-run` over the record folder (a copy) finds every recorded run
+    finished: the task keys added since leave their ids as they were."""
+    import shutil
+
+    from kvbench.reproduce import reproduce
+
+    from .conftest import SHARED_DATA
+
+    if not (SHARED_DATA / "cacheblend").is_dir():
+        pytest.skip("needs ../shared/data/cacheblend (the experiment's data is checked while planning)")
+    records = tmp_path / "records"
+    shutil.copytree(FIG14, records)
+    reproduce("cacheblend/fig14", "cpu", [f"output_dir={records}"], dry_run=True)
+    out = capsys.readouterr().out
+    runs = [line for line in out.splitlines() if str(records) in line and "rag_stream-" in line]
+    assert len(runs) == 3 and all(line.split()[0] == "finished" for line in runs), out
