@@ -71,9 +71,11 @@ def create_method(cfg: Mapping[str, Any]) -> KVMethod:
 METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "pqcache_niah": ("pqcache", {"protocol": "pqcache_niah"}),
     "pyramidkv_equal": ("pyramidkv", {"rounding": "exact"}),
-    # CacheBlend with the check layer kvbench ran before 2026-11-29 (every row through attention and MLP):
-    # the recorded CacheBlend experiments ran it; their runs keep their ids (check_rows' legacy value)
-    "cacheblend_allrows": ("cacheblend", {"check_rows": "all"}),
+    # CacheBlend with the check layer kvbench ran before 2026-11-29 (every row through attention and MLP)
+    # and its chunks precomputed alone before each request (miss: precompute; the default since 2026-11-30
+    # computes a missing chunk in the request's prefill): the recorded CacheBlend experiments ran it, and
+    # their runs keep their ids (both keys at their legacy values)
+    "cacheblend_allrows": ("cacheblend", {"check_rows": "all", "miss": "precompute"}),
 }
 
 

@@ -1,9 +1,31 @@
 """``cacheblend``: selective KV recompute over reused chunk caches (Yao et al., CacheBlend, EuroSys 2025).
 
-Every chunk's K/V is precomputed alone and reused, keys re-rotated to the chunk's position in the
-prompt; what reuse misses is the *cross-attention* between chunks. CacheBlend recovers it by
-recomputing, on every layer, the few tokens whose reused K/V deviate most from what a full prefill
-would give (the "high-KV-deviation", HKVD, tokens), and reusing the rest.
+Every chunk's K/V is cached once and reused, keys re-rotated to the chunk's position in the prompt;
+what reuse misses is the *cross-attention* between chunks. CacheBlend recovers it by recomputing, on
+every layer, the few tokens whose reused K/V deviate most from what a full prefill would give (the
+"high-KV-deviation", HKVD, tokens), and reusing the rest.
+
+**A chunk the store lacks** (``miss``). ``prefill`` (default; the paper §6: new chunks' KV "computed by
+the LLM engine at runtime" and written to the store; LMCache's blender likewise computes every token it
+did not retrieve and stores what it computed): the chunk's tokens are ordinary uncached rows of this
+request's prefill, computed at every layer — never candidates of the HKVD selection, and ``r`` is a
+share of the *reused* rows only — so a request that misses every chunk runs exactly the full prefill,
+and its TTFT holds that computation and no separate precompute. After the answer (outside TTFT, as the
+paper's store writes from a background thread) the K/V this request computed for the chunk — every
+layer, the keys post-RoPE at its positions in this prompt — are stored under the chunk's key, which is
+its tokens alone (the model and the mode ``prompt:<scope>``; no position, no context), with the entry's
+start at the chunk's first position here. A later request finds it as the same chunk wherever the chunk
+sits and whatever precedes it, and re-rotates the keys by the difference of positions, as for any
+cached chunk. So a stored chunk carries the context of the request that first computed it (its
+cross-attention to the chunks before it there), as in LMCache, not a chunk prefilled alone; the prefix
+and (``suffix: last_token``) the query segment are stored the same way. The entries are this run's (one
+scope per chunk store; a sweep's shared store is not used: :mod:`kvbench.methods.reuse`). ``precompute``
+(kvbench's way before, the legacy value: every CacheBlend record ran it) prefills a missing chunk alone
+(after BOS with ``chunk_bos``) before the request's clock, so TTFT never holds a miss's cost; a
+cold-store request then costs that precompute plus the blended prefill (``prepared.precompute_s``).
+Telemetry: ``prepared.precomputed_chunks`` / ``prepared.prefill_chunks`` (misses precomputed / left to
+the prefill), ``prefill.missed_chunks`` and ``missed_tokens`` (computed in this prefill) and
+``method.filled`` (those stored after the request, and any the store could not hold).
 
 As run here (paper §4 and the authors' ``vllm_blend`` code; seed-cacheblend.md §1.4–1.6):
 
@@ -167,16 +189,15 @@ class CacheBlend(ReuseMethod):
         assert segments is not None
         n = int(input_ids.numel())
         spans = self.cached_segments(ctx, segments)
-        n_cached = sum(span.end - span.begin for span in spans)
+        store = self.chunk_store()
+        # what is loaded: the held spans (with miss: prefill, the missed ones are computed instead)
+        n_cached = sum(span.end - span.begin for span in spans if store.contains(span.key) is not None)
         if self.costs is None:
             started = time.perf_counter()
-            self.costs = measure_costs(
-                ctx, input_ids, self.chunk_store().config, chunk_tokens=max(1, n_cached // max(1, len(spans)))
-            )
+            chunk_tokens = sum(span.end - span.begin for span in spans) // max(1, len(spans))
+            self.costs = measure_costs(ctx, input_ids, store.config, chunk_tokens=max(1, chunk_tokens))
             self._measure_s = time.perf_counter() - started
-        choice = LoadingController(self.costs, self.params.recompute_ratio).choose(
-            n, n_cached, self.chunk_store().config.tier
-        )
+        choice = LoadingController(self.costs, self.params.recompute_ratio).choose(n, n_cached, store.config.tier)
         self.ratios = [choice["ratio"]]
         report["controller"] = {
             **choice,
@@ -220,16 +241,21 @@ class CacheBlend(ReuseMethod):
         host from the request; the deviations, their top-k and the kept rows stay on the device, and the
         plan reads the kept rows back once (:meth:`ReusePrefill._shrink`)."""
         ratio = self.check_layers.get(layer)
-        if ratio is None:
+        if ratio is None or not plan.spans:  # (nothing cached: every span missed, all rows are computed)
             return None
-        positions = plan.rows.positions
         if self.params.suffix == "last_token":
-            forced_flags = positions == plan.n - 1
+            always = np.arange(plan.n) == plan.n - 1
         else:
-            forced_flags = plan.query_flags[positions]
+            always = plan.query_flags
+        # rows of a span the store missed (miss: prefill) have no cached K/V: they stay active at every
+        # layer, and r counts the reused rows only (LMCache's blender: every row it did not retrieve, plus
+        # r of the retrieved ones); with no miss this is the released code's count
+        missed = ~plan.cached_flags & ~always
+        n_ctx = plan.n - int(always.sum()) - int(missed.sum())
+        positions = plan.rows.positions
+        forced_flags = always[positions] | missed[positions]
         forced = np.flatnonzero(forced_flags)
         candidates = np.flatnonzero(~forced_flags)
-        n_ctx = plan.n_context if self.params.suffix == "query" else plan.n - 1
         k = min(int(n_ctx * ratio), len(candidates))
         if self.params.selection == "random":
             generator = torch.Generator().manual_seed(self.params.seed + layer)

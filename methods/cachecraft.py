@@ -79,8 +79,8 @@ import numpy as np
 import torch
 
 from kvbench.engine.attention_stats import segment_mass
-from kvbench.engine.reuse import CachedSpan, ReusePrefill
-from kvbench.kv.chunks import ChunkKey, ChunkKV
+from kvbench.engine.reuse import CachedSpan, ReusePrefill, store_request_rows
+from kvbench.kv.chunks import ChunkKey
 from kvbench.methods import register
 from kvbench.methods.params import CacheCraftParams
 from kvbench.methods.primitives import cachecraft as cc
@@ -406,7 +406,8 @@ class CacheCraft(ReuseMethod):
         self._protected = set()
 
     def _store_variants(self, ctx: GenerationContext) -> int:
-        """Keep every chunk computed in full as a variant for its prefix, with its statistics."""
+        """Keep every chunk computed in full as a variant for its prefix, with its statistics (the rows
+        this request computed, stored by the engine's :func:`~kvbench.engine.reuse.store_request_rows`)."""
         chunks = [c for c in self._plans if c.store]
         if not chunks or len(self._mass) != ctx.spec.n_layers:
             return 0
@@ -418,14 +419,8 @@ class CacheCraft(ReuseMethod):
             offset += chunk.length
             sizes = [c.length for c in self._plans[: chunk.index]]
             stats = cc.VariantStats.from_mass(rows, chunk.index, chunk.context, sizes)
-            layers = ctx.store.layers
-            entry = ChunkKV(
-                [kv.keys[:, chunk.begin : chunk.end].clone() for kv in layers],
-                [kv.values[:, chunk.begin : chunk.end].clone() for kv in layers],
-                chunk.begin,
-            )
-            store.put(chunk.key, entry)
-            if store.contains(chunk.key) is None:
+            entry = store_request_rows(ctx, store, chunk.key, chunk.begin, chunk.end)
+            if entry is None:
                 continue
             variant = Variant(chunk.key, stats, cc.cci(stats), cc.token_scores(stats), entry.nbytes())
             others = [v for v in self.catalogue.get(chunk.digest, []) if v.key != chunk.key]

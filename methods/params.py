@@ -301,6 +301,13 @@ class CacheBlendParams(ReuseParams):
         "loading controller (paper 5.1): r = max(r_load, recompute_ratio) from the measured "
         "recompute and load costs; recompute_ratio is then the floor r*",
     )
+    miss: Literal["prefill", "precompute"] = param(
+        "prefill",
+        "a chunk the store lacks: prefill (computed in the request's prefill, then stored for later "
+        "requests: the paper, LMCache) | precompute (prefilled alone before the request, outside TTFT: "
+        "every CacheBlend run before 2026-11-30)",
+        legacy="precompute",
+    )
 
     def validate(self) -> None:
         ratios = list(self.filter_ratios)

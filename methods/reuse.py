@@ -24,11 +24,27 @@ positions 1..n, the BOS row dropped), as CacheBlend's scripts do; ``false`` prec
 (``bos_token`` in their tokenizer_config.json, though Qwen's chat template never emits it), so every
 Qwen record shows ``chunk_mode: bos``: Qwen chunks were precomputed after ``<|endoftext|>``, not alone.
 The ``prefix`` segment is an exact prefix: cached at its real positions, it is exact by causality.
+
+**Misses computed in the prefill** (:attr:`ReuseMethod.fills_store`; CacheBlend's ``miss: prefill``, the
+paper's §6 and LMCache's way). Nothing is precomputed: a span the store lacks is computed inside the
+request's prefill as uncached rows (every layer, after the chunks before it, at its positions in this
+prompt; the engine's reuse prefill drops it from the cached spans), so the TTFT of a miss holds that
+computation and no separate precompute (``prepared.precompute_s`` is only the lookups). After the
+answer, outside any measured time (CacheBlend writes new caches from a background thread), the K/V the
+request computed for those spans are written to the store (:meth:`ReusePrefill.fill_store`) and later
+requests reuse them like any entry, re-rotated to their positions. Their keys (mode ``prompt:<scope>``)
+are this run's: the scope is one per chunk store, and such a method takes a store of its own instead
+of a sweep's shared one (:meth:`ReuseMethod.attach_store`), so a run never reads entries another run
+computed in its own prompts (whose values depend on that run's requests and settings); on disk they are
+files like any other entry, evicted least recently used under ``store.disk_gb``. ``chunk_bos`` has no
+effect then (``prepared.chunk_mode: prompt``).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -39,12 +55,26 @@ from kvbench.engine.protocol import KVMethod
 from kvbench.engine.reuse import CachedSpan, ReusePrefill, query_rows
 from kvbench.engine.rope import check_rerotatable
 from kvbench.errors import CompressionNotApplied, ConfigError
+from kvbench.kv import chunks
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkStore, model_fingerprint
 from kvbench.methods.params import ReuseParams
 from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
+
+#: the key mode of an entry computed inside a request's prefill: ``prompt:`` and its chunk store's scope
+PROMPT_MODE = "prompt:"
+#: one scope per chunk store (see the module docs): entries computed in prompts are found through it only
+_SCOPES: weakref.WeakKeyDictionary[ChunkStore, str] = weakref.WeakKeyDictionary()
+
+
+def prompt_scope(store: ChunkStore) -> str:
+    """The scope of the entries computed in prompts that ``store`` holds (made at first use)."""
+    scope = _SCOPES.get(store)
+    if scope is None:
+        scope = _SCOPES[store] = uuid.uuid4().hex[:16]
+    return scope
 
 
 class ReuseMethod(KVMethod):
@@ -64,6 +94,9 @@ class ReuseMethod(KVMethod):
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
         self.store: ChunkStore | None = None
+        #: the running request's reuse prefill (kept until :meth:`release` for :meth:`after_request`)
+        self.plan: ReusePrefill | None = None
+        self._filled: dict[str, int] | None = None
         #: ``profile.deviation``: the full prefill's K, V and query rows' Q (made in :meth:`prepare`)
         self.reference: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -78,12 +111,23 @@ class ReuseMethod(KVMethod):
         continue only (CacheBlend's ``check_rows: selected``; no shrink in the other reuse methods)."""
         return getattr(self.params, "check_rows", "all") == "selected"
 
+    @property
+    def fills_store(self) -> bool:
+        """Whether a chunk the store lacks is computed in the request's prefill and stored after it
+        (CacheBlend's ``miss: prefill``) instead of precomputed alone before the request (the default)."""
+        return getattr(self.params, "miss", "precompute") == "prefill"
+
     def budget_label(self, budget: Any) -> str:
         return "no budget (reuse)"
 
     # ------------------------------------------------------------------ chunk caches
     def attach_store(self, store: ChunkStore) -> None:
-        """Use ``store`` for chunk caches (the runner shares one per run; tests may pass their own)."""
+        """Use ``store`` for chunk caches (the runner attaches one per run; tests may pass their own). A
+        method that fills the store from its prompts takes a new store of the same configuration instead
+        of a sweep's shared one (:func:`kvbench.kv.chunks.run_store`): sharing saves precomputation, which
+        it does not do, and would let this run read entries computed in another run's prompts."""
+        if self.fills_store and any(store is shared for shared in chunks._SWEEP_STORES.values()):
+            store = ChunkStore(store.config)
         self.store = store
 
     def chunk_store(self) -> ChunkStore:
@@ -97,8 +141,12 @@ class ReuseMethod(KVMethod):
 
     def chunk_key(self, ctx: GenerationContext, segment: Segment, begin: int) -> ChunkKey:
         """How ``segment`` (starting at prompt position ``begin``) is cached: an exact prefix when it is
-        the prompt's ``prefix`` segment at position 0, else a chunk prefilled alone (or after BOS)."""
+        the prompt's ``prefix`` segment at position 0, else a chunk prefilled alone (or after BOS); with
+        :attr:`fills_store`, any segment as some earlier request of this run computed it (its tokens
+        alone identify it: no position, no context)."""
         model = self._fingerprint(ctx)
+        if self.fills_store:  # (this run's entries, computed inside its prompts: see the module docs)
+            return ChunkKey(model, segment.ids, PROMPT_MODE + prompt_scope(self.chunk_store()))
         if segment.role == "prefix" and begin == 0:
             return ChunkKey(model, segment.ids, "prefix")
         return ChunkKey(model, segment.ids, "bos" if self._bos(ctx) is not None else "alone")
@@ -146,9 +194,10 @@ class ReuseMethod(KVMethod):
     ) -> dict[str, Any]:
         segments = self._require_segments(segments)
         check_rerotatable(ctx.model)
+        self._filled = None
         store = self.chunk_store()
         started = time.perf_counter()
-        computed = promoted = 0
+        computed = promoted = missed = missed_tokens = 0
         spans = self.cached_segments(ctx, segments)
         for span in spans:  # first the hits, so that what this request stores cannot evict them
             store.touch(span.key)
@@ -156,9 +205,13 @@ class ReuseMethod(KVMethod):
             if store.promote(span.key):
                 promoted += 1
             elif store.contains(span.key) is None:
-                self.precompute(ctx, span.key)
-                computed += 1
-        lost = [span for span in spans if store.contains(span.key) is None]
+                if self.fills_store:  # computed in the prefill, stored after the request
+                    missed += 1
+                    missed_tokens += span.end - span.begin
+                else:
+                    self.precompute(ctx, span.key)
+                    computed += 1
+        lost = [] if self.fills_store else [span for span in spans if store.contains(span.key) is None]
         if lost:
             tier = store.config.tier
             size = "ram_gb" if tier == "ram" else "disk_gb"
@@ -172,9 +225,13 @@ class ReuseMethod(KVMethod):
         store.precomputed += computed
         report = {
             "precompute_s": spent,
+            "miss": "prefill" if self.fills_store else "precompute",
+            # misses precomputed alone before the clock / left to the prefill (computed inside TTFT)
             "precomputed_chunks": computed,
+            "prefill_chunks": missed,
+            "prefill_tokens": missed_tokens,
             "promoted_chunks": promoted,
-            "chunk_mode": "bos" if self._bos(ctx) is not None else "alone",
+            "chunk_mode": "prompt" if self.fills_store else "bos" if self._bos(ctx) is not None else "alone",
         }
         self.reference = None
         if ctx.profile.deviation:
@@ -191,7 +248,19 @@ class ReuseMethod(KVMethod):
         self, ctx: GenerationContext, input_ids: torch.Tensor, segments: tuple[Segment, ...] | None
     ) -> PrefillPlan:
         segments = self._require_segments(segments)
-        return ReusePrefill(ctx, self, input_ids, segments)
+        self.plan = ReusePrefill(ctx, self, input_ids, segments)
+        return self.plan
+
+    def after_request(self, ctx: GenerationContext, segments: tuple[Segment, ...] | None) -> None:
+        """With :attr:`fills_store`: write the K/V this request computed for the spans the store lacked
+        (outside any measured time; see the module docs)."""
+        self._filled = None
+        if self.fills_store and self.plan is not None:
+            self._filled = self.plan.fill_store()
+
+    def release(self) -> None:
+        super().release()
+        self.plan = None
 
     def initial_rows(self, plan: ReusePrefill) -> np.ndarray | list[int] | torch.Tensor:
         """Positions of the rows computed at layer 0, host ints (default: the query rows and every uncached
@@ -223,10 +292,15 @@ class ReuseMethod(KVMethod):
 
     def telemetry(self) -> dict[str, Any]:
         """The chunk store's configuration and cumulative per-tier figures (hits, bytes, measured MB/s)."""
-        return {"store": self.chunk_store().summary()}
+        report: dict[str, Any] = {"store": self.chunk_store().summary()}
+        if self._filled is not None:  # chunks this request computed in its prefill and stored after it
+            report["filled"] = self._filled
+        return report
 
     def check_after_prefill(self, ctx: GenerationContext) -> None:
         report = ctx.telemetry.prefill_plan
+        if report and report.get("missed_chunks") and not report.get("chunks"):
+            return  # every span missed and was computed in the prefill (a full miss): nothing to reuse
         if report and self.expects_reuse() and report.get("reused_tokens", 0) == 0:
             raise CompressionNotApplied(
                 f"method {self.name} was asked to reuse cached K/V but recomputed every token",

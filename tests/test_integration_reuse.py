@@ -50,7 +50,9 @@ def test_cacheblend_recomputing_everything_is_token_identical_to_full(smollm2, r
         assert blend.telemetry["prefill"]["recompute_per_layer"] == [1.0] * smollm2.spec.n_layers
 
 
-@pytest.mark.parametrize("method", [["method=full_reuse"], ["method=cacheblend", "method.recompute_ratio=0.15"]])
+@pytest.mark.parametrize(
+    "method", [["method=full_reuse"], ["method=cacheblend", "method.recompute_ratio=0.15", "method.miss=precompute"]]
+)
 def test_reuse_runs_through_the_runner_with_the_rag_task(method, tmp_path):
     overrides = [
         "model=smollm2_135m",

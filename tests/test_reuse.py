@@ -31,6 +31,8 @@ def segmented(random_ids, sizes=(6, 40, 50, 45, 12), seed=0, bos=None):
 
 
 def run(loaded, name, segments, store=None, n=NEW, **cfg):
+    if name == "cacheblend":  # chunks precomputed before the request (miss: prefill: test_cacheblend_miss.py)
+        cfg = {"miss": "precompute", **cfg}
     method = create_method({"name": name, **cfg})
     if store is not None:
         method.attach_store(store)
@@ -314,7 +316,7 @@ def test_profile_deviation_measures_reuse_against_a_full_prefill(tiny_llama, ran
     def deviation(name, **cfg):
         out = generate(
             tiny_llama,
-            create_method({"name": name, **cfg}),
+            create_method({"name": name, **cfg, **({"miss": "precompute"} if name == "cacheblend" else {})}),
             ids,
             max_new_tokens=2,
             segments=segments,

@@ -98,7 +98,11 @@ def segmented(sizes, seed=0, vocab=250):
 
 
 def prefill(loaded, cfg, segments, store=None, recorded=False):
-    """The method's prefill of ``segments`` (chunks precomputed before it): (context, logits, ops or None)."""
+    """The method's prefill of ``segments`` (chunks precomputed before it): (context, logits, ops or None).
+    CacheBlend's chunks are precomputed (``miss: precompute``) unless ``cfg`` says otherwise: its default,
+    ``prefill``, would compute them in this prefill (tests/test_cacheblend_miss.py)."""
+    if cfg.get("name") == "cacheblend":
+        cfg = {"miss": "precompute", **cfg}
     method = create_method(dict(cfg))
     method.attach_store(store or ChunkStore(StoreConfig(tier="ram")))
     ids = torch.tensor(join_segments(segments), dtype=torch.long)
@@ -179,6 +183,8 @@ def classified(monkeypatch):
 
 
 def layer_syncs(loaded, cfg, sizes, monkeypatch):
+    if cfg.get("name") == "cacheblend":  # (chunks precomputed, as in prefill())
+        cfg = {"miss": "precompute", **cfg}
     with classified(monkeypatch) as (holder, found):
         method = create_method(dict(cfg))
         method.attach_store(ChunkStore(StoreConfig(tier="ram")))

@@ -124,6 +124,7 @@ def test_a_stream_run_keeps_one_store_so_repeated_chunks_are_computed_once(tmp_p
         "kvbench",
         "run",
         "method=cacheblend",
+        "method.miss=precompute",  # (counted as precomputed chunks; miss: prefill: test_cacheblend_miss.py)
         "task=rag_stream",
         "task.dataset=musique",
         f"task.data_dir={qa_dir}",

@@ -47,9 +47,9 @@ def _precomputed(records):
 def test_a_sweep_precomputes_each_chunk_once_and_answers_as_separate_runs(tmp_path):
     task = ["task=rag", "task.dataset=example", f"task.data_dir={EXAMPLE}"]
     methods = [
-        ["method=cacheblend", "method.recompute_ratio=0.15"],
+        ["method=cacheblend", "method.recompute_ratio=0.15", "method.miss=precompute"],
         ["method=full_reuse"],
-        ["method=cacheblend", "method.recompute_ratio=0.5"],
+        ["method=cacheblend", "method.recompute_ratio=0.5", "method.miss=precompute"],
     ]
     alone = _runs(tmp_path / "alone", task=task, methods=methods, shared=False)
     swept = _runs(tmp_path / "swept", task=task, methods=methods, shared=True)
@@ -73,6 +73,6 @@ def test_a_request_stream_starts_every_run_of_a_sweep_on_an_empty_store(tmp_path
         "task.warmup=0",
         "store.disk_gb=0",
     ]
-    methods = [["method=cacheblend"], ["method=full_reuse"]]
+    methods = [["method=cacheblend", "method.miss=precompute"], ["method=full_reuse"]]
     swept = _runs(tmp_path, task=task, methods=methods, shared=True)
     assert _precomputed(swept[0]) > 0 and _precomputed(swept[1]) == _precomputed(swept[0])

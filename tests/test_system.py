@@ -24,7 +24,7 @@ from .test_reuse import segmented
 
 
 def blend(loaded, segments, store, n=4, **cfg):
-    method = create_method({"name": "cacheblend", **cfg})
+    method = create_method({"name": "cacheblend", "miss": "precompute", **cfg})  # (chunks loaded, never missed)
     method.attach_store(store)
     return generate(
         loaded,
@@ -226,7 +226,7 @@ def test_controller_applies_its_ratio_and_matches_the_measured_load(tiny_llama, 
     segments = segmented(random_ids, seed=23)
     n, query = len(join_segments(segments)), len(segments[-1])
     store = ChunkStore(StoreConfig(tier="disk", dir=str(tmp_path), read_mbps=2.0))
-    method = create_method({"name": "cacheblend", "controller": True})
+    method = create_method({"name": "cacheblend", "controller": True, "miss": "precompute"})
     method.attach_store(store)
 
     def run():

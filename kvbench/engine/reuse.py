@@ -18,6 +18,16 @@ runs the per-layer plan:
   ``bottom_right_mask`` reproduces CacheBlend's released bottom-right-aligned mask);
 * the policy may measure deviations and shrink the active set (CacheBlend's check layers).
 
+**Misses computed in the request** (a policy whose ``fills_store`` is true: CacheBlend's ``miss:
+prefill``, the paper's §6 and LMCache's way). A span whose cache the store does not hold is not
+precomputed: the plan drops it from the cached spans (:attr:`ReusePrefill.missed`), so its rows are
+uncached rows, computed at every layer like the query's (the policy must keep them active; the plan
+checks it), after the chunks before them and at their positions in this prompt. After the request,
+:meth:`ReusePrefill.fill_store` writes each missed span's rows of this request's K/V to the store
+(:func:`store_request_rows`: keys post-RoPE at their positions here, ``start`` = the span's first
+position, so a later request re-rotates them by its own offset like any entry) under the span's key.
+Cache-Craft stores the chunks it computed in full the same way (its variants).
+
 **Pipelined loading** (CacheBlend §5, Fig. 10; ``store.pipeline``, default true). Installing layer
 ``i``'s cached rows needs that layer's K/V from the chunk store's tier. With the pipeline on, a
 :class:`LayerLoader` reads them on one worker thread — disk → host memory (``os.preadv``, GIL
@@ -51,7 +61,7 @@ import torch
 from kvbench.engine import attention
 from kvbench.engine.prefill import PrefillPlan
 from kvbench.engine.rope import apply_rotation, rotation
-from kvbench.kv.chunks import ChunkKey, ChunkReader, ChunkStore
+from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkReader, ChunkStore
 from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
@@ -96,6 +106,13 @@ class ReusePolicy(Protocol):
     def cut_at_attention(self) -> bool:
         """Whether a layer that shrinks the active rows runs attention, output projection and MLP for
         the rows that continue only (CacheBlend's ``check_rows: selected``), rather than for every row."""
+        ...
+
+    @property
+    def fills_store(self) -> bool:
+        """Whether a span the store lacks is computed in this prefill and stored after the request
+        (CacheBlend's ``miss: prefill``) rather than precomputed before it (false: a missing entry is an
+        error here). Looked up with a default of false."""
         ...
 
     def chunk_store(self) -> ChunkStore: ...
@@ -195,6 +212,27 @@ def query_rows(segments: tuple[Segment, ...]) -> torch.Tensor:
     )
 
 
+def store_request_rows(
+    ctx: GenerationContext, store: ChunkStore, key: ChunkKey, begin: int, end: int
+) -> ChunkKV | None:
+    """Put rows ``[begin, end)`` of this request's K/V into ``store`` under ``key`` and return the entry, or
+    None when the store did not keep it (larger than its tier).
+
+    The rows are every layer's K/V as this request's prefill left them in its KV store (call it after
+    the prefill, e.g. from ``after_request``): keys post-RoPE at their positions in this prompt, so the
+    entry's ``start`` is ``begin`` and a later request re-rotates them by its own offset. The rows must
+    have been computed at every layer in this request (an uncached span; CacheBlend's missed chunks,
+    Cache-Craft's new variants); they carry the context they were computed in."""
+    layers = ctx.store.layers
+    entry = ChunkKV(
+        [kv.keys[:, begin:end].clone() for kv in layers],
+        [kv.values[:, begin:end].clone() for kv in layers],
+        begin,
+    )
+    store.put(key, entry)
+    return entry if store.contains(key) is not None else None
+
+
 class ActiveRows:
     """One set of a reuse prefill's active rows (from the start, or from a shrink to the next one),
     planned once on the host and used by every layer it lasts.
@@ -289,10 +327,20 @@ class ReusePrefill(PrefillPlan):
             "recompute_s": 0.0,
         }
         started = time.perf_counter()
+        fills = bool(getattr(method, "fills_store", False))
+        #: spans the store lacked, computed in this prefill (``fills_store``) and stored by :meth:`fill_store`
+        self.missed: list[CachedSpan] = []
         for span in self.spans:
             span.reader = store.open(span.key)
             if span.reader is None:
-                raise RuntimeError(f"chunk cache {span.key.digest} vanished from the store between prepare and prefill")
+                if not fills:
+                    raise RuntimeError(
+                        f"chunk cache {span.key.digest} vanished from the store between prepare and prefill"
+                    )
+                self.missed.append(span)
+        if self.missed:
+            self.spans = [span for span in self.spans if span.reader is not None]
+        self._store = store
         opened = time.perf_counter() - started
         self.timing["load_s"] += opened
         self.timing["load_wait_s"] += opened
@@ -312,6 +360,9 @@ class ReusePrefill(PrefillPlan):
         initial = method.initial_rows(self)
         initial = initial.tolist() if isinstance(initial, torch.Tensor) else initial
         self.rows = ActiveRows(self, np.asarray(initial, dtype=np.int64))
+        #: rows computed at every layer so far (host flags; a shrink clears the rows it drops)
+        self.throughout = np.zeros(n, dtype=bool)
+        self.throughout[self.rows.positions] = True
         self._next: ActiveRows | None = None
         self.layouts_built = 0
         ids = input_ids[self.rows.host.to(input_ids.device)]
@@ -367,7 +418,7 @@ class ReusePrefill(PrefillPlan):
     def before_layer(self, layer: int) -> None:
         self._keep = None
         self.recomputed.append(self.rows.count)
-        needed = self.method.needs_cache_at(self, layer)
+        needed = bool(self.spans) and self.method.needs_cache_at(self, layer)  # (every span missed: none)
         rows = None
         if needed:
             rows = self.loader.take(layer)
@@ -431,6 +482,9 @@ class ReusePrefill(PrefillPlan):
         """The active rows after ``keep`` (indices into the current ones; a device tensor is read here,
         once: the shrink's one host read)."""
         chosen = np.asarray(keep.tolist() if isinstance(keep, torch.Tensor) else keep, dtype=np.int64)
+        dropped = np.ones(self.rows.count, dtype=bool)
+        dropped[chosen] = False
+        self.throughout[self.rows.positions[dropped]] = False
         rows = ActiveRows(self, self.rows.positions[chosen])
         if isinstance(keep, torch.Tensor) and keep.device.type == self.device.type:
             self._keep = keep
@@ -550,6 +604,9 @@ class ReusePrefill(PrefillPlan):
             # recompute_ratio by the rows a check layer computed Q/K/V for and then cut)
             "through_ratio": sum(self.through) / (self.n * len(self.through)) if self.through else None,
             "chunks": len(self.spans),
+            # spans the store lacked, computed in this prefill (``fills_store``) and their rows
+            "missed_chunks": len(self.missed),
+            "missed_tokens": sum(span.end - span.begin for span in self.missed),
             "chunk_tiers": tiers,
             **self.timing,
             "load_hidden_s": max(0.0, self.timing["load_s"] - self.timing["load_wait_s"]),
@@ -559,6 +616,26 @@ class ReusePrefill(PrefillPlan):
             "attention_layouts": self.layouts_built,
             **({"deviation": deviation} if deviation is not None else {}),
         }
+
+    # ------------------------------------------------------------------ after the request
+    def fill_store(self) -> dict[str, int]:
+        """Store every missed span's rows of this request's K/V under the span's key (after the request,
+        outside its TTFT; see the module docs): ``{"stored": chunks kept, "not_stored": chunks the store
+        could not hold}``. Raises when a missed row was not computed at every layer (a policy that
+        dropped it would store reused or never-written K/V as if it were this request's)."""
+        stored = not_stored = 0
+        for span in self.missed:
+            if not self.throughout[span.begin : span.end].all():
+                raise RuntimeError(
+                    f"rows {span.begin}..{span.end - 1} missed the store but were not computed at every layer: "
+                    "a policy that fills the store must keep a missed span's rows active"
+                )
+            if store_request_rows(self.ctx, self._store, span.key, span.begin, span.end) is not None:
+                stored += 1
+            else:
+                not_stored += 1
+        self.missed = []
+        return {"stored": stored, "not_stored": not_stored}
 
     # ------------------------------------------------------------------ profile.deviation
     def _deviation(self) -> dict[str, Any]:
