@@ -259,7 +259,7 @@ def test_a_claim_row_may_grade_otherwise_and_the_table_says_how(monkeypatch):
     frame = pd.DataFrame(
         {"config.model.name": ["m", "m"], "config.method.name": ["full", "cacheblend"], "ttft_s": [4.1, 1.0]}
     )
-    monkeypatch.setattr(render, "long_frame", lambda _runs: frame)
+    monkeypatch.setattr(render.claims, "long_frame", lambda _runs: frame)
     row = {"quantity": "ttft_speedup", "baseline": "full"}
     ours = {"op": "ratio", "metric": "ttft_s", "a": {"method": "full"}, "b": {"method": "cacheblend"}}
     (section,) = render.render_claims(exp, {"rows": [{**row, "ours": ours}]}, runs)
@@ -338,16 +338,16 @@ def test_a_claim_metric_that_names_no_column_is_refused_with_the_likely_one():
     """A claim reading a column its rows lack printed "–" for ours, as if nothing were measured
     (clusterkv/cache_hit_rate read telemetry.cluster_hit_rate; the samples hold
     telemetry.method.cluster_hit_rate): now it is a config error naming the column that fits."""
-    from kvbench.render import _check_metric
+    from kvbench.render import check_metric
 
     samples = pd.DataFrame({"telemetry.method.cluster_hit_rate": [0.8], "telemetry.hit_rate": [0.7], "score": [1.0]})
-    _check_metric(samples, "telemetry.method.cluster_hit_rate")
-    _check_metric(samples, "score")
+    check_metric(samples, "telemetry.method.cluster_hit_rate")
+    check_metric(samples, "score")
     with pytest.raises(ConfigError, match="telemetry.method.cluster_hit_rate") as refused:
-        _check_metric(samples, "telemetry.cluster_hit_rate")
+        check_metric(samples, "telemetry.cluster_hit_rate")
     assert "is not a column" in str(refused.value)
     with pytest.raises(ConfigError, match="^curve: metric 'telemetry.hit'"):
-        _check_metric(samples, "telemetry.hit", "curve")
+        check_metric(samples, "telemetry.hit", "curve")
 
 
 def test_a_curve_per_column_turns_request_totals_into_per_step_times(tmp_path):
@@ -531,7 +531,7 @@ def test_a_measured_value_keeps_its_places_when_whole():
 def test_a_table_keeps_the_sweeps_method_order_when_full_has_no_budget():
     """PQCache Fig. 9 listed `full` last: the outer join with the paper's rows sorted by the join key,
     and `full`'s unset ratio "–" sorts after "0.1". Our rows keep the sweep's order."""
-    from kvbench.render import _axis_order, _merge
+    from kvbench.render.table import _axis_order, _merge
 
     ours = pd.DataFrame(
         {"method": ["full", "oracle", "h2o"], "_join_token_ratio": ["–", "0.1", "0.1"], "ours": [90.0, 90.0, 20.0]}
@@ -553,7 +553,7 @@ def test_axis_order_puts_numbers_in_order_after_runs_without_the_key():
     reads –, 0.05, 0.15, 0.3; text keeps the sweep's order. Numbers stay in order when the paper states
     one of them (PQCache Fig. 11d's one stated block count, 32, among our 8-64 read 32, 8, 16, 64
     before); the paper's text values come first."""
-    from kvbench.render import _axis_order
+    from kvbench.render.table import _axis_order
 
     frame = pd.DataFrame({"r": ["–", "0.15", "0.05", "0.3"], "m": ["full", "cb", "cb", "cb"], "_row": [None] * 4})
     assert _axis_order(frame, "r") == ["–", "0.05", "0.15", "0.3"]
@@ -639,7 +639,7 @@ def test_a_log_axis_over_a_few_swept_values_labels_those_values(tmp_path, monkey
 def test_averages_over_different_sets_are_not_differenced():
     """Our mean over the sets we ran and the paper's over its own are shown, with no Δ, unless the sets
     agree; a paper that publishes only its average keeps the Δ (nothing to check it against)."""
-    from kvbench.render import _unlike_averages
+    from kvbench.render.table import _unlike_averages
 
     merged = pd.DataFrame(
         {

@@ -1,0 +1,138 @@
+"""``claims``: numbers the paper states in prose against ours, computed by an op (:mod:`kvbench.render`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvbench.render.frames import (
+    RUN_LEVEL,
+    Section,
+    check_metric,
+    column,
+    groups,
+    is_missing,
+    long_frame,
+    norm,
+    rows_for,
+    select,
+    values,
+)
+from kvbench.render.paper import holds, paper_rows, paper_text, sided
+from kvbench.render.text import fmt, to_latex, to_markdown
+
+
+def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
+    """Our number for one claim (see ``claims`` in the module doc)."""
+    import numpy as np
+
+    op, metric = spec["op"], spec.get("metric", "score")
+    scale = float(spec.get("scale", 1.0))
+
+    def mean(selector: Any) -> float | None:
+        rows = select(rows_for(frame, list(selector or {})), selector)
+        name = column(rows, metric)
+        vals = [float(v) for v in (rows[name] if name else []) if not is_missing(v)]
+        return float(np.mean(vals)) if vals else None
+
+    a = mean(spec.get("a"))
+    if op == "value":
+        result = a
+    elif op in ("rel_gain_over_best", "gap_ratio"):
+        among = select(rows_for(frame, list(spec.get("among") or {})), spec.get("among"))
+        name = column(among, metric)
+        best = max((float(v) for v in (among[name] if name else []) if not is_missing(v)), default=None)
+        if op == "rel_gain_over_best":
+            result = 100.0 * (a / best - 1.0) if a is not None and best else None
+        else:
+            b = mean(spec.get("b"))
+            result = (a - best) / (a - b) if a is not None and b is not None and best is not None and a != b else None
+    elif op == "max_diff":
+        over = spec.get("over", "dataset")
+        if RUN_LEVEL in frame.columns:  # over subsets: the subsets' rows, else the runs'
+            frame = frame[~frame[RUN_LEVEL].astype(bool)] if over == "dataset" else frame[frame[RUN_LEVEL].astype(bool)]
+        left, right = select(frame, spec.get("a")), select(frame, spec.get("b"))
+        name_l, name_r = column(left, metric), column(right, metric)
+        if name_l is None or name_r is None:
+            return None
+        a_map = dict(zip(values(left, over), left[name_l]))
+        b_map = dict(zip(values(right, over), right[name_r]))
+        # a side without the key (full recompute has no recompute ratio; `values` gives "–") is one
+        # run: it meets every row of the other side
+        if list(a_map) == [norm(None)]:
+            a_map = dict.fromkeys(b_map, a_map[norm(None)])
+        elif list(b_map) == [norm(None)]:
+            b_map = dict.fromkeys(a_map, b_map[norm(None)])
+        diffs = [
+            float(a_map[k]) - float(b_map[k])
+            for k in a_map
+            if k in b_map and not is_missing(a_map[k]) and not is_missing(b_map[k])
+        ]
+        result = max(diffs) if diffs else None
+    else:
+        b = mean(spec.get("b"))
+        if a is None or b is None:
+            return None
+        if op == "ratio":
+            result = a / b if b else None
+        elif op == "diff":
+            result = a - b
+        else:  # rel_gap: how far a is below b, relative to b
+            result = 100.0 * (b - a) / b if b else None
+    return None if result is None else result * scale
+
+
+def render_claims(
+    exp: Any, spec: Mapping[str, Any], runs: Any, bench_rows: Any = None, samples: Any = None
+) -> list[Section]:
+    """``claims``: see the module doc (``source: samples`` computes from per-sample columns)."""
+    import pandas as pd
+
+    art, paper = paper_rows(exp, spec.get("compare"))
+    if bench_rows is not None:
+        frame = bench_rows
+    elif spec.get("source") == "samples":
+        frame = select(samples, spec.get("where")) if samples is not None and not samples.empty else pd.DataFrame()
+    else:
+        frame = select(long_frame(runs), spec.get("where")) if not runs.empty else pd.DataFrame()
+    split = list(spec.get("split", ["model"] if bench_rows is None else []))
+    if not frame.empty:
+        for claim in spec.get("rows") or []:
+            check_metric(frame, claim["ours"].get("metric", "score"))
+    out = []
+    for label, group in groups(frame, split) if not frame.empty else [("", frame)]:
+        for claim in spec.get("rows") or []:
+            keys = {k: v for k, v in claim.items() if k not in ("ours", "sided")}
+            match = paper
+            for key, wanted in keys.items():
+                if key in match.columns:
+                    match = match[match[key].map(norm) == norm(wanted)]
+            row = match.iloc[0].to_dict() if len(match) else None
+            if row is not None and claim.get("sided"):  # the experiment grades it otherwise (its notes say why)
+                row["sided"] = claim["sided"]
+            ours = claim_value(group, claim["ours"]) if not group.empty else None
+            out.append(
+                {
+                    **({"split": label} if split else {}),
+                    **{k: norm(v) for k, v in keys.items()},
+                    "ours": fmt(ours, 3),
+                    "paper": paper_text(row, 3) if row else "–",
+                    "unit": (row or {}).get("unit") or "",
+                    "sided": (sided(row) or "–").replace("_", " "),
+                    "holds": holds(ours, row),
+                    "quote": (row or {}).get("quote") or "",
+                }
+            )
+    table = pd.DataFrame(out)
+    if table.empty:
+        return [Section(spec.get("title") or "claims", markdown="(no claims)")]
+    shown = table.drop(columns=["quote"])
+    return [
+        Section(
+            spec.get("title") or "the paper's stated numbers against ours",
+            markdown=to_markdown(shown),
+            latex=to_latex(shown),
+            csv=table.to_csv(index=False),
+            frame=shown,
+        )
+    ]
