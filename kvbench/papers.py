@@ -105,6 +105,10 @@ KVBENCH_METHODS = (
     "cacheblend",
     "full_reuse",
     "prefix_cache",
+    "cachecraft",
+    "set_cache",
+    "random_recomp",
+    "prefill_h2o",
 )
 KVBENCH_MODELS = (
     "smollm2_135m",
@@ -119,7 +123,7 @@ KVBENCH_MODELS = (
     "glm4_9b_chat",
     "hf",
 )
-KVBENCH_TASKS = ("niah", "longbench", "infinitebench", "gsm8k_cot", "pg19", "rag", "ruler")
+KVBENCH_TASKS = ("niah", "longbench", "infinitebench", "gsm8k_cot", "pg19", "rag", "rag_stream", "ruler")
 #: row keys whose values must be known names, and which vocabulary they use
 CHECKED_KEYS = {"method": "method", "baseline": "method", "model": "model", "dataset": "dataset"}
 

@@ -16,7 +16,7 @@ from kvbench.tasks.longbench_protocol import GROUPS
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 needs_seeds = pytest.mark.skipif(not (SHARED / "seeds").exists(), reason="needs ../shared/seeds (the papers' texts)")
-PAPERS = ("pqcache", "clusterkv", "cacheblend")
+PAPERS = ("pqcache", "clusterkv", "cacheblend", "cachecraft")
 
 
 def text_of(source: str) -> str:
