@@ -197,7 +197,7 @@ class ReuseMethod(KVMethod):
         self._filled = None
         store = self.chunk_store()
         started = time.perf_counter()
-        computed = promoted = missed = missed_tokens = 0
+        computed = computed_tokens = promoted = missed = missed_tokens = 0
         spans = self.cached_segments(ctx, segments)
         for span in spans:  # first the hits, so that what this request stores cannot evict them
             store.touch(span.key)
@@ -211,6 +211,7 @@ class ReuseMethod(KVMethod):
                 else:
                     self.precompute(ctx, span.key)
                     computed += 1
+                    computed_tokens += span.end - span.begin
         lost = [] if self.fills_store else [span for span in spans if store.contains(span.key) is None]
         if lost:
             tier = store.config.tier
@@ -228,6 +229,7 @@ class ReuseMethod(KVMethod):
             "miss": "prefill" if self.fills_store else "precompute",
             # misses precomputed alone before the clock / left to the prefill (computed inside TTFT)
             "precomputed_chunks": computed,
+            "precomputed_tokens": computed_tokens,  # their rows in this prompt (kvbench.runner's compute_ratio)
             "prefill_chunks": missed,
             "prefill_tokens": missed_tokens,
             "promoted_chunks": promoted,

@@ -600,6 +600,10 @@ class ReusePrefill(PrefillPlan):
             "reused_tokens": self.n - self.recomputed[-1] if self.recomputed else 0,
             "recompute_per_layer": [r / self.n for r in self.recomputed],
             "recompute_ratio": sum(self.recomputed) / (self.n * len(self.recomputed)) if self.recomputed else None,
+            # the same as a count: rows whose Q/K/V a layer computed, summed over layers (kvbench.runner's
+            # compute_ratio adds the chunks precomputed for the request)
+            "computed_token_layers": sum(self.recomputed),
+            "layers": len(self.recomputed),
             # the same share counting only rows through attention, output projection and MLP (less than
             # recompute_ratio by the rows a check layer computed Q/K/V for and then cut)
             "through_ratio": sum(self.through) / (self.n * len(self.through)) if self.through else None,
