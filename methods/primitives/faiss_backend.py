@@ -28,6 +28,7 @@ from torch import Tensor
 
 from kvbench.methods.primitives import kmeans as _torch_kmeans
 from kvbench.methods.primitives.kmeans import INITS, METRICS, KMeansResult
+from kvbench.methods.primitives.kmeans_sweep import _augment_centroids
 from kvbench.methods.primitives.pq import PQCodebook, fit_with
 
 
@@ -83,7 +84,7 @@ def kmeans(
         if init_centroids is None or init_centroids.shape != (problems, k, d):
             raise ValueError(f"init='given' needs init_centroids of shape {(problems, k, d)}")
         given = init_centroids.float()
-        start: Tensor | None = given if phi is None else _torch_kmeans._augment_centroids(given.to(phi.device), phi)
+        start: Tensor | None = given if phi is None else _augment_centroids(given.to(phi.device), phi)
     elif init == "faiss":
         start = None
     else:

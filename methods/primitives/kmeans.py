@@ -112,19 +112,55 @@ are atomic adds (``ATOMIC_SUMS``) and may differ in the last bits between runs. 
 ``stop_when_stable`` and ``tol`` read one flag per problem per iteration, ``empty="relocate"`` the
 number of empty clusters; nothing else is read back (on CUDA ``bincount`` would read each step's
 label range: hence ``ATOMIC_SUMS``).
+
+Layout: this module is the face — the options, the tunables above (read when a call starts, so tests
+and tools/profile_kmeans.py may set them), the step sizes and the driver (:func:`kmeans`: initial
+centroids, shares over threads, the sweep-and-update loop with its per-problem stops).
+:mod:`~kvbench.methods.primitives.kmeans_sweep` is the mechanism (working space, GEMM assignment,
+sweeps, relocation, means) and :mod:`~kvbench.methods.primitives.kmeans_init` the initialisations.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from kvbench.methods.primitives.kmeans_init import _gather_rows, _kmeans_plus_plus_rows, _random_rows
+from kvbench.methods.primitives.kmeans_sweep import (
+    _augment_centroids,
+    _best,
+    _means,
+    _onednn_linear,
+    _phi,
+    _pick,
+    _Points,
+    _relocate,
+    _rows,
+    _Sweep,
+    _sweep,
+    _table,
+)
+
+__all__ = [  # (and _best, _onednn_linear, _Points: the tests and the kmeans_faiss benchmark read them here)
+    "INITS",
+    "METRICS",
+    "SKLEARN",
+    "KMeansResult",
+    "_Points",
+    "_best",
+    "_onednn_linear",
+    "assign",
+    "default_chunk",
+    "finish",
+    "group_size",
+    "initial_rows",
+    "ip_augment",
+    "kmeans",
+]
 
 METRICS = ("l2", "cosine", "ip")
 INITS = ("random", "kmeans++", "given")
@@ -212,388 +248,52 @@ def group_size(problems: int, k: int, step: int, device: torch.device | str | No
     return max(1, min(problems, _cpu_step()[0] // max(1, k * step)))
 
 
-# ----------------------------------------------------------------------------- working space
+def _points(x: Tensor, metric: str, phi: Tensor | None, step: int, group: int) -> _Points:
+    """The sweeps' view of ``x``, its working copy kept whole up to ``WORK_CACHE_BYTES``
+    (``CUDA_WORK_CACHE_BYTES`` on CUDA), as this module's settings are when it is called."""
+    cache_bytes = CUDA_WORK_CACHE_BYTES if x.is_cuda else WORK_CACHE_BYTES
+    return _Points(x, metric, phi, step, group, cache_bytes)
 
 
-def _rows(x: Tensor, start: int, stop: int, phi: Tensor | None) -> Tensor:
-    """float32 points ``[P, stop-start, d]``, with the augmented coordinate when ``phi`` is given."""
-    block = x[:, start:stop].float()
-    if phi is None:
-        return block
-    room = (phi[:, None, None] - _sq_norm(block)[..., None]).clamp_min(0)
-    return torch.cat([block, room.sqrt()], dim=-1)
+def _tuned_sweep(
+    points: _Points, table: Tensor, rows: Tensor | None, labels: Tensor, valid: Tensor | None, **options: bool
+) -> _Sweep:
+    """:func:`~kvbench.methods.primitives.kmeans_sweep._sweep` with this module's ``ATOMIC_SUMS`` and
+    ``ONEDNN_MIN_PRODUCTS`` as they are when it is called (tests and tools/profile_kmeans.py set them)."""
+    atomic = _atomic_sums(table.device)
+    return _sweep(points, table, rows, labels, valid, atomic=atomic, onednn_min=ONEDNN_MIN_PRODUCTS, **options)
 
 
-def _augment_centroids(centroids: Tensor, phi: Tensor) -> Tensor:
-    """Centroids in the augmented space, treating each as a point (for given initial centroids)."""
-    room = (phi[:, None, None] - _sq_norm(centroids)[..., None]).clamp_min(0)
-    return torch.cat([centroids, room.sqrt()], dim=-1)
+def _result(
+    centroids: Tensor,
+    d: int,
+    labels: Tensor,
+    iterations: int,
+    inertia: Tensor,
+    counts: Tensor,
+    phi: Tensor | None,
+    updates: Tensor,
+) -> KMeansResult:
+    """The result from working-space ``centroids`` ``[P, k, D]``: their first ``d`` coordinates, and
+    for ``ip`` the augmented one as ``extra``."""
+    return KMeansResult(
+        centroids=centroids[..., :d].contiguous(),
+        labels=labels,
+        iterations=iterations,
+        inertia=inertia,
+        counts=counts,
+        phi=phi,
+        extra=None if phi is None else centroids[..., d].contiguous(),
+        updates=updates,
+    )
 
 
-def _phi(x: Tensor, valid: Tensor | None, step: int) -> Tensor:
-    """Largest squared norm over each problem's valid points (0 for a problem without any)."""
-    problems, n, _ = x.shape
-    phi = torch.zeros(problems, dtype=torch.float32, device=x.device)
-    for start in range(0, n, step):
-        norms = _sq_norm(x[:, start : start + step].float())
-        if valid is not None:
-            norms = norms.masked_fill(~valid[:, start : start + step], 0.0)
-        phi = torch.maximum(phi, norms.amax(dim=1))
-    return phi
-
-
+# ----------------------------------------------------------------------------- working space, initialisation
 def ip_augment(x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The whole problem in the ``ip`` working space: float32 points ``[P, n, d + 1]`` and ``φ`` ``[P]``
     (for backends that need the augmented data materialised, e.g. faiss)."""
     phi = _phi(x, valid, default_chunk(x.shape[0], 1, x.shape[1]))
     return _rows(x, 0, x.shape[1], phi), phi
-
-
-def _sq_norm(x: Tensor) -> Tensor:
-    """Squared norms over the last dimension (``vector_norm`` is several times faster than a
-    squared sum on CPU)."""
-    return torch.linalg.vector_norm(x, dim=-1).square()
-
-
-def _normalize(x: Tensor) -> Tensor:
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
-
-
-Select = Tensor | slice | None  # problems: an index tensor, a range of them, or all
-
-
-def _pick(rows: Select, t: Tensor) -> Tensor:
-    """The rows (problems) ``rows`` of ``t``."""
-    if rows is None:
-        return t
-    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
-
-
-def _compose(rows: Tensor | None, part: slice) -> Select:
-    """The problems ``part`` of the selection ``rows``, in the caller's numbering."""
-    return part if rows is None else rows[part]
-
-
-class _Points:
-    """The points as the sweeps read them: float32 chunks ``[g, c, D + 1]`` of the working space
-    (``D = d``, or ``d + 1`` with the ``ip`` coordinate) for ``g ≤ group`` problems, ending in a
-    constant 1 that meets the centroid table's bias column (see ``_table``). The squared norms of all
-    points are computed once. When the whole working copy fits in ``WORK_CACHE_BYTES`` it is built
-    once and chunks are views of it (no copy per sweep); otherwise one buffer is refilled per chunk."""
-
-    def __init__(self, x: Tensor, metric: str, phi: Tensor | None, step: int, group: int) -> None:
-        problems, n, d = x.shape
-        self.x, self.metric, self.phi, self.step, self.group = x, metric, phi, step, group
-        self.n, self.d = n, d
-        self.width = d + (phi is not None)
-        self.raw = torch.cat([_sq_norm(x[:, s : s + step].float()) for s in range(0, n, step)], dim=1)  # [P, n]
-        self._cache: Tensor | None = None
-        if problems * n * (self.width + 1) * 4 <= (CUDA_WORK_CACHE_BYTES if x.is_cuda else WORK_CACHE_BYTES):
-            self._buffer = torch.empty(problems * n * (self.width + 1), dtype=torch.float32, device=x.device)
-            self._cache = self._fill(slice(None), 0, n)
-        else:
-            self._buffer = torch.empty(group * min(step, n) * (self.width + 1), dtype=torch.float32, device=x.device)
-
-    def chunk(self, rows: Select, start: int, stop: int) -> Tensor:
-        if self._cache is not None:
-            return _pick(rows, self._cache[:, start:stop])
-        return self._fill(rows, start, stop)
-
-    def _fill(self, rows: Select, start: int, stop: int) -> Tensor:
-        block = _pick(rows, self.x[:, start:stop])
-        count = block.shape[0]
-        out = self._buffer[: count * (stop - start) * (self.width + 1)].view(count, stop - start, self.width + 1)
-        out[..., : self.d].copy_(block)
-        if self.phi is not None:
-            room = _pick(rows, self.phi)[:, None] - _pick(rows, self.raw)[:, start:stop]
-            torch.sqrt(room.clamp_min(0), out=out[..., self.d])
-        out[..., self.width].fill_(1.0)
-        return out
-
-    def distance(self, score: Tensor, rows: Select, start: int, stop: int) -> Tensor:
-        """Distance ``[A, c]`` to the chosen centroid from its score (see ``_table``)."""
-        raw = _pick(rows, self.raw)[:, start:stop]
-        if self.metric == "cosine":
-            return 1.0 - score / raw.sqrt().clamp_min(1e-12)
-        if self.phi is not None:  # augmented points have squared norm max(φ, ‖x‖²)
-            raw = torch.maximum(raw, _pick(rows, self.phi)[:, None])
-        return (raw - 2.0 * score).clamp_min(0)
-
-    def at(self, rows: Tensor | None, index: Tensor) -> Tensor:
-        """Working-space coordinates ``[A, m, D]`` of the points ``index`` ``[A, m]``."""
-        owner = torch.arange(index.shape[0], device=index.device) if rows is None else rows
-        points = self.x[owner[:, None], index].float()
-        if self.phi is None:
-            return points
-        room = self.phi[owner][:, None] - self.raw[owner[:, None], index]
-        return torch.cat([points, room.clamp_min(0).sqrt()[..., None]], dim=-1)
-
-    def mean_variance(self, valid: Tensor | None) -> Tensor:
-        """``mean_j var(x_j)`` over each problem's valid points ``[P]`` (scikit-learn's ``_tolerance``
-        scale), two passes in float64 over chunks of all problems."""
-        problems = self.x.shape[0]
-        weight = None if valid is None else valid.double()
-        total = torch.full((problems,), float(self.n), dtype=torch.float64, device=self.x.device)
-        if weight is not None:
-            total = weight.sum(dim=1).clamp_min(1)
-        mean = torch.zeros(problems, self.width, dtype=torch.float64, device=self.x.device)
-        for start in range(0, self.n, self.step):
-            stop = min(self.n, start + self.step)
-            block = _rows(self.x, start, stop, self.phi).double()
-            mean += (block if weight is None else block * weight[:, start:stop, None]).sum(dim=1)
-        mean /= total[:, None]
-        spread = torch.zeros(problems, dtype=torch.float64, device=self.x.device)
-        for start in range(0, self.n, self.step):
-            stop = min(self.n, start + self.step)
-            square = (_rows(self.x, start, stop, self.phi).double() - mean[:, None]).square().sum(-1)
-            spread += (square if weight is None else square * weight[:, start:stop]).sum(dim=1)
-        return (spread / total / self.width).float()
-
-
-def _table(centroids: Tensor, metric: str) -> Tensor:
-    """The centroids as GEMM operand ``[P, k, D + 1]``: a point's score is its product with a row.
-
-    l2/ip: ``[c, −‖c‖²/2]`` → ``x·c − ‖c‖²/2 = (‖x‖² − ‖x − c‖²) / 2``, largest for the nearest ``c``.
-    cosine: ``[c/‖c‖, 0]`` → ``x·ĉ``, which ranks the centroids as the cosine does (``‖x‖`` is common)."""
-    if metric == "cosine":
-        return F.pad(_normalize(centroids), (0, 1))
-    return torch.cat([centroids, -0.5 * _sq_norm(centroids)[..., None]], dim=-1)
-
-
-def _best(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Largest score and its centroid (lowest index on ties) per point, from ``scores`` ``[g, k, c]``."""
-    problems, k, c = scores.shape
-    if scores.device.type != "cpu":
-        return scores.max(dim=1)
-    # [g, k, c] is the channels-last layout of a [g, c/w, k, w] image: pooling over the whole height
-    # reduces over k with the points in the vector lanes (see the module notes). The kernel runs its
-    # g·w output pixels in parallel, so a single problem is split into w column blocks for the threads.
-    threads = torch.get_num_threads()
-    w = next((w for w in (4 * threads, 2 * threads, threads) if problems < threads and c % w == 0), 1)
-    image = scores.view(problems, k, w, c // w).permute(0, 3, 1, 2)
-    value, index = F.max_pool2d(image, (k, 1), return_indices=True)  # [g, c/w, 1, w], channels-last
-    index = index.permute(0, 2, 3, 1).reshape(problems, c)  # flat positions h·w + column block
-    return value.permute(0, 2, 3, 1).reshape(problems, c), index if w == 1 else index // w
-
-
-@functools.cache
-def _onednn_linear() -> Callable[..., Tensor] | None:
-    """oneDNN's fp32 ``linear`` (``mkldnn._linear_pointwise``, the op inductor emits), when this torch
-    build has it: it uses the CPU's AVX-512 units where MKL's SGEMM (what ``bmm`` calls) runs its
-    AVX2 kernels, e.g. on AMD Zen 5 (see "Speed (CPU)" in the module notes)."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        probe = torch.ones(2, 3)
-        if not torch.equal(op(probe, probe, None, "none", [], ""), probe @ probe.T):
-            return None
-    except (AttributeError, RuntimeError):
-        return None
-    return op
-
-
-def _assign_block(table: Tensor, block: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
-    """Best score and centroid ``[g, c]`` of every point of ``block`` ``[g, c, D + 1]`` against
-    ``table`` ``[g, k, D + 1]``, with the scores ``[g, k, c]`` written into ``out`` (or, with oneDNN,
-    one problem at a time: it has no batched fp32 product that keeps fp32 precision)."""
-    problems, k, width = table.shape
-    linear = _onednn_linear() if table.device.type == "cpu" else None
-    if linear is None or k * block.shape[1] * width < ONEDNN_MIN_PRODUCTS:
-        return _best(torch.bmm(table, block.transpose(1, 2), out=out))
-    parts = [_best(linear(table[p], block[p], None, "none", [], "")[None]) for p in range(problems)]
-    if problems == 1:
-        return parts[0]
-    return torch.cat([value for value, _ in parts]), torch.cat([index for _, index in parts])
-
-
-@dataclass
-class _Sweep:
-    inertia: Tensor  # [A]
-    counts: Tensor  # [A, k] int64
-    sums: Tensor | None  # [A, k, D] float32, when accumulated
-    changed: Tensor | None  # [A] bool, when compared
-    distance: Tensor | None  # [A, n] float32 (invalid points −inf), when kept
-
-
-def _sweep(
-    points: _Points,
-    table: Tensor,
-    rows: Tensor | None,
-    labels: Tensor,
-    valid: Tensor | None,
-    *,
-    accumulate: bool,
-    compare: bool,
-    measure: bool = True,
-    keep_distance: bool = False,
-) -> _Sweep:
-    """One pass over the points of the problems ``rows`` (all when None; ``table`` holds their
-    centroids): assign each point to its nearest centroid (written into ``labels``) and, in the same
-    pass, accumulate the per-cluster sums the next update needs (``accumulate``), note which problems
-    changed a valid label (``compare``), sum the distances (``measure``; else ``inertia`` stays 0) and
-    keep them per point (``keep_distance``, for the relocation). Steps cover ``points.group`` problems × ``points.step``
-    points."""
-    count, k, _ = table.shape
-    n, step, width, device = points.n, points.step, points.width, table.device
-    # Bin k of every problem collects the invalid points, so they never move a centroid.
-    counts = torch.zeros(count * (k + 1), dtype=torch.long, device=device)
-    sums = torch.zeros(count, k + 1, width, dtype=torch.float32, device=device) if accumulate else None
-    inertia = torch.zeros(count, dtype=torch.float32, device=device)
-    changed = torch.zeros(count, dtype=torch.bool, device=device) if compare else None
-    distance = torch.empty(count, n, dtype=torch.float32, device=device) if keep_distance else None
-    group = min(points.group, count)
-    atomic = _atomic_sums(device)
-    # the counts' increments, made once per sweep (a step's chunk never holds more points)
-    ones = torch.ones(group * min(step, n), dtype=torch.long, device=device) if atomic else None
-    scores = torch.empty(group * k * min(step, n), dtype=torch.float32, device=device)
-    for first in range(0, count, group):
-        part = slice(first, min(count, first + group))
-        size = part.stop - part.start
-        problems = _compose(rows, part)  # in the numbering of x and labels
-        block_table = table[part]
-        keep_all = None if valid is None else _pick(problems, valid)
-        owner = torch.arange(part.start, part.stop, device=device)[:, None]
-        offset = owner * (k + 1)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            block = points.chunk(problems, start, stop)
-            out = scores[: size * k * (stop - start)].view(size, k, stop - start)
-            score, index = _assign_block(block_table, block, out)
-            dist = points.distance(score, problems, start, stop) if measure or keep_distance else None
-            keep = None if keep_all is None else keep_all[:, start:stop]
-            if changed is not None:  # (compare)
-                differs = index != labels[problems, start:stop]
-                changed[part] |= (differs if keep is None else differs & keep).any(dim=1)
-            labels[problems, start:stop] = index
-            if keep is not None:
-                index = index.masked_fill(~keep, k)
-                dist = None if dist is None else dist.masked_fill(~keep, 0.0)
-            if dist is not None:
-                inertia[part] += dist.sum(dim=1)
-            if distance is not None and dist is not None:  # (keep_distance computes dist)
-                distance[part, start:stop] = dist if keep is None else dist.masked_fill(~keep, float("-inf"))
-            flat = (index + offset).view(-1)
-            if atomic:  # (see ATOMIC_SUMS: no host sync, one atomic add per point and coordinate)
-                assert ones is not None
-                counts.index_add_(0, flat, ones[: flat.numel()])
-                if sums is not None:
-                    sums.view(-1, width).index_add_(0, flat, block[..., :width].reshape(-1, width))
-            else:
-                counts += torch.bincount(flat, minlength=count * (k + 1))
-                if sums is not None:  # (a [g, c, D] view of the chunk: flattening it would copy)
-                    sums.index_put_((owner.expand_as(index), index), block[..., :width], accumulate=True)
-    return _Sweep(
-        inertia=inertia,
-        counts=counts.view(count, k + 1)[:, :k],
-        sums=None if sums is None else sums[:, :k],
-        changed=changed,
-        distance=distance,
-    )
-
-
-def _relocate(sweep: _Sweep, points: _Points, rows: Tensor | None, labels: Tensor) -> None:
-    """scikit-learn's empty-cluster relocation, in place on ``sweep.sums``/``counts`` (module notes)."""
-    counts, sums, distance = sweep.counts, sweep.sums, sweep.distance
-    assert sums is not None and distance is not None, "relocation needs a sweep with accumulate and keep_distance"
-    empty = counts == 0
-    most = int(empty.sum(dim=1).max())
-    if most == 0:
-        return
-    count, n = distance.shape
-    far_distance, far = distance.topk(min(most, n), dim=1)  # farthest first
-    most = far.shape[1]
-    # The empty clusters in ascending order first (a stable sort of the "filled" flags).
-    targets = torch.sort(~empty, dim=1, stable=True).indices[:, :most]
-    slot = torch.arange(most, device=far.device)[None, :]
-    # sklearn relocates nothing when every point sits on its centroid; invalid points (−inf) never move.
-    take = (slot < empty.sum(dim=1, keepdim=True)) & (distance.amax(dim=1, keepdim=True) > 0) & (far_distance >= 0)
-    source = torch.gather(labels if rows is None else labels.index_select(0, rows), 1, far)
-    moved = points.at(rows, far) * take[..., None]
-    problem = torch.arange(count, device=far.device)[:, None].expand_as(far)
-    sums.index_put_((problem, source), -moved, accumulate=True)
-    counts.index_put_((problem, source), -take.long(), accumulate=True)
-    target_sums = torch.where(take[..., None], moved, torch.gather(sums, 1, targets[..., None].expand_as(moved)))
-    sums.scatter_(1, targets[..., None].expand_as(moved), target_sums)
-    counts.scatter_(1, targets, torch.where(take, 1, torch.gather(counts, 1, targets)))
-
-
-def _means(sums: Tensor, counts: Tensor, previous: Tensor) -> Tensor:
-    """Plain arithmetic means; an empty cluster keeps its previous centroid."""
-    means = sums / counts.clamp_min(1).to(sums.dtype)[..., None]
-    return torch.where((counts > 0)[..., None], means, previous)
-
-
-# ----------------------------------------------------------------------------- initialisation
-
-
-def _random_rows(
-    problems: int, n: int, k: int, seed: int, shared: bool, valid: Tensor | None, device: torch.device
-) -> Tensor:
-    """``k`` distinct random valid point indices per problem ``[P, k]``, wrapping when there are fewer."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    take = min(n, k)
-    if shared:
-        perm = torch.randperm(n, generator=generator)[None, :]
-    else:
-        perm = torch.rand(problems, n, generator=generator).argsort(dim=1)
-    if valid is None:
-        order = perm[:, :take].to(device).expand(problems, take)
-        available = torch.full((problems,), n, dtype=torch.long, device=device)
-    else:
-        # Rank of every point in the random order; invalid points move behind every valid one, so an
-        # all-valid mask picks exactly the rows that ``valid=None`` picks.
-        rank = torch.empty_like(perm).scatter_(1, perm, torch.arange(n).expand_as(perm))
-        rank = rank.to(device).expand(problems, n) + n * (~valid).long()
-        order = rank.argsort(dim=1)[:, :take]
-        available = valid.sum(dim=1)
-    slot = torch.arange(k, device=device)[None, :] % available.clamp(1, take)[:, None]
-    return torch.gather(order, 1, slot)
-
-
-def _distance_to(x: Tensor, point: Tensor, metric: str, phi: Tensor | None, step: int) -> Tensor:
-    """Distance ``[P, n]`` of every point to one point per problem ``point`` ``[P, D]``."""
-    parts = []
-    unit = _normalize(point)[:, None, :] if metric == "cosine" else None
-    for start in range(0, x.shape[1], step):
-        block = _rows(x, start, start + step, phi)
-        if unit is not None:
-            parts.append(1.0 - (_normalize(block) * unit).sum(-1))
-        else:
-            parts.append(_sq_norm(block - point[:, None, :]))
-    return torch.cat(parts, dim=1).clamp_min(0)
-
-
-def _kmeans_plus_plus_rows(
-    x: Tensor, k: int, seed: int, shared: bool, valid: Tensor | None, metric: str, phi: Tensor | None, step: int
-) -> Tensor:
-    """D²-weighted seeding: each next centroid is a point drawn with probability proportional to its
-    distance to the nearest centroid so far. Draws are inverse-CDF lookups of uniforms from a seeded
-    CPU generator, so nothing syncs with the host and CPU and CUDA pick the same points; with
-    ``shared`` every problem uses the same uniforms (a problem alone draws what it draws in a batch)."""
-    problems, n, _ = x.shape
-    device = x.device
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    shape = (1, k) if shared else (problems, k)
-    uniforms = torch.rand(shape, generator=generator, dtype=torch.float64).to(device).expand(problems, k)
-    allowed = torch.ones(problems, n, dtype=torch.float64, device=device) if valid is None else valid.double()
-    # A problem without valid points draws among all of them (its centroids are never updated anyway).
-    allowed = torch.where(allowed.sum(dim=1, keepdim=True) > 0, allowed, torch.ones_like(allowed))
-    weights = allowed
-    nearest = torch.full((problems, n), float("inf"), dtype=torch.float32, device=device)
-    rows = torch.arange(problems, device=device)
-    chosen = []
-    for i in range(k):
-        # When every point already coincides with a centroid, fall back to a uniform draw.
-        usable = torch.where(weights.sum(dim=1, keepdim=True) > 0, weights, allowed)
-        cumulative = usable.cumsum(dim=1)
-        target = uniforms[:, i : i + 1] * cumulative[:, -1:]
-        pick = torch.searchsorted(cumulative, target, right=True)[:, 0].clamp_max(n - 1)
-        chosen.append(pick)
-        point = _rows(x[rows, pick][:, None, :], 0, 1, phi)[:, 0]
-        nearest = torch.minimum(nearest, _distance_to(x, point, metric, phi, step))
-        weights = nearest.double() * allowed
-    return torch.stack(chosen, dim=1)
 
 
 def initial_rows(
@@ -620,10 +320,6 @@ def initial_rows(
     raise ValueError(f"initial_rows handles init 'random' or 'kmeans++', not {init!r}")
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    return torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1])).float()
-
-
 # ----------------------------------------------------------------------------- public API
 
 
@@ -644,8 +340,8 @@ def _label(
     step = chunk or default_chunk(problems, centroids.shape[1], n, x.device)
     inner = "l2" if metric == "ip" else metric
     labels = torch.empty(problems, n, dtype=torch.long, device=x.device)
-    points = _Points(x, inner, phi, step, group_size(problems, centroids.shape[1], step, x.device))
-    sweep = _sweep(points, _table(centroids, inner), None, labels, valid, accumulate=False, compare=False)
+    points = _points(x, inner, phi, step, group_size(problems, centroids.shape[1], step, x.device))
+    sweep = _tuned_sweep(points, _table(centroids, inner), None, labels, valid, accumulate=False, compare=False)
     return labels, sweep
 
 
@@ -725,15 +421,40 @@ def kmeans(
         )
         centroids = _gather_rows(x, index)
     workers = _share_workers(problems, device)
+    options: dict[str, Any] = {
+        "iters": iters,
+        "metric": metric,
+        "stop_when_stable": stop_when_stable,
+        "tol": tol,
+        "empty": empty,
+    }
     if workers > 1:
-        options = {"iters": iters, "metric": metric, "stop_when_stable": stop_when_stable, "tol": tol, "empty": empty}
         return _kmeans_shares(x, centroids, valid, chunk, workers, options)
+    return _lloyd(x, centroids, valid, step, **options)
+
+
+def _lloyd(
+    x: Tensor,
+    centroids: Tensor,
+    valid: Tensor | None,
+    step: int,
+    *,
+    iters: int,
+    metric: str,
+    stop_when_stable: bool,
+    tol: float,
+    empty: str,
+) -> KMeansResult:
+    """:func:`kmeans` on the calling thread from the initial ``centroids`` ``[P, k, d]`` (float32, updated
+    in place): sweeps and updates until every problem has stopped (see the module notes)."""
+    problems, n, d = x.shape
+    k, device = centroids.shape[1], x.device
     phi = _phi(x, valid, step) if metric == "ip" else None
     inner = "l2" if metric == "ip" else metric
     if phi is not None:
         centroids = _augment_centroids(centroids, phi)  # for initial rows: the augmented points themselves
 
-    points = _Points(x, inner, phi, step, group_size(problems, k, step, device))
+    points = _points(x, inner, phi, step, group_size(problems, k, step, device))
     threshold = tol * points.mean_variance(valid) if tol > 0 else None
     # With a data-dependent stop each problem leaves the batch on its own (host reads per iteration);
     # otherwise all problems run the same schedule and nothing is read back.
@@ -749,7 +470,7 @@ def kmeans(
         current = _pick(rows, centroids)
         final = _pick(rows, last)
         # On a fixed schedule only the final sweep's distances (the inertia) are needed.
-        sweep = _sweep(
+        sweep = _tuned_sweep(
             points,
             _table(current, inner),
             rows,
@@ -788,16 +509,7 @@ def kmeans(
         updates[index] += 1
         last[index] = finished_now
 
-    return KMeansResult(
-        centroids=centroids[..., :d].contiguous(),
-        labels=labels,
-        iterations=int(updates.max()) if adaptive else iters,
-        inertia=inertia,
-        counts=counts,
-        phi=phi,
-        extra=None if phi is None else centroids[..., d].contiguous(),
-        updates=updates,
-    )
+    return _result(centroids, d, labels, int(updates.max()) if adaptive else iters, inertia, counts, phi, updates)
 
 
 def _share_workers(problems: int, device: torch.device) -> int:
@@ -872,13 +584,5 @@ def finish(
     phi = _phi(x, valid, step) if metric == "ip" else None
     cent = centroids.to(device=x.device, dtype=torch.float32)
     labels, sweep = _label(x, cent, metric, phi, chunk, valid)
-    return KMeansResult(
-        centroids=cent[..., :d].contiguous(),
-        labels=labels,
-        iterations=iterations,
-        inertia=sweep.inertia,
-        counts=sweep.counts,
-        phi=phi,
-        extra=None if phi is None else cent[..., d].contiguous(),
-        updates=torch.full((problems,), iterations, dtype=torch.long, device=x.device),
-    )
+    updates = torch.full((problems,), iterations, dtype=torch.long, device=x.device)
+    return _result(cent, d, labels, iterations, sweep.inertia, sweep.counts, phi, updates)

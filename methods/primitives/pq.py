@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from kvbench.engine.ranking import GQA_RULES, group_scores, topk_ascending, topk_keyed
-from kvbench.methods.primitives.kmeans import KMeansResult, _sq_norm, _table, assign, kmeans
+from kvbench.methods.primitives.kmeans import KMeansResult, assign, kmeans
+from kvbench.methods.primitives.kmeans_sweep import _sq_norm, _table
 
 
 @dataclass
