@@ -26,10 +26,10 @@ def kvbench(*args, cwd=REPO, timeout=600):
 
 
 # ---------------------------------------------------------------------- experiment files
-def test_at_least_twelve_artifacts_across_the_three_papers():
+def test_at_least_twelve_artifacts_across_the_four_papers():
     names = experiment_names()
     assert len(names) >= 12
-    assert {load_experiment(n).paper for n in names} == {"pqcache", "clusterkv", "cacheblend"}
+    assert {load_experiment(n).paper for n in names} == {"pqcache", "clusterkv", "cacheblend", "cachecraft"}
 
 
 @pytest.mark.parametrize("name", experiment_names())
