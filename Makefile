@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
-RUN_ARGS ?= -m method=full,oracle,streamingllm budget.token_ratio=0.1 'task.depths=[0,0.5,1]'
+RUN_ARGS ?= -m method=full,oracle,streamingllm budget.token_ratio=0.1 'task.lengths=[1024,2048]' 'task.depths=[0,0.5,1]'
 
 .PHONY: install run test lint clean
 
