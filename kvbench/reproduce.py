@@ -35,6 +35,7 @@ from kvbench.render import (
     protocol_section,
     render_agreement,
     render_bench,
+    render_chunk_scores,
     render_claims,
     render_curve,
     render_figure,
@@ -327,6 +328,8 @@ def render(
             sections += render_paired(exp, spec, runs, samples)
         elif kind == "agreement":
             sections += render_agreement(exp, spec, runs, samples)
+        elif kind == "chunk_scores":
+            sections += render_chunk_scores(exp, spec, runs, out_dir, stem)
         elif kind == "bench":
             sections += render_bench(spec, bench_rows, bench["notes"] if bench else [])
     sections.append(protocol_section(exp, scale, runs, why(exp, scale), bench))

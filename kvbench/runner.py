@@ -353,6 +353,7 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
     hits = sum(r["telemetry"].get("cache_hits", 0) for r in records)
     lookups = sum(r["telemetry"].get("cache_lookups", 0) for r in records)
     metrics["hit_rate"] = hits / lookups if lookups else None
+    metrics["chunk_hit_rate"] = chunk_hit_rate(records)
     attended = [
         np.mean([a for a in r["telemetry"].get("attended_per_layer", []) if a is not None])
         for r in records
@@ -366,6 +367,26 @@ def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[s
     }
     metrics["protocol"] = task.protocol()
     return metrics
+
+
+def chunk_hit_rate(records: list[dict[str, Any]]) -> float | None:
+    """The chunk store's hit rate of a reuse method (``chunk_hit_rate`` in metrics.json; not ``hit_rate``,
+    the offloading methods' block-cache hits): chunks found in the store / chunks looked up, summed over
+    the run's requests, a stream's warm-up requests left out (as ``compute_ratio``). Each request's
+    ``telemetry.prepared.chunk_lookups`` / ``chunk_hits`` (``methods/reuse.py``'s ``chunk_lookups``):
+    the prompt's chunk segments, and those whose cache the store held before the request — a chunk's
+    own entry (CacheBlend, full reuse, Random-Recomp, Prefill-H2O), a stored prompt prefix containing
+    it whole (prefix caching, Set-Cache), any variant of it (Cache-Craft, even one it then recomputes
+    in full). ``None`` for methods without a chunk store (no request reports lookups)."""
+    hits = lookups = 0
+    for record in records:
+        if (record.get("meta") or {}).get("warmup"):
+            continue
+        prepared = (record.get("telemetry") or {}).get("prepared") or {}
+        if prepared.get("chunk_lookups") is not None:
+            lookups += int(prepared["chunk_lookups"])
+            hits += int(prepared.get("chunk_hits") or 0)
+    return hits / lookups if lookups else None
 
 
 def prefill_compute_ratio(record: dict[str, Any]) -> float | None:

@@ -44,7 +44,11 @@ included), ``context_token_layers`` (the same for non-query rows), ``full_token_
 **``redundant_token_layers``** — our definition of the paper's "redundant computation": token-layers
 spent on rows of chunks this method already computed in an earlier request — and a FLOPs estimate
 ``recompute_flops`` / ``full_flops``: per layer ``2 P m + 4 H d sum(position + 1)`` over the m computed
-rows (P: a decoder layer's parameters; the second term QK and AV over the causal keys).
+rows (P: a decoder layer's parameters; the second term QK and AV over the causal keys). Each chunk's
+``begin`` (its first prompt position) joins it with ``profile.deviation``'s per-chunk entries
+(``telemetry.prefill.deviation.chunks``). The store's hit counts are in ``telemetry.prepared``:
+``chunk_lookups`` (the prompt's chunks), ``chunk_hits`` (chunks of which a variant was held, used or
+not) and ``chunk_refreshed`` (of those, the ones computed in full anyway: ``refresh`` / ``full``).
 
 **Choices where the paper is silent (ours, each a parameter or stated here):**
 
@@ -157,6 +161,7 @@ class ChunkPlan:
 
         return {
             "index": self.index,
+            "begin": self.begin,  # (joins telemetry.prefill.deviation.chunks, keyed by begin)
             "tokens": self.length,
             "action": self.action,
             "variant": self.variant.key.mode if self.variant is not None else None,
@@ -284,6 +289,12 @@ class CacheCraft(ReuseMethod):
         report = super().prepare(ctx, input_ids, segments)  # the prefix's exact cache; variants touched, promoted
         report["chunk_mode"] = "contextual"
         report["plan_s"] = self._plan_s
+        # the chunk store's hit rate (kvbench.runner's chunk_hit_rate): a chunk is a hit when the store
+        # held a variant of it (any S_old), whether it was reused, fixed, or computed in full anyway
+        # (refresh / full: counted also as chunk_refreshed)
+        report["chunk_lookups"] = len(self._plans)
+        report["chunk_hits"] = sum(c.variant is not None for c in self._plans)
+        report["chunk_refreshed"] = sum(c.variant is not None and c.full for c in self._plans)
         return report
 
     def _priority(self, digest: str) -> float:

@@ -77,6 +77,21 @@ def prompt_scope(store: ChunkStore) -> str:
     return scope
 
 
+def chunk_lookups(segments: tuple[Segment, ...], found: list[CachedSpan]) -> dict[str, int]:
+    """``{"chunk_lookups": the prompt's chunk segments, "chunk_hits": those lying whole inside a span whose
+    cache the store held before the request}`` (one definition for the reuse family: a chunk's own
+    entry, or a stored prompt prefix that contains it whole (prefix caching, Set-Cache); a chunk only
+    partly inside the matched prefix, precomputed for the request, left to the prefill as a miss, or
+    recomputed in full without a lookup counts as a miss). The prefix and query segments are not chunks."""
+    lookups = hits = 0
+    for segment, (begin, end) in zip(segments, segment_spans(segments)):
+        if segment.role != "chunk" or end == begin:
+            continue
+        lookups += 1
+        hits += any(span.begin <= begin and end <= span.end for span in found)
+    return {"chunk_lookups": lookups, "chunk_hits": hits}
+
+
 class ReuseMethod(KVMethod):
     """Base of the reuse family (see the module docs)."""
 
@@ -201,6 +216,7 @@ class ReuseMethod(KVMethod):
         spans = self.cached_segments(ctx, segments)
         for span in spans:  # first the hits, so that what this request stores cannot evict them
             store.touch(span.key)
+        found = [span for span in spans if store.contains(span.key) is not None]  # before any precompute
         for span in spans:
             if store.promote(span.key):
                 promoted += 1
@@ -233,6 +249,9 @@ class ReuseMethod(KVMethod):
             "prefill_chunks": missed,
             "prefill_tokens": missed_tokens,
             "promoted_chunks": promoted,
+            # the chunk store's hit rate (kvbench.runner's chunk_hit_rate): the prompt's chunk segments,
+            # and those a cache found in the store before this request covers whole
+            **chunk_lookups(segments, found),
             "chunk_mode": "prompt" if self.fills_store else "bos" if self._bos(ctx) is not None else "alone",
         }
         self.reference = None

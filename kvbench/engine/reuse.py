@@ -653,7 +653,14 @@ class ReusePrefill(PrefillPlan):
         * ``attention``: per layer, the Frobenius norm of the difference between the query rows'
           attention (softmax over every prompt key, causal by position) in this prefill and in the full
           one, averaged over heads, and its mean over layers (Fig. 6's y axis);
-        * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute.
+        * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute;
+        * ``chunks``: one entry per cached span (the exact prefix and every reused chunk, prompt order),
+          keyed by its ``begin`` / ``end`` in the prompt (``mode``: its store key's mode) so that a
+          method's per-chunk telemetry can be joined with it: ``reused_v``, the mean over its tokens and
+          over every layer of the V deviation *as reused* (before any recompute; the quantity of
+          ``reused_kv`` above), and ``blended_v``, the same after this method's recompute (what the fix
+          left; V only, so that the two compare). 0 for a span whose cache was computed after exactly
+          this prompt's tokens.
         """
         assert self.reference is not None  # (called only with profile.deviation)
         keys_f, values_f, queries_f = self.reference
@@ -662,6 +669,8 @@ class ReusePrefill(PrefillPlan):
         cached = torch.nonzero(self.cached_mask).flatten().cpu()
         curves, means, top15, per_layer = [], [], [], []
         blended, attention_dev = [], []
+        span_reused = torch.zeros(len(self.spans), dtype=torch.float64)
+        span_blended = torch.zeros(len(self.spans), dtype=torch.float64)
         scale = self.ctx.spec.head_dim**-0.5
         positions = torch.arange(self.n, device=device)
         query_positions = positions[self.query_mask.to(device)]
@@ -674,7 +683,8 @@ class ReusePrefill(PrefillPlan):
                 dev[span.begin : span.end] = (
                     (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
                 )
-            tokens = dev.cpu()[cached]
+            host = dev.cpu()
+            tokens = host[cached]
             per_layer.append(tokens)
             ordered = torch.sort(tokens).values
             curves.append(
@@ -688,20 +698,29 @@ class ReusePrefill(PrefillPlan):
             top15.append(float(ordered[-k:].sum()) / total if total > 0 else 0.0)
             kv = self.ctx.store[layer]
             blend_k, blend_v = kv.keys[:, : self.n].to(device).float(), kv.values[:, : self.n].to(device).float()
-            blended.append(
-                float(
-                    (
-                        (blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
-                        + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))
-                    ).mean()
-                )
-            )
+            blend_v_dev = (blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
+            blended.append(float((blend_v_dev + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))).mean()))
+            blend_host = blend_v_dev.cpu()
+            for i, span in enumerate(self.spans):
+                span_reused[i] += float(host[span.begin : span.end].double().mean())
+                span_blended[i] += float(blend_host[span.begin : span.end].double().mean())
             q_b, q_f = self._queries.get(layer), queries_f[layer]
             if q_b is not None and q_b.shape[1]:
                 a_b = _attention(q_b.float(), blend_k, query_positions, positions, scale)
                 a_f = _attention(q_f.float(), keys_f[layer].float(), query_positions, positions, scale)
                 attention_dev.append(float((a_b - a_f).flatten(1).norm(dim=1).mean()))
         spearman = [_spearman(a, b) for a, b in zip(per_layer, per_layer[1:])]
+        layers = max(1, len(keys_f))
+        chunks = [
+            {
+                "begin": span.begin,
+                "end": span.end,
+                "mode": span.key.mode,
+                "reused_v": float(span_reused[i]) / layers,
+                "blended_v": float(span_blended[i]) / layers,
+            }
+            for i, span in enumerate(self.spans)
+        ]
         return {
             "metric": "V squared L2 summed over heads and dims (reused_kv); K+V (blended_kv)",
             "reused_kv_quantiles": curves,
@@ -711,6 +730,7 @@ class ReusePrefill(PrefillPlan):
             "blended_kv_mean": blended,
             "attention": attention_dev,
             "attention_mean": float(sum(attention_dev) / len(attention_dev)) if attention_dev else None,
+            "chunks": chunks,
         }
 
 

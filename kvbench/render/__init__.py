@@ -57,6 +57,12 @@ after the task's answer normalisation, ROUGE-L F1, Jaccard of token sets, with b
 ``bench`` — the benchmark's rows as a table; ``columns`` lists the columns to show, or maps each to its
 label (a column a benchmark computes rather than measures says so in its label).
 
+``chunk_scores`` — Cache-Craft's reused chunks: Spearman rank correlation of each chunk's measured
+deviation from a full prefill (``profile.deviation``) with its CCI, 1 − β′, CCI·(1 − β′) and CFO, with
+bootstrap intervals, permutation p-values and a scatter (:mod:`kvbench.render.chunk_scores`)::
+
+    - chunk_scores: {by: [method, cfo], deviation: [reused_v, blended_v]}
+
 Every item may give ``title`` (for tables: the section title) and ``where`` (filters on our rows).
 Column names: ``model``, ``method``, ``task``, ``budget`` (label), ``token_ratio``, ``comm_ratio``,
 ``budget_tokens``, ``question``, ``dataset``, metrics (``score``, ``recall``, ``hit_rate``, ``ttft_s``,
@@ -64,6 +70,7 @@ Column names: ``model``, ``method``, ``task``, ``budget`` (label), ``token_ratio
 parameter (``m``, ``cache_steps``, ``recompute_ratio``).
 """
 
+from kvbench.render.chunk_scores import render_chunk_scores
 from kvbench.render.claims import claim_value, render_claims
 from kvbench.render.figures import render_curve, render_figure
 from kvbench.render.frames import (
@@ -112,6 +119,7 @@ __all__ = [
     "protocol_section",
     "render_agreement",
     "render_bench",
+    "render_chunk_scores",
     "render_claims",
     "render_curve",
     "render_figure",

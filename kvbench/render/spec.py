@@ -7,7 +7,7 @@ from typing import Any
 
 from kvbench.errors import ConfigError
 
-KINDS = ("table", "claims", "curve", "figure", "paired", "agreement", "bench")
+KINDS = ("table", "claims", "curve", "figure", "paired", "agreement", "bench", "chunk_scores")
 _ITEM_KEYS = {
     "table": {"rows", "cols", "value", "split", "where", "title", "digits", "compare"},  # compare: none = ours only
     "claims": {"rows", "split", "where", "title", "compare", "source"},
@@ -31,6 +31,7 @@ _ITEM_KEYS = {
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
     "agreement": {"baseline", "split", "by", "match", "where", "title"},
     "bench": {"columns", "title"},
+    "chunk_scores": {"by", "deviation", "split", "where", "title", "resamples"},  # kvbench.render.chunk_scores
 }
 OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap", "gap_ratio")
 
