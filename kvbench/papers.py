@@ -16,6 +16,10 @@ Schema (one file)::
     notes: ...                      # optional: provenance, cross-checks, what has no artifact
     extra_names:                    # optional: names outside kvbench's vocabulary, per checked key
       method: [infinigen]
+    legend:                         # optional: how kvbench's figures of the paper name and draw methods
+      methods:                      #   kvbench methods in legend order: the paper's name for each, and
+        full: {label: Full KV recompute, color: "#222222", marker: s, line: "--"}   # its style
+      roles: {baseline: full, subject: cacheblend, reuse: full_reuse}   # (kvbench.figures.legend)
     artifacts:
       table2:                       # id, used as `kvbench reproduce pqcache/table2`
         kind: table                 # table | figure | prose
@@ -128,7 +132,10 @@ KVBENCH_TASKS = ("niah", "longbench", "infinitebench", "gsm8k_cot", "pg19", "rag
 CHECKED_KEYS = {"method": "method", "baseline": "method", "model": "model", "dataset": "dataset"}
 
 _TOP_REQUIRED = ("paper", "title", "arxiv", "source", "artifacts")
-_TOP_OPTIONAL = ("venue", "notes", "extra_names")
+_TOP_OPTIONAL = ("venue", "notes", "extra_names", "legend")
+#: a legend's parts (kvbench.figures.legend): the roles it must name, the keys a method's style may have
+LEGEND_ROLES = ("baseline", "subject", "reuse")
+LEGEND_STYLE_KEYS = ("label", "color", "marker", "line")
 _ARTIFACT_KEYS = (
     "kind",
     "where",
@@ -204,6 +211,7 @@ class Paper:
     artifacts: Mapping[str, Artifact]
     venue: str | None = None
     notes: str | None = None
+    legend: Mapping[str, Any] | None = None  # {methods: {method: style}, roles: {role: method}}
 
 
 def papers_dir() -> Path:
@@ -356,7 +364,30 @@ def _paper(data: Any, path: Path) -> Paper:
         artifacts=MappingProxyType(built),
         venue=data.get("venue"),
         notes=data.get("notes"),
+        legend=_legend(data.get("legend"), vocab["method"], fail),
     )
+
+
+def _legend(legend: Any, methods: AbstractSet[str], fail) -> Mapping[str, Any] | None:
+    """A paper's ``legend`` (see the module doc), checked: known methods, a label each, string styles, and
+    every role naming one of its methods."""
+    if legend is None:
+        return None
+    if not isinstance(legend, dict) or set(legend) != {"methods", "roles"}:
+        raise fail("legend must map methods and roles")
+    styles, roles = legend["methods"], legend["roles"]
+    if not isinstance(styles, dict) or not styles:
+        raise fail("legend.methods must map kvbench methods to their styles")
+    for name, style in styles.items():
+        if name not in methods:
+            raise fail(f"legend: unknown method {name!r}")
+        if not isinstance(style, dict) or not _text(style.get("label")):
+            raise fail(f"legend: {name} needs a label")
+        if set(style) - set(LEGEND_STYLE_KEYS) or not all(isinstance(v, str) for v in style.values()):
+            raise fail(f"legend: {name} takes {', '.join(LEGEND_STYLE_KEYS)} (strings)")
+    if not isinstance(roles, dict) or set(roles) != set(LEGEND_ROLES) or not all(r in styles for r in roles.values()):
+        raise fail(f"legend.roles must name one of its methods for each of {', '.join(LEGEND_ROLES)}")
+    return MappingProxyType({"methods": MappingProxyType(styles), "roles": MappingProxyType(roles)})
 
 
 def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, AbstractSet[str]], fail) -> Artifact:

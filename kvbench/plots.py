@@ -1,6 +1,6 @@
 """Figures: needle-in-a-haystack heatmaps in the style of the papers (greener = better), perplexity
 curves, and panels of labelled series (:func:`series_panels`: the CacheBlend figures of the rag task,
-whose data :mod:`kvbench.tasks.rag_figures` prepares), score by question index for shared-context
+whose data :mod:`kvbench.figures.rag` prepares), score by question index for shared-context
 multi-query runs, RULER's score against length."""
 
 from __future__ import annotations

@@ -77,17 +77,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench.errors import ConfigError
+from kvbench.figures.rag import FIGURE_KINDS
+from kvbench.figures.rag_system import SYSTEM_FIGURE_KINDS
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
-from kvbench.tasks.rag_figures import FIGURE_KINDS
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
-from kvbench.tasks.rag_system_figures import SYSTEM_FIGURE_KINDS
 from kvbench.tasks.sources import check_jsonl, json_kind, missing_folder, read_json, read_json_rows
 
 PLACEHOLDER = "\u0000KVBENCH_RAG_USER\u0000"
+FIGURES_PAPER = "cacheblend"  # the paper whose figures comparison_figure draws (and whose legend it uses)
 ANSWER_CUE = "\nAnswer:"
 PASSAGE_HEADER = re.compile(r"(?:^|(?<=\n))Passage \d+:\n")
 EXAMPLE_QUESTION = re.compile(r"Question:\s*(.*?)\nAnswer:\s*$", re.S)
@@ -504,15 +505,13 @@ class Rag(Task):
     def comparison_figure(
         cls, runs: list[tuple[str, list[dict[str, Any]]]], path: Path, kind: str | None = None
     ) -> Path:
-        """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS`, default quality vs TTFT;
-        see :mod:`kvbench.tasks.rag_figures`)."""
-        if kind in SYSTEM_FIGURE_KINDS:  # the system experiments' figures (Figs. 2, 13, 15, 17)
-            from kvbench.tasks.rag_system_figures import draw as draw_system
+        """CacheBlend's figures of the runs (``kind``: one of :data:`FIGURE_KINDS` or
+        :data:`SYSTEM_FIGURE_KINDS`, default quality vs TTFT; see :mod:`kvbench.figures.rag`), with the
+        methods named and drawn as the paper's legend says (``legend`` in results/papers/cacheblend.yaml)."""
+        from kvbench.figures.legend import paper_legend
+        from kvbench.figures.rag import draw
 
-            return draw_system(kind, runs, path)
-        from kvbench.tasks.rag_figures import draw
-
-        return draw(kind, runs, path)
+        return draw(kind, runs, path, paper_legend(FIGURES_PAPER))
 
 
 def _pipeline_protocol(cfg: dict[str, Any]) -> dict[str, Any]:

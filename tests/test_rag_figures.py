@@ -7,11 +7,19 @@ import yaml
 
 from kvbench import cli
 from kvbench.errors import ConfigError
+from kvbench.figures import rag
+from kvbench.figures.legend import paper_legend
+from kvbench.figures.rag import FIGURE_KINDS
 from kvbench.report import FigureRun, comparison_figure
 from kvbench.results import RunDir
-from kvbench.tasks.rag_figures import FIGURE_KINDS, deviation, quality_ttft, ratio, run_infos, selection
 
 N_LAYERS = 4
+LEGEND = paper_legend("cacheblend")  # the methods' names and styles: CacheBlend's, from its paper data
+
+
+def figure(kind, runs):
+    """The panels, title, caption and column count of figure ``kind`` of ``runs``."""
+    return rag.BUILDERS[kind](rag.run_infos(runs, LEGEND), LEGEND)
 
 
 def dev(scale, attention, spearman=(0.2, 0.9, 0.8), top15=0.4):
@@ -80,7 +88,7 @@ def legend(ax):
 
 # ---------------------------------------------------------------------- Fig. 12
 def test_quality_vs_ttft_has_one_point_per_run_and_cacheblend_in_ratio_order():
-    (panel,), title, caption, _ = quality_ttft(run_infos(sweep()))
+    (panel,), title, caption, _ = figure("quality_ttft", sweep())
     series = by_label(panel)
     assert list(series) == ["Full KV recompute", "Prefix caching", "Full KV reuse", "CacheBlend"]
     blend = series["CacheBlend"]
@@ -111,7 +119,7 @@ def test_quality_vs_ttft_draws_labelled_points_with_error_bars(figures, tmp_path
 
 def test_settings_that_differ_within_a_method_split_its_series():
     runs = sweep() + [fake_run("cacheblend", [5, 5, 5], [0.3, 0.3, 0.3], recompute_ratio=0.15, selection="random")]
-    (panel,), *_ = quality_ttft(run_infos(runs))
+    (panel,), *_ = figure("quality_ttft", runs)
     series = by_label(panel)
     assert series["CacheBlend (selection=random)"].y == pytest.approx([5])
     assert series["CacheBlend (selection=hkvd)"].notes == ["r=0.05", "r=0.15", "r=0.5"]
@@ -120,19 +128,19 @@ def test_settings_that_differ_within_a_method_split_its_series():
 
 def test_each_model_and_dataset_gets_its_own_panel():
     runs = sweep() + [fake_run("full", [1, 2], [3.0, 3.0], model="qwen25_05b", dataset="wikimqa")]
-    panels, title, *_ = quality_ttft(run_infos(runs))
+    panels, title, *_ = figure("quality_ttft", runs)
     assert [p.title for p in panels] == ["qwen25_05b · 2WikiMQA", "smollm2_135m · MuSiQue"]
     assert "smollm2_135m" not in title  # named by the panels instead
 
 
 def test_multi_news_is_scored_by_rouge_l():
-    (panel,), _, caption, _ = quality_ttft(run_infos([fake_run("full", [20, 30], [1, 1], dataset="multi_news")]))
+    (panel,), _, caption, _ = figure("quality_ttft", [fake_run("full", [20, 30], [1, 1], dataset="multi_news")])
     assert panel.ylabel == "Rouge-L F (0–100)" and "Rouge-L" in caption
 
 
 # ---------------------------------------------------------------------- Fig. 16
 def test_ratio_figure_draws_cacheblend_as_curves_and_the_rest_as_reference_lines(figures, tmp_path):
-    (quality, ttft), title, _, _ = ratio(run_infos(sweep()))
+    (quality, ttft), title, _, _ = figure("ratio", sweep())
     blend = by_label(quality)["CacheBlend"]
     assert blend.x == pytest.approx([0.05, 0.15, 0.5]) and blend.y == pytest.approx([20, 40, 50])
     assert by_label(ttft)["CacheBlend"].y == pytest.approx([0.3, 0.4, 0.6])
@@ -153,7 +161,7 @@ def test_ratio_figure_draws_cacheblend_as_curves_and_the_rest_as_reference_lines
 
 def test_ratio_figure_needs_cacheblend_runs():
     with pytest.raises(ConfigError, match="needs cacheblend runs"):
-        ratio(run_infos([fake_run("full", [1, 2], [1, 1])]))
+        figure("ratio", [fake_run("full", [1, 2], [1, 1])])
 
 
 # ---------------------------------------------------------------------- Figs. 7-8
@@ -170,7 +178,7 @@ def profiled_sweep():
 
 
 def test_deviation_figure_shows_the_middle_layer_ranked_and_spearman_by_layer():
-    (spread, rho), title, caption, _ = deviation(run_infos(profiled_sweep()))
+    (spread, rho), title, caption, _ = figure("deviation", profiled_sweep())
     series = by_label(spread)
     # full_reuse and cacheblend reuse the same caches: identical records, one line
     assert list(series) == ["Prefix caching", "Full KV reuse, CacheBlend (r=0.15)"]
@@ -188,7 +196,7 @@ def test_deviation_figure_shows_the_middle_layer_ranked_and_spearman_by_layer():
 
 def test_deviation_figure_needs_profiled_runs():
     with pytest.raises(ConfigError, match=r"profile\.deviation=true"):
-        deviation(run_infos(sweep()))
+        figure("deviation", sweep())
 
 
 # ---------------------------------------------------------------------- Fig. 6
@@ -218,7 +226,7 @@ def test_selection_figure_compares_hkvd_and_random_by_ratio(figures, tmp_path):
                 deviations=[dev(1.0, a) for a in rand],
             )
         )
-    (panel,), title, caption, _ = selection(run_infos(runs))
+    (panel,), title, caption, _ = figure("selection", runs)
     series = by_label(panel)
     assert list(series) == ["Full KV reuse", "CacheBlend, HKVD selection", "CacheBlend, random selection"]
     assert series["CacheBlend, HKVD selection"].x == pytest.approx([0.05, 0.3])
@@ -234,12 +242,12 @@ def test_selection_figure_compares_hkvd_and_random_by_ratio(figures, tmp_path):
 
 def test_selection_figure_needs_profiled_cacheblend_runs():
     with pytest.raises(ConfigError, match="cacheblend runs with profile.deviation=true"):
-        selection(run_infos(sweep()))
+        figure("selection", sweep())
 
 
 def test_unscored_runs_have_no_quality_figure():
     with pytest.raises(ConfigError, match="has a score"):
-        quality_ttft(run_infos([fake_run("full", [None, None], [1, 1], dataset="example")]))
+        figure("quality_ttft", [fake_run("full", [None, None], [1, 1], dataset="example")])
 
 
 # ---------------------------------------------------------------------- kvbench report --figure
@@ -331,3 +339,38 @@ def test_an_experiment_figure_item_draws_the_kind_it_names(tmp_path):
     with pytest.raises(ConfigError, match="no figure kind 'heatmap'"):
         render_figure(None, {"kind": "heatmap"}, runs, tmp_path, "bad")
     assert not (tmp_path / "bad-0.png").exists()
+
+
+def test_the_figures_name_no_method():
+    """kvbench/figures/ knows no method by name (no string that is one, no `method=...` hint naming one):
+    labels, styles and the baseline, subject and reuse roles all come from the legend."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from kvbench.papers import KVBENCH_METHODS
+
+    named = []
+    for path in sorted(Path(rag.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                hinted = {m for hint in re.findall(r"method=([a-z_,]+)", node.value) for m in hint.split(",")}
+                named += [f"{path.name}:{node.lineno}: {m}" for m in KVBENCH_METHODS if m == node.value or m in hinted]
+    assert named == []
+
+
+def test_a_paper_legend_is_checked_when_the_paper_loads(tmp_path):
+    from kvbench.papers import PaperDataError, load_file, papers_dir
+
+    data = yaml.safe_load((papers_dir() / "cacheblend.yaml").read_text(encoding="utf-8"))
+    assert load_file(papers_dir() / "cacheblend.yaml").legend["roles"]["subject"] == "cacheblend"
+    for bad, message in (
+        ({"methods": {"nope": {"label": "N"}}, "roles": {}}, "unknown method 'nope'"),
+        ({"methods": {"full": {"color": "#000"}}, "roles": {}}, "full needs a label"),
+        ({"methods": {"full": {"label": "F", "width": "2"}}, "roles": {}}, "full takes label, color"),
+        ({"methods": {"full": {"label": "F"}}, "roles": {"baseline": "full"}}, "legend.roles must name"),
+    ):
+        path = tmp_path / "cacheblend.yaml"
+        path.write_text(yaml.safe_dump({**data, "legend": bad}), encoding="utf-8")
+        with pytest.raises(PaperDataError, match=message):
+            load_file(path)
