@@ -233,7 +233,8 @@ def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any)
     sample ids; rows keyed by ``by``; ``match`` keys the baseline must share with the run."""
     import pandas as pd
 
-    from kvbench.render import Section, groups, select, to_latex, to_markdown, values
+    from kvbench.render.frames import Section, groups, select, values
+    from kvbench.render.text import to_latex, to_markdown
 
     baseline = spec["baseline"]
     title = spec.get("title") or f"agreement with {', '.join(f'{k}={v}' for k, v in baseline.items())}'s answers"

@@ -1,15 +1,15 @@
 """The ``kvbench`` command.
 
 ``kvbench run [overrides]`` composes the Hydra config tree shipped in ``kvbench.conf`` (``-m`` sweeps
-over comma-separated values); ``list``, ``fetch``, ``report``, ``check`` and ``bench`` are plain
-sub-commands. User mistakes print one ``kvbench: error: ...`` line with the fix and exit non-zero.
+over comma-separated values); ``list``, ``fetch``, ``report``, ``check``, ``bench`` and ``reproduce``
+are plain sub-commands. User mistakes print one ``kvbench: error: ...`` line with the fix and exit
+non-zero.
 
-Before Hydra runs a job, ``kvbench run`` expands every sweep point, composes it and validates it
-(:mod:`kvbench.validate`: no model, no data, no torch for the config-only checks), so a bad value in
-the last point of a sweep is reported in a second, not after the first points ran. ``--dry-run``
-stops there and prints each point's run directory and resolved config; ``--wait`` queues behind
-another process writing the same run directory. Ctrl-C prints one line with the number of samples
-saved and the command that resumes, and exits with status 130.
+``kvbench run`` parses its flags here and hands the overrides to the sweep service
+(:mod:`kvbench.sweep`), which expands every sweep point, composes and validates it before Hydra runs a
+job. ``--dry-run`` stops there and prints each point's run directory and resolved config; ``--wait``
+queues behind another process writing the same run directory. Ctrl-C prints one line with the number
+of samples saved and the command that resumes, and exits with status 130.
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from kvbench.compose import CONFIG_MODULE, register_method_configs
 from kvbench.errors import ConfigError, KvbenchError
 from kvbench.listing import conf_dir, group_options
+from kvbench.sweep import GROUPS, check_repeated_keys, fail, run_sweep
 
 __all__ = ["conf_dir", "group_options", "main"]
-
-GROUPS = ("model", "method", "task", "experiment")
-_SWEEP_RUNS: list[Any] = []
 
 
 def check_code_origin() -> None:
@@ -55,7 +52,7 @@ def check_code_origin() -> None:
 
 # ---------------------------------------------------------------------- run
 RUN_FLAGS = ("-m", "--multirun", "-h", "--help", "--dry-run", "--cfg", "--wait")
-_OPTIONS: dict[str, Any] = {"wait": False, "command": None}
+_OPTIONS: dict[str, Any] = {"command": None}  # the command line, for the resume hint of an interruption
 
 
 def run_usage() -> str:
@@ -126,218 +123,29 @@ def _parse_run_args(argv: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
     return flags, overrides
 
 
-def check_repeated_keys(overrides: Sequence[str]) -> None:
-    """A key given twice with two values on one command line. Two choices of a group (``method=oracle
-    method=full``) are refused: Hydra would keep the last silently and run another model, method or task
-    than half of the command names (a sweep was meant). A plain key given twice (``task.limit=2 ...
-    task.limit=5``, the usual way a script adds to a base command) keeps the last, as Hydra does, and a
-    note says so, so it is not silent."""
-    from kvbench.errors import note
-
-    seen: dict[str, str] = {}
-    for item in overrides:
-        key = item.partition("=")[0].lstrip("+~")
-        if key in seen and seen[key].partition("=")[1:] != item.partition("=")[1:]:  # (one value twice: harmless)
-            if key in GROUPS:
-                values = ",".join(o.partition("=")[2] for o in (seen[key], item))
-                raise ConfigError(
-                    f"{key} is given twice ({seen[key]} and {item}): only the last would run",
-                    f"keep one; to run both, sweep them: -m {key}={values}",
-                )
-            note(f"{key} is given twice ({seen[key]}, then {item}): the last counts")
-        seen[key] = item
-
-
-def _check_choices(overrides: Sequence[str]) -> None:
-    """Group choices (``method=nope``) named with the valid names, before Hydra's longer message."""
-
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        group = key.lstrip("+~")
-        if sep and group in GROUPS:
-            for choice in value.split(","):
-                if choice and choice not in group_options(group):
-                    raise ConfigError(
-                        f"unknown {group} {choice!r}",
-                        f"choose one of: {', '.join(group_options(group))} (`kvbench list`)",
-                    )
-
-
-def resolve_points(overrides: Sequence[str], multirun: bool) -> tuple[list[list[str]], list[dict[str, Any]]]:
-    """Every point of the command (one without ``-m``), composed and validated, before any runs."""
-    from kvbench.compose import compose_many, is_sweep, merge_overrides, shard_overrides, sweep_points
-    from kvbench.experiments import sweeper_overrides
-    from kvbench.validate import validate_points
-
-    # an experiment's hydra.sweeper.params come first and command-line values replace an axis, as in
-    # Hydra's basic sweeper (which runs the jobs); validating the merged list checks what will run
-    overrides = merge_overrides([*sweeper_overrides(overrides), *shard_overrides(overrides)])
-    _check_choices(overrides)
-    _validate_method_params(overrides)
-    sweeps = is_sweep(overrides)
-    if sweeps and not multirun:
-        raise ConfigError(f"{sweeps[0]} is a sweep", "add -m to run every value (kvbench run -m ...)")
-    points = sweep_points(overrides) if multirun else [list(overrides)]
-    configs = compose_many(points)
-    swept = {o.partition("=")[0] for o in sweeps}
-    labels = [" ".join(o for o in point if o.partition("=")[0] in swept) for point in points]
-    validate_points(configs, labels)
-    return points, configs
-
-
-def _dry_run(configs: list[dict[str, Any]]) -> None:
-    import yaml
-
-    from kvbench.runner import plan
-
-    for index, resolved in enumerate(configs):
-        p = plan(resolved)
-        state = p.run_dir.state() if (p.run_dir.path / "config.yaml").exists() else None
-        known = p.task.shard_sample_ids()
-        where = f"{state.label}" if state else "new"
-        total = f" ({len(known)} samples)" if known is not None and not state else ""
-        if len(configs) > 1:
-            print(f"# point {index + 1}/{len(configs)}")
-        print(f"# run directory: {p.run_dir.path} [{where}]{total}")
-        print(yaml.safe_dump(p.resolved, sort_keys=False).rstrip())
-
-
-def _validate_method_params(overrides: Sequence[str]) -> None:
-    """Every sweep point's ``method.*`` settings against the method's declared parameters (torch-free)."""
-    from kvbench.compose import method_sweep_points
-    from kvbench.methods import validate_method_config
-
-    for node in method_sweep_points(overrides):
-        validate_method_config(node)
-
-
-def _run_job(cfg: Any) -> None:
-    from omegaconf import OmegaConf
-
-    from kvbench.compose import NOT_RUN_KEYS
-    from kvbench.runner import format_summary, run
-
-    resolved = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
-    for key in NOT_RUN_KEYS:
-        resolved.pop(key, None)
-    _pin_device(resolved)
-    try:
-        summary = run(resolved, wait=_OPTIONS["wait"], command=_OPTIONS["command"])
-    except KvbenchError as error:
-        raise SystemExit(_fail(error)) from None
-    _SWEEP_RUNS.append(summary)
-    print(format_summary(summary), flush=True)
-
-
-def pinned_device(job_index: int, device_count: int) -> int | None:
-    """The GPU a sweep job uses on a node with several: job ``i`` takes GPU ``i mod count`` (None with
-    fewer than two GPUs: nothing to choose)."""
-    return job_index % device_count if device_count > 1 else None
-
-
-def _pin_device(resolved: dict[str, Any]) -> None:
-    """Per-job device pinning on multi-GPU nodes: a launcher's job ``i`` (Hydra's job number) runs on
-    GPU ``i mod n``, so ``hydra/launcher=joblib hydra.launcher.n_jobs=8`` on an 8-GPU node spreads the
-    jobs over the GPUs. Only for ``model.device`` auto/cuda (an explicit ``cuda:k`` is kept), and not
-    when ``KVBENCH_PIN_DEVICES=0``; Slurm jobs that get one GPU each see one device and are left alone.
-    The run's config is unchanged (the device is chosen with ``torch.cuda.set_device``), so a pinned
-    job writes the same run directory as an unpinned one."""
-    import os
-
-    if os.environ.get("KVBENCH_PIN_DEVICES", "1") == "0":
-        return
-    if str((resolved.get("model") or {}).get("device", "auto")) not in ("auto", "cuda"):
-        return
-    try:
-        import torch
-        from hydra.core.hydra_config import HydraConfig
-        from omegaconf import OmegaConf
-
-        if not torch.cuda.is_available():
-            return
-        # a single run (no --multirun) has no job number: hydra.job.num is MISSING there, and reading
-        # it raised, which stopped every plain `kvbench run` on a CUDA machine
-        hydra_cfg: Any = HydraConfig.get()  # (typed HydraConf; a DictConfig at run time)
-        number = OmegaConf.select(hydra_cfg, "job.num", default=None, throw_on_missing=False)
-        if number is None:
-            return
-        index = pinned_device(int(number), torch.cuda.device_count())
-    except (ImportError, ValueError):
-        return
-    if index is not None:
-        torch.cuda.set_device(index)
-
-
-def _fail(error: KvbenchError) -> int:
-    from kvbench.errors import Interrupted
-
-    if isinstance(error, Interrupted):
-        print(f"kvbench: {error.message}; resume with: {_OPTIONS['command']}", file=sys.stderr, flush=True)
-    else:
-        print(f"kvbench: error: {error}", file=sys.stderr, flush=True)
-    return error.exit_code
-
-
 def cmd_run(argv: Sequence[str]) -> int:
     import shlex
 
     from kvbench.errors import Interrupted
 
-    _OPTIONS["command"] = "kvbench run " + shlex.join(a for a in argv if a not in ("--dry-run",))
+    command = "kvbench run " + shlex.join(a for a in argv if a not in ("--dry-run",))
+    _OPTIONS["command"] = command
     try:
         flags, overrides = _parse_run_args(argv)
         if flags["help"]:
             print(run_usage())
             return 0
-        _OPTIONS["wait"] = flags["wait"]
-        from kvbench.compose import shard_overrides
-
-        _check_choices(overrides)  # (an unknown name first: it is the likelier slip)
-        check_repeated_keys(overrides)
-        overrides = shard_overrides(overrides)
-        points, configs = resolve_points(overrides, flags["multirun"])
-        if flags["dry_run"]:
-            _dry_run(configs)
-            return 0
-        from kvbench.runner import check_sources
-
-        check_sources(configs)
     except KvbenchError as error:
         return _fail(error)
     except KeyboardInterrupt:
         return _fail(Interrupted("interrupted before any sample ran"))
-    import hydra
-
-    register_method_configs()
-
-    main = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base=None)(_run_job)
-    saved = sys.argv
-    sys.argv = ["kvbench"] + (["--multirun"] if flags["multirun"] else []) + overrides
-    _SWEEP_RUNS.clear()
-    from kvbench.engine.prefill_cache import sweep
-
-    try:
-        with sweep(flags["multirun"], configs):  # the sweep's methods share dense prefills (prefill_cache: null)
-            main()
-    except KeyboardInterrupt:  # between runs of a sweep, or inside Hydra: every finished sample is saved
-        done = f"{len(_SWEEP_RUNS)} of {len(points)} runs finished" if len(points) > 1 else "nothing was lost"
-        return _fail(Interrupted(f"interrupted ({done})"))
-    finally:
-        sys.argv = saved
-    if flags["multirun"] and len(points) > 1:
-        print("\n" + sweep_table(configs), flush=True)
-    return 0
+    return run_sweep(
+        overrides, multirun=flags["multirun"], wait=flags["wait"], command=command, dry_run=flags["dry_run"]
+    )
 
 
-def sweep_table(configs: list[dict[str, Any]]) -> str:
-    """The runs table of a sweep's points, from their run directories (jobs may have run in other
-    processes or on other machines, through a launcher)."""
-    from kvbench.report import runs_table
-    from kvbench.runner import plan
-
-    paths = list(dict.fromkeys(plan(c).run_dir.path for c in configs))
-    existing = [p for p in paths if p.exists()]
-    return runs_table(existing) if existing else "(no run directory was written)"
+def _fail(error: KvbenchError) -> int:
+    return fail(error, _OPTIONS["command"])
 
 
 # ---------------------------------------------------------------------- list / fetch / report

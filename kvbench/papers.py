@@ -127,6 +127,8 @@ KVBENCH_MODELS = (
     "glm4_9b_chat",
     "hf",
 )
+#: the dataset name of a table's mean row (the papers' Average; kvbench.render.long_frame's run-level row)
+AVERAGE = "average"
 KVBENCH_TASKS = ("niah", "longbench", "infinitebench", "gsm8k_cot", "pg19", "rag", "rag_stream", "ruler")
 #: row keys whose values must be known names, and which vocabulary they use
 CHECKED_KEYS = {"method": "method", "baseline": "method", "model": "model", "dataset": "dataset"}
@@ -305,7 +307,6 @@ def values_frame(paper: str, artifact: str) -> pd.DataFrame:
 
 @functools.lru_cache(maxsize=1)
 def _vocabulary() -> dict[str, frozenset[str]]:
-    from kvbench.render import AVERAGE
     from kvbench.tasks.infinitebench_protocol import TASKS
     from kvbench.tasks.longbench_protocol import DATASETS
 

@@ -71,7 +71,7 @@ def runs_frame(paths: Iterable[str | Path], *, every_column: bool = False, subse
     if frame.empty:
         return frame
     if subsets:
-        from kvbench.render import RUN_LEVEL, long_frame
+        from kvbench.render.frames import RUN_LEVEL, long_frame
 
         frame = long_frame(frame).drop(columns=[RUN_LEVEL])
     for key in ("config.model.name", "config.method.name", "config.task.name"):

@@ -2,12 +2,13 @@
 one paper artifact's sweep, then render it beside the published numbers.
 
 The experiment (:mod:`kvbench.experiments`) gives the sweeps at the chosen scale. Every point is
-composed and validated before anything runs, exactly as ``kvbench run -m`` does (same override
-merging, same checks), then each point whose run directory is not finished goes through
-:func:`kvbench.runner.run` — resumable sample by sample, one writer per run directory. Passing a Hydra
-launcher (``hydra/launcher=joblib``, ``hydra/launcher=slurm``) hands each sweep to ``kvbench run -m``
-instead, so the jobs run in parallel or on a cluster; the rendering then reads the same run
-directories. A benchmark experiment runs ``kvbench bench`` once per scale and option set and keeps
+composed and validated before anything runs, by the sweep service ``kvbench run -m`` uses
+(:mod:`kvbench.sweep`: same override merging, same checks), then each point whose run directory is not
+finished goes through :func:`kvbench.runner.run` — resumable sample by sample, one writer per run
+directory. Passing a Hydra launcher (``hydra/launcher=joblib``, ``hydra/launcher=slurm``) hands each
+sweep to the sweep service as ``kvbench run -m`` would (:func:`kvbench.sweep.run_sweep`) instead, so
+the jobs run in parallel or on a cluster; the rendering then reads the same run directories.
+A benchmark experiment runs ``kvbench bench`` once per scale and option set and keeps
 its JSON record under ``<output_dir>/bench/``.
 
 Rendering reads finished runs only (:mod:`kvbench.render`): the tables beside the paper's numbers,
@@ -81,21 +82,11 @@ class Report:
 
 
 # ---------------------------------------------------------------------- points
-def expand(overrides: Sequence[str]) -> list[list[str]]:
-    """The points of one ``-m`` style sweep, merged and checked like ``kvbench run -m`` does."""
-    from kvbench.cli import _check_choices, _validate_method_params
-    from kvbench.compose import merge_overrides, shard_overrides, sweep_points
-
-    merged = merge_overrides(shard_overrides(overrides))
-    _check_choices(merged)
-    _validate_method_params(merged)
-    return sweep_points(merged)
-
-
 def points(exp: Experiment, scale: str, extra: Sequence[str] = ()) -> list[Point]:
     """Every run of ``exp`` at ``scale``, composed and validated, one per run directory."""
     from kvbench.compose import compose_many
     from kvbench.runner import plan
+    from kvbench.sweep import expand
     from kvbench.validate import validate_points
 
     lists = [point for sweep in sweeps(exp, scale, extra) for point in expand(sweep)]
@@ -127,15 +118,16 @@ def uses_launcher(extra: Sequence[str]) -> bool:
 
 def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Point], *, wait: bool = False) -> None:
     """Run the unfinished points: in this process through the runner, or (a Hydra launcher among the
-    overrides) each sweep through ``kvbench run -m`` and its launcher."""
+    overrides) each sweep through the sweep service and its launcher, as ``kvbench run -m`` runs it."""
     from kvbench.runner import check_sources, format_summary, run
 
     check_sources([point.config for point in todo])
     if uses_launcher(extra):
-        from kvbench.cli import cmd_run
+        from kvbench.sweep import run_sweep
 
         for overrides in sweeps(exp, scale, extra):
-            code = cmd_run(["-m", *(["--wait"] if wait else []), *overrides])
+            command = "kvbench run " + shlex.join(["-m", *(["--wait"] if wait else []), *overrides])
+            code = run_sweep(overrides, multirun=True, wait=wait, command=command)
             if code:
                 raise SystemExit(code)
         return

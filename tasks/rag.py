@@ -509,9 +509,11 @@ class Rag(Task):
         :data:`SYSTEM_FIGURE_KINDS`, default quality vs TTFT; see :mod:`kvbench.figures.rag`), with the
         methods named and drawn as the paper's legend says (``legend`` in results/papers/cacheblend.yaml)."""
         from kvbench.figures.legend import paper_legend
-        from kvbench.figures.rag import draw
+        from kvbench.figures.rag import BUILDERS, draw
+        from kvbench.figures.rag_system import BUILDERS as SYSTEM_BUILDERS
 
-        return draw(kind, runs, path, paper_legend(FIGURES_PAPER))
+        build = {**BUILDERS, **SYSTEM_BUILDERS}[kind or FIGURE_KINDS[0]]
+        return draw(build, runs, path, paper_legend(FIGURES_PAPER))
 
 
 def _pipeline_protocol(cfg: dict[str, Any]) -> dict[str, Any]:

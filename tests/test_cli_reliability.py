@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvbench import cli
+from kvbench.sweep import resolve_points
 
 KVBENCH = [sys.executable, "-m", "kvbench"]
 
@@ -303,14 +304,14 @@ def test_hub_is_asked_only_for_runs_with_samples_left(tmp_path, monkeypatch, no_
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     args = ["task=longbench", "model=tiny_llama", "progress=false", f"output_dir={tmp_path / 'runs'}"]
     assert cli.main(["run", "--dry-run", *args]) == 0
-    _, configs = cli.resolve_points(args, False)
+    _, configs = resolve_points(args, False)
     with pytest.raises(ConfigError, match="THUDM/LongBench needs the Hugging Face hub"):
         check_sources(configs)
     run_dir = plan(configs[0]).run_dir
     run_dir.path.mkdir(parents=True)
     run_dir.set_status("finished")
     check_sources(configs)  # nothing left to read
-    _, sweep = cli.resolve_points([*args, "task.limit=1,2"], True)
+    _, sweep = resolve_points([*args, "task.limit=1,2"], True)
     assert plan(sweep[0]).run_dir != run_dir
     plan(sweep[0]).run_dir.path.mkdir(parents=True)
     plan(sweep[0]).run_dir.set_status("finished")

@@ -173,7 +173,7 @@ def test_kvbench_presets_compose():
 
 
 def test_device_pinning_spreads_jobs_over_gpus():
-    from kvbench.cli import pinned_device
+    from kvbench.sweep import pinned_device
 
     assert [pinned_device(i, 4) for i in range(6)] == [0, 1, 2, 3, 0, 1]
     assert pinned_device(3, 1) is None and pinned_device(0, 0) is None
@@ -188,8 +188,8 @@ def test_device_pinning_leaves_a_single_run_alone_and_pins_sweep_jobs(monkeypatc
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from kvbench.cli import _pin_device
     from kvbench.compose import CONFIG_MODULE, register_method_configs
+    from kvbench.sweep import pin_device
 
     register_method_configs()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
@@ -202,14 +202,14 @@ def test_device_pinning_leaves_a_single_run_alone_and_pins_sweep_jobs(monkeypatc
     saved = HydraConfig.instance().cfg
     try:
         HydraConfig.instance().set_config(cfg)
-        _pin_device({"model": {"device": "auto"}})  # a single run: job.num is MISSING
+        pin_device({"model": {"device": "auto"}})  # a single run: job.num is MISSING
         assert chosen == []
         OmegaConf.set_readonly(cfg.hydra, False)  # (set_config made it read-only)
         with open_dict(cfg):
             cfg.hydra.job.num = 3
         HydraConfig.instance().set_config(cfg)
-        _pin_device({"model": {"device": "auto"}})
-        _pin_device({"model": {"device": "cuda:0"}})  # an explicit device is kept
+        pin_device({"model": {"device": "auto"}})
+        pin_device({"model": {"device": "cuda:0"}})  # an explicit device is kept
         assert chosen == [1]
     finally:
         HydraConfig.instance().cfg = saved

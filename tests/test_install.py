@@ -31,6 +31,9 @@ def test_regular_install_works_from_any_directory(tmp_path):
     files = {p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()}
     for needed in (
         "kvbench/cli.py",
+        "kvbench/sweep.py",
+        "kvbench/render/table.py",
+        "kvbench/figures/rag.py",
         "kvbench/methods/oracle.py",
         "kvbench/tasks/niah.py",
         "kvbench/conf/config.yaml",

@@ -49,6 +49,8 @@ from kvbench.figures.legend import Legend
 from kvbench.plots import Panel, Series, series_panels
 
 FIGURE_KINDS = ("quality_ttft", "ratio", "deviation", "selection")
+#: a figure builder: the runs and the legend in; its panels, title, caption and number of columns out
+Builder = Callable[[list["RunInfo"], Legend], tuple[list[Panel], str, str, int]]
 
 VARIANT_COLORS = ("#ff7f0e", "#2ca02c", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 DATASET_NAMES = {
@@ -106,16 +108,9 @@ class RunInfo:
         return f"r={self.ratio:g}" if self.ratio is not None else ""
 
 
-def draw(kind: str | None, runs: Sequence[Any], path: Path, legend: Legend) -> Path:
-    """Draw figure ``kind`` (default ``quality_ttft``; the system figures' kinds too, from
-    :mod:`kvbench.figures.rag_system`) of ``runs`` (:class:`kvbench.report.FigureRun`) to ``path``."""
-    kind = kind or FIGURE_KINDS[0]
-    if kind in BUILDERS:
-        build = BUILDERS[kind]
-    else:
-        from kvbench.figures.rag_system import BUILDERS as SYSTEM_BUILDERS
-
-        build = SYSTEM_BUILDERS[kind]
+def draw(build: Builder, runs: Sequence[Any], path: Path, legend: Legend) -> Path:
+    """Draw the figure ``build`` (one of :data:`BUILDERS`, or of the system figures') makes of ``runs``
+    (:class:`kvbench.report.FigureRun`) to ``path``."""
     panels, title, caption, columns = build(run_infos(runs, legend), legend)
     return series_panels(panels, path, title=title, caption=caption, columns=columns)
 
@@ -583,7 +578,7 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return float(array.mean()), se
 
 
-BUILDERS: dict[str, Callable[[list[RunInfo], Legend], tuple[list[Panel], str, str, int]]] = {
+BUILDERS: dict[str, Builder] = {
     "quality_ttft": quality_ttft,
     "ratio": ratio,
     "deviation": deviation,

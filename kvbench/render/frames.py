@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import ConfigError
+from kvbench.papers import AVERAGE  # long_frame: the dataset name of a run's own row when it has per-set scores
 
 ALIASES = {
     "model": "config.model.name",
@@ -142,7 +143,6 @@ def long_frame(runs: Any) -> Any:
 
 
 RUN_LEVEL = "_run_level"  # long_frame: the run's own row (not a subset's)
-AVERAGE = "average"  # long_frame: the dataset name of a run's own row when it has per-set scores
 
 
 def rows_for(frame: Any, keys: Sequence[str]) -> Any:
