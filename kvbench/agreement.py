@@ -233,7 +233,7 @@ def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any)
     sample ids; rows keyed by ``by``; ``match`` keys the baseline must share with the run."""
     import pandas as pd
 
-    from kvbench.render.frames import Section, groups, select, values
+    from kvbench.render.frames import Section, against_baseline, select, values
     from kvbench.render.text import to_latex, to_markdown
 
     baseline = spec["baseline"]
@@ -246,44 +246,35 @@ def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any)
     by_run = {k: dict(zip(runs["run_id"], values(runs, k))) for k in by}  # the run's budget label, not the sample's
     shown, numbers = [], []
     forms: dict[str, dict[str, None]] = {}  # normalisation -> the data sets it applies to (ordered set)
-    for label, group in groups(frame, split):
-        base_rows = select(group, baseline)
-        for run_id, run in group.groupby("run_id", sort=False):
-            if run_id in set(base_rows["run_id"]):
-                continue
-            base = base_rows
-            for key in match:
-                base = base[values(base, key) == values(run, key).iloc[0]]
-            if base["run_id"].nunique() != 1:
-                continue
-            pairs = compare(run, base)
-            if not pairs:
-                continue
-            for subset, name in _form_names(run).items():
-                forms.setdefault(name, {})[subset] = None
-            result = summarise(pairs)
-            keys = {
-                **({"split": label} if split else {}),
-                **{k: by_run[k].get(run_id, values(run, k).iloc[0]) for k in by},
+    for label, run_id, run, base in against_baseline(frame, split, baseline, match):
+        pairs = compare(run, base)
+        if not pairs:
+            continue
+        for subset, name in _form_names(run).items():
+            forms.setdefault(name, {})[subset] = None
+        result = summarise(pairs)
+        keys = {
+            **({"split": label} if split else {}),
+            **{k: by_run[k].get(run_id, values(run, k).iloc[0]) for k in by},
+        }
+        shown.append(
+            {
+                **keys,
+                "n": result.n,
+                "exact %": f"{result.exact_pct:.1f} {_ci(result.exact_ci, 1)}",
+                "ROUGE-L F1": f"{result.rouge_l:.3f} {_ci(result.rouge_l_ci, 3)}",
+                "Jaccard": f"{result.jaccard:.3f} {_ci(result.jaccard_ci, 3)}",
             }
-            shown.append(
-                {
-                    **keys,
-                    "n": result.n,
-                    "exact %": f"{result.exact_pct:.1f} {_ci(result.exact_ci, 1)}",
-                    "ROUGE-L F1": f"{result.rouge_l:.3f} {_ci(result.rouge_l_ci, 3)}",
-                    "Jaccard": f"{result.jaccard:.3f} {_ci(result.jaccard_ci, 3)}",
-                }
-            )
-            numbers.append(
-                {
-                    **keys,
-                    "n": result.n,
-                    **_columns("exact_pct", result.exact_pct, result.exact_ci),
-                    **_columns("rouge_l_f1", result.rouge_l, result.rouge_l_ci),
-                    **_columns("jaccard", result.jaccard, result.jaccard_ci),
-                }
-            )
+        )
+        numbers.append(
+            {
+                **keys,
+                "n": result.n,
+                **_columns("exact_pct", result.exact_pct, result.exact_ci),
+                **_columns("rouge_l_f1", result.rouge_l, result.rouge_l_ci),
+                **_columns("jaccard", result.jaccard, result.jaccard_ci),
+            }
+        )
     if not shown:
         return [Section(title, markdown="(no pairs: the runs share no answered samples with the baseline)")]
     table = pd.DataFrame(shown)

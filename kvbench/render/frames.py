@@ -5,7 +5,7 @@ returns."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,25 @@ def groups(frame: Any, split: Sequence[str]) -> list[tuple[str, Any]]:
     for extra in keys[1:]:
         label = label + " · " + extra
     return [(name, frame[label == name]) for name in dict.fromkeys(label)]
+
+
+def against_baseline(
+    frame: Any, split: Sequence[str], baseline: Mapping[str, Any], match: Sequence[str]
+) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(split label, run id, the run's rows, the baseline's rows)`` for every run of each ``split`` group
+    of ``frame`` (samples) that is not a baseline run, against the one run of the group that ``baseline``
+    selects and that shares the run's ``match`` keys; a run without exactly one such baseline is skipped."""
+    for label, group in groups(frame, split):
+        base_rows = select(group, baseline)
+        for run_id, run in group.groupby("run_id", sort=False):
+            if run_id in set(base_rows["run_id"]):
+                continue
+            base = base_rows
+            for key in match:
+                base = base[values(base, key) == values(run, key).iloc[0]]
+            if base["run_id"].nunique() != 1:
+                continue
+            yield label, run_id, run, base
 
 
 # ---------------------------------------------------------------------- our results

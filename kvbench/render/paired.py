@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvbench.render.frames import Section, groups, select, values
+from kvbench.render.frames import Section, against_baseline, select, values
 from kvbench.render.text import fmt, to_latex, to_markdown
 
 
@@ -24,37 +24,28 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
     # the row keys come from the run (samples carry the config but not the run's budget label)
     by_run = {k: dict(zip(runs["run_id"], values(runs, k))) for k in by}
     out = []
-    for label, group in groups(frame, split):
-        base_rows = select(group, spec["baseline"])
-        for run_id, run in group.groupby("run_id", sort=False):
-            if run_id in set(base_rows["run_id"]):
-                continue
-            base = base_rows
-            for key in match:
-                base = base[values(base, key) == values(run, key).iloc[0]]
-            if base["run_id"].nunique() != 1:
-                continue
-            a = run.set_index("id")[value].dropna()
-            b = base.set_index("id")[value].dropna()
-            common = [i for i in a.index if i in b.index]
-            if not common:
-                continue
-            result = paired([float(a[i]) for i in common], [float(b[i]) for i in common])
-            ci = "–" if result.ci_low is None else f"[{result.ci_low:+.2f}, {result.ci_high:+.2f}]"
-            out.append(
-                {
-                    **({"split": label} if split else {}),
-                    **{k: by_run[k].get(run_id, values(run, k).iloc[0]) for k in by},
-                    "n": result.n,
-                    "mean": fmt(result.mean_a, measured=True),
-                    "baseline": fmt(result.mean_b, measured=True),
-                    "Δ": f"{result.diff:+.2f}",
-                    "95% CI of Δ": ci,
-                    "p": "–" if result.p is None else f"{result.p:.3g}",
-                    "test": result.test
-                    + (f" ({result.a_only}/{result.b_only} discordant)" if result.test == "mcnemar" else ""),
-                }
-            )
+    for label, run_id, run, base in against_baseline(frame, split, spec["baseline"], match):
+        a = run.set_index("id")[value].dropna()
+        b = base.set_index("id")[value].dropna()
+        common = [i for i in a.index if i in b.index]
+        if not common:
+            continue
+        result = paired([float(a[i]) for i in common], [float(b[i]) for i in common])
+        ci = "–" if result.ci_low is None else f"[{result.ci_low:+.2f}, {result.ci_high:+.2f}]"
+        out.append(
+            {
+                **({"split": label} if split else {}),
+                **{k: by_run[k].get(run_id, values(run, k).iloc[0]) for k in by},
+                "n": result.n,
+                "mean": fmt(result.mean_a, measured=True),
+                "baseline": fmt(result.mean_b, measured=True),
+                "Δ": f"{result.diff:+.2f}",
+                "95% CI of Δ": ci,
+                "p": "–" if result.p is None else f"{result.p:.3g}",
+                "test": result.test
+                + (f" ({result.a_only}/{result.b_only} discordant)" if result.test == "mcnemar" else ""),
+            }
+        )
     title = (
         spec.get("title") or f"paired against {', '.join(f'{k}={v}' for k, v in spec['baseline'].items())} ({value})"
     )
