@@ -16,10 +16,50 @@ which runs after a layer's fresh K/V are written, so the keys are the layer's co
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 #: how the per-head masses of a row are combined: the mean over query heads (default), their max, their sum
 HEAD_REDUCTIONS = ("mean", "max", "sum")
+
+
+def probability_blocks(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    block_elements: int = 1 << 22,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The causal softmax of the query rows over every key, row block by row block: yields
+    ``(start, stop, probs)`` with ``probs`` ``[H, stop - start, n]`` (float32), at most ``block_elements``
+    logits at once. Shapes and the causal rule are :func:`segment_mass`'s."""
+    n_heads, rows, dim = query.shape
+    kv_heads, n, _ = keys.shape
+    if rows == 0 or n == 0:
+        return
+    device = query.device
+    k = keys.to(device=device, dtype=torch.float32)
+    key_positions = key_positions.to(device)
+    q_positions = query_positions.to(device)
+    q = query.float().view(kv_heads, n_heads // kv_heads, rows, dim)
+    block = max(1, int(block_elements) // max(1, n_heads * n))
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        logits = torch.einsum("kgrd,knd->kgrn", q[:, :, start:stop], k) * scaling
+        future = key_positions[None, :] > q_positions[start:stop, None]  # [b, n]
+        logits = logits.masked_fill(future[None, None], float("-inf"))
+        yield start, stop, torch.softmax(logits, dim=-1).reshape(n_heads, stop - start, n)
+
+
+def _reduce_heads(values: torch.Tensor, heads: str) -> torch.Tensor:
+    """``values`` ``[H, ...]`` combined over the query heads (``HEAD_REDUCTIONS``)."""
+    if heads == "mean":
+        return values.mean(dim=0)
+    if heads == "max":
+        return values.amax(dim=0)
+    return values.sum(dim=0)
 
 
 def segment_mass(
@@ -45,36 +85,17 @@ def segment_mass(
     """
     if heads not in HEAD_REDUCTIONS:
         raise ValueError(f"heads={heads!r} is not one of {HEAD_REDUCTIONS}")
-    n_heads, rows, dim = query.shape
-    kv_heads, n, _ = keys.shape
-    group = n_heads // kv_heads
-    device = query.device
+    rows, n, device = query.shape[1], keys.shape[1], query.device
     out = torch.zeros(rows, n_segments, dtype=torch.float32, device=device)
     if rows == 0 or n == 0:
         return out
-    k = keys.to(device=device, dtype=torch.float32)
-    key_positions = key_positions.to(device)
     # one-hot [n, segments] (a key of no segment, -1, has an all-zero row): the sums are one matmul
     labels = key_segments.to(device).long()
     member = torch.zeros(n, n_segments + 1, dtype=torch.float32, device=device)
     member[torch.arange(n, device=device), torch.where(labels < 0, n_segments, labels)] = 1.0
     member = member[:, :n_segments]
-    q_positions = query_positions.to(device)
-    q = query.float().view(kv_heads, group, rows, dim)
-    block = max(1, int(block_elements) // max(1, n_heads * n))
-    for start in range(0, rows, block):
-        stop = min(rows, start + block)
-        logits = torch.einsum("kgrd,knd->kgrn", q[:, :, start:stop], k) * scaling
-        future = key_positions[None, :] > q_positions[start:stop, None]  # [b, n]
-        logits = logits.masked_fill(future[None, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).reshape(n_heads, stop - start, n)
-        mass = probs @ member  # [H, b, segments]
-        if heads == "mean":
-            out[start:stop] = mass.mean(dim=0)
-        elif heads == "max":
-            out[start:stop] = mass.amax(dim=0)
-        else:
-            out[start:stop] = mass.sum(dim=0)
+    for start, stop, probs in probability_blocks(query, query_positions, keys, key_positions, scaling, block_elements):
+        out[start:stop] = _reduce_heads(probs @ member, heads)  # [H, b, segments] -> [b, segments]
     return out
 
 
@@ -100,25 +121,7 @@ def column_mass(
     """
     if heads not in HEAD_REDUCTIONS:
         raise ValueError(f"heads={heads!r} is not one of {HEAD_REDUCTIONS}")
-    n_heads, rows, dim = query.shape
-    kv_heads, n, _ = keys.shape
-    group = n_heads // kv_heads
-    device = query.device
-    per_head = torch.zeros(n_heads, n, dtype=torch.float32, device=device)
-    if rows and n:
-        k = keys.to(device=device, dtype=torch.float32)
-        key_positions = key_positions.to(device)
-        q_positions = query_positions.to(device)
-        q = query.float().view(kv_heads, group, rows, dim)
-        block = max(1, int(block_elements) // max(1, n_heads * n))
-        for start in range(0, rows, block):
-            stop = min(rows, start + block)
-            logits = torch.einsum("kgrd,knd->kgrn", q[:, :, start:stop], k) * scaling
-            future = key_positions[None, :] > q_positions[start:stop, None]  # [b, n]
-            logits = logits.masked_fill(future[None, None], float("-inf"))
-            per_head += torch.softmax(logits, dim=-1).sum(dim=2).reshape(n_heads, n)
-    if heads == "mean":
-        return per_head.mean(dim=0)
-    if heads == "max":
-        return per_head.amax(dim=0)
-    return per_head.sum(dim=0)
+    per_head = torch.zeros(query.shape[0], keys.shape[1], dtype=torch.float32, device=query.device)
+    for _, _, probs in probability_blocks(query, query_positions, keys, key_positions, scaling, block_elements):
+        per_head += probs.sum(dim=1)
+    return _reduce_heads(per_head, heads)
