@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,57 @@ from kvbench.methods import method_node
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# intra-op threads of this process: 2 where there are 2 cores (CI); KVBENCH_TEST_THREADS sets another count
+# (1 on a machine whose cores are busy with other work: a parallel region waits for its slowest thread)
+torch.set_num_threads(int(os.environ.get("KVBENCH_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1))))
+
+
+class _Output(io.StringIO):
+    """What a ``kvbench_in_process`` call prints; stays readable when a logging handler that wrote to it is
+    closed (Hydra's logging set-up closes every existing handler, and absl's closes its stream)."""
+
+    def close(self) -> None:
+        pass
+
+
+def kvbench_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``kvbench <args>`` in this process: a CompletedProcess with the exit status, stdout and stderr a
+    ``python -m kvbench <args>`` child would give, without a child's start-up (a new interpreter importing
+    torch, transformers and Hydra: seconds each time). An exception the CLI does not turn into its one-line
+    error propagates and fails the test (a child would print a traceback and exit 1). Tests of what only a
+    real process shows (the console script, exit on a signal, imports at start-up) keep using a subprocess."""
+    from kvbench import cli, errors
+    from kvbench.engine import prefill_cache
+
+    out, err = _Output(), _Output()
+    # logging handlers writing to this process's stdout or stderr write to the call's, as a child's would
+    # (and Hydra closing them, as it configures logging, closes nothing of pytest's capture)
+    to = {id(sys.stdout): out, id(sys.stderr): err}
+    alive = [ref() for ref in logging._handlerList]
+    handlers = [h for h in alive if h is not None and id(vars(h).get("stream")) in to]
+    streams = [h.stream for h in handlers]
+    previous = Path.cwd()
+    errors._NOTED.clear()  # as in a new process: its notes print, no dense prefill is shared with earlier runs
+    prefill_cache.shared_cache().clear()
+    try:
+        for handler in handlers:
+            handler.stream = to[id(handler.stream)]
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exit:  # (a run's error leaves Hydra as SystemExit)
+                code = exit.code
+                if isinstance(code, str):
+                    print(code, file=err)
+                    code = 1
+    finally:
+        os.chdir(previous)
+        for handler, stream in zip(handlers, streams):
+            handler.stream = stream
+        prefill_cache.shared_cache().clear()  # (nor with later ones)
+    return subprocess.CompletedProcess(["kvbench", *args], int(code or 0), out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(autouse=True)

@@ -1,17 +1,17 @@
+"""kvbench bench: the benchmarks run in this process (``kvbench_in_process``); an unknown benchmark's exit
+status is checked on a real ``python -m kvbench`` process."""
+
 import json
 import math
 import subprocess
 import sys
 
+from .conftest import kvbench_in_process as kvbench
+
 
 def test_quick_benchmarks_run_and_report_ratios():
     names = ["pq_search", "kmeans_faiss", "clusterkv_select", "pqcache_e2e", "clusterkv_e2e", "oracle_e2e"]
-    out = subprocess.run(
-        [sys.executable, "-m", "kvbench", "bench", "--quick", "--repeats", "1", "--json", *names],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = kvbench("bench", "--quick", "--repeats", "1", "--json", *names)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     by_name = {r["name"]: r for r in report["results"]}
@@ -35,30 +35,22 @@ def test_unknown_benchmark_is_one_error_line():
 
 def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     saved = tmp_path / "bench.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvbench",
-            "bench",
-            "pqcache_e2e",
-            "--quick",
-            "--save",
-            str(saved),
-            "--model",
-            "tiny_qwen2",
-            "--lengths",
-            "700,900",
-            "--new-tokens",
-            "4",
-            "--rounds",
-            "2",
-            "--param",
-            "kmeans_iters=3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = kvbench(
+        "bench",
+        "pqcache_e2e",
+        "--quick",
+        "--save",
+        str(saved),
+        "--model",
+        "tiny_qwen2",
+        "--lengths",
+        "700,900",
+        "--new-tokens",
+        "4",
+        "--rounds",
+        "2",
+        "--param",
+        "kmeans_iters=3",
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("## pqcache_e2e")  # the table is printed, the record goes to the file
@@ -75,12 +67,7 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
     assert "method parameters: {'kmeans_iters': 3}" in notes
     # bad settings: one error line naming the option, exit 2, before any model loads
     for option, value in [("--lengths", "32k"), ("--rounds", "0"), ("--param", "kmeans_iters"), ("--param", "nope=1")]:
-        bad = subprocess.run(
-            [sys.executable, "-m", "kvbench", "bench", "pqcache_e2e", option, value],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        bad = kvbench("bench", "pqcache_e2e", option, value)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1 and (option in bad.stderr or "method.nope" in bad.stderr)
 
@@ -88,24 +75,7 @@ def test_end_to_end_settings_can_be_chosen_and_the_record_saved(tmp_path):
 def test_reuse_ttft_reports_every_config_against_full():
     """reuse_ttft on a tiny model: full, cacheblend and full_reuse from both tiers, prefix_cache from RAM,
     ratios from paired rounds."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvbench",
-            "bench",
-            "reuse_ttft",
-            "--quick",
-            "--repeats",
-            "1",
-            "--json",
-            "--model",
-            "tiny_llama",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = kvbench("bench", "reuse_ttft", "--quick", "--repeats", "1", "--json", "--model", "tiny_llama")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["results"][0]["rows"]
     assert [(r["method"], r["chunks from"]) for r in rows] == [
@@ -123,12 +93,7 @@ def test_reuse_ttft_reports_every_config_against_full():
 def test_overhead_compares_full_with_transformers_and_times_the_run_loop():
     """overhead --quick on tiny_llama: kvbench's full is token-identical to transformers' greedy
     decoding, both ratios are measured, and the run loop's shares are fractions of a sample's wall."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvbench", "bench", "overhead", "--quick", "--repeats", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = kvbench("bench", "overhead", "--quick", "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr
     rows = {r["metric"]: r for r in json.loads(out.stdout)["results"][0]["rows"]}
     assert rows["tokens_identical (HF greedy loop)"]["value"] is True
@@ -146,12 +111,7 @@ def test_cost_vs_length_fits_exponents_and_saves_a_figure(tmp_path):
     """cost_vs_length --quick: a row per method and length, finite TPOT exponents, a select exponent
     for the retrieval method only, and the log-log figure beside the saved record."""
     saved = tmp_path / "cost.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "kvbench", "bench", "cost_vs_length", "--quick", "--save", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = kvbench("bench", "cost_vs_length", "--quick", "--save", str(saved))
     assert out.returncode == 0, out.stderr
     rows = json.loads(saved.read_text())["results"][0]["rows"]
     assert [(r["method"], r["context"]) for r in rows] == [
@@ -169,24 +129,8 @@ def test_decode_host_counts_a_sync_free_static_step_and_decode_graph_runs_its_cp
     """decode_host --quick: full's step issues fewer ops than transformers' eager step, and neither full
     nor a selecting method reads back or changes its op stream between steps; decode_graph's CPU path
     (what benchmarks/gpu.sh decode_graph runs on a GPU) reports eager rows and marks graphs n/a."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvbench",
-            "bench",
-            "decode_host",
-            "decode_graph",
-            "--quick",
-            "--methods",
-            "full,quest",
-            "--rounds",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = kvbench(
+        "bench", "decode_host", "decode_graph", "--quick", "--methods", "full,quest", "--rounds", "1", "--json"
     )
     assert out.returncode == 0, out.stderr
     by_name = {r["name"]: r for r in json.loads(out.stdout)["results"]}

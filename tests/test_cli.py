@@ -1,19 +1,20 @@
-"""Bad input: one clear error line naming the fix, a non-zero exit, nothing written."""
+"""Bad input: one clear error line naming the fix, a non-zero exit, nothing written.
+
+The cases run the CLI in this process (``kvbench_in_process``: the same exit status and output as a child,
+without a child's start-up); ``kvbench list`` runs as a real ``python -m kvbench`` process."""
 
 import subprocess
 import sys
 
 import pytest
 
+from .conftest import kvbench_in_process as kvbench
+
 KVBENCH = [sys.executable, "-m", "kvbench"]
 
 
-def kvbench(*args, cwd=None):
-    return subprocess.run(KVBENCH + list(args), capture_output=True, text=True, timeout=300, cwd=cwd)
-
-
 def test_list_names_everything():
-    out = kvbench("list")
+    out = subprocess.run([*KVBENCH, "list"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0
     for name in ("smollm2_135m", "tiny_llama", "llama31_8b_shape", "full", "oracle", "streamingllm", "niah"):
         assert name in out.stdout

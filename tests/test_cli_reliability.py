@@ -13,6 +13,8 @@ import pytest
 from kvbench import cli
 from kvbench.sweep import resolve_points
 
+from .conftest import kvbench_in_process
+
 KVBENCH = [sys.executable, "-m", "kvbench"]
 
 
@@ -213,11 +215,12 @@ def test_ctrl_c_saves_samples_and_prints_the_resume_command(tmp_path, essays):
     )
     assert 1 <= len(saved) < total
     assert json.loads((samples.parent / "status.json").read_text())["state"] == "interrupted"
-    report = subprocess.run(KVBENCH + ["report", str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
+    # the report and the resume in this process (the interrupted run was a real process)
+    report = kvbench_in_process("report", str(tmp_path / "runs"))
     assert f"unfinished {len(saved)}/{total}" in report.stdout
     resume = shlex.split(last.split("resume with: ", 1)[1])
     assert resume[:2] == ["kvbench", "run"] and resume[2:] == args[1:]
-    done = subprocess.run(KVBENCH + resume[1:], capture_output=True, text=True, timeout=300)
+    done = kvbench_in_process(*resume[1:])
     assert done.returncode == 0, done.stderr
     final = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
     assert final[: len(saved)] == saved and len(final) == len(set(final)) == total

@@ -1,24 +1,52 @@
-"""Scale-out: task.shard=i/n, Hydra's joblib and submitit launchers, per-job device pinning."""
+"""Scale-out: task.shard=i/n, Hydra's joblib and submitit launchers, per-job device pinning.
+
+Processes that run side by side (two shard workers, a launcher's jobs) are real ``python -m kvbench``
+processes; the runs they are compared with, and the runs that need no second process, run in this process
+(``kvbench_in_process``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvbench.errors import ConfigError
 
+from .conftest import kvbench_in_process
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=tiny_llama", "task.lengths=[512]", "task.max_new_tokens=4", "progress=false"]
+#: processes running side by side take one intra-op thread each (two two-thread processes on CI's two cores
+#: would wait on each other at every parallel region); so does the run in this process they are compared
+#: with, so that both sides do the same arithmetic
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def kvbench(*args, timeout=600):
+def kvbench_child(*args, timeout=600):
+    """``kvbench <args>`` as a separate process with one intra-op thread."""
     return subprocess.run(
-        [sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "kvbench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=ONE_THREAD,
     )
+
+
+def kvbench(*args, threads: int | None = None):
+    """``kvbench <args>`` in this process (``threads``: with that many intra-op threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return kvbench_in_process(*args, cwd=REPO)
+    finally:
+        torch.set_num_threads(before)
 
 
 def samples_by_run(output_dir: Path) -> dict[str, dict[str, tuple]]:
@@ -69,13 +97,14 @@ def test_two_shard_workers_lose_and_duplicate_nothing(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=ONE_THREAD,
         )
         for i in range(2)
     ]
     for worker in workers:
         _, err = worker.communicate(timeout=600)
         assert worker.returncode == 0, err[-2000:]
-    whole = kvbench("run", *common, f"output_dir={tmp_path / 'whole'}")
+    whole = kvbench("run", *common, f"output_dir={tmp_path / 'whole'}", threads=1)
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     shards = samples_by_run(tmp_path / "sharded")
@@ -128,9 +157,9 @@ def test_the_shards_of_a_method_without_a_budget_merge(tmp_path):
 def test_joblib_sweep_equals_the_sequential_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     sweep = ["-m", *TINY, "task.depths=[0,1]", "method=full,streamingllm", "budget.tokens=64"]
-    sequential = kvbench("run", *sweep, f"output_dir={tmp_path / 'seq'}")
+    sequential = kvbench("run", *sweep, f"output_dir={tmp_path / 'seq'}", threads=1)
     assert sequential.returncode == 0, sequential.stderr[-2000:]
-    parallel = kvbench(
+    parallel = kvbench_child(
         "run", *sweep, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"output_dir={tmp_path / 'par'}"
     )
     assert parallel.returncode == 0, parallel.stderr[-2000:]
@@ -141,7 +170,7 @@ def test_joblib_sweep_equals_the_sequential_sweep(tmp_path):
 
 def test_submitit_local_executor_runs_the_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    out = kvbench(
+    out = kvbench_child(
         "run",
         "-m",
         *TINY,

@@ -49,24 +49,30 @@ def test_covering_budget_is_token_identical_to_full(fixture, request, random_ids
 
 
 def test_decode_time_clustering_grows_the_index(tiny_llama, random_ids):
-    method = create_method({"name": "clusterkv", "clusters": 25})
+    """Every ``recluster_every`` generated tokens become ``new_clusters`` (4) clusters of the index. A period
+    of 32 with 16-slot attention buckets (each recluster spans two buckets, as the default 320 spans the
+    default 256-slot buckets) keeps the run at 70 steps instead of 700."""
+    from kvbench.engine.settings import EngineSettings
+
+    method = create_method({"name": "clusterkv", "clusters": 25, "recluster_every": 32})
     out = generate(
         tiny_llama,
         method,
         random_ids(2000, seed=32),
-        max_new_tokens=700,
-        min_new_tokens=700,
+        max_new_tokens=70,
+        min_new_tokens=70,
         budget=BudgetConfig(tokens=256),
+        engine=EngineSettings(bucket_tokens=16),
     )
-    assert out.telemetry["new_tokens"] == 700
+    assert out.telemetry["new_tokens"] == 70
     for layer in range(2, tiny_llama.spec.n_layers):
         index = method.index[layer]
-        assert index.centroids.shape[1] == 25 + 4 * 2  # 700 steps: two blocks of 320 generated tokens
-        assert index.slots.numel() == 2000 - 16 + 640
-        assert index.clustered_end == 2000 + 640
-    # attended per step: 16 sinks + 256 selected + the unclustered recent tokens (1..320) + current
+        assert index.centroids.shape[1] == 25 + 4 * 2  # 70 steps: two blocks of 32 generated tokens
+        assert index.slots.numel() == 2000 - 16 + 64
+        assert index.clustered_end == 2000 + 64
+    # attended per step: 16 sinks + 256 selected + the unclustered recent tokens (1..32) + current
     attended = out.telemetry["attended_per_layer"][2]
-    assert 16 + 256 + 1 < attended < 16 + 256 + 321
+    assert 16 + 256 + 1 < attended < 16 + 256 + 33
     assert 0 <= out.telemetry["method"]["cluster_hit_rate"] <= 1
 
 

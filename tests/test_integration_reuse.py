@@ -53,7 +53,11 @@ def test_cacheblend_recomputing_everything_is_token_identical_to_full(smollm2, r
 @pytest.mark.parametrize(
     "method", [["method=full_reuse"], ["method=cacheblend", "method.recompute_ratio=0.15", "method.miss=precompute"]]
 )
-def test_reuse_runs_through_the_runner_with_the_rag_task(method, tmp_path):
+def test_reuse_runs_through_the_runner_with_the_rag_task(method, tmp_path, smollm2, monkeypatch):
+    from kvbench.models import loading
+
+    load = loading.load_model  # the run's model=smollm2_135m is the session's SmolLM2, not a second load of it
+    monkeypatch.setattr(loading, "load_model", lambda cfg: smollm2 if cfg["name"] == "smollm2_135m" else load(cfg))
     overrides = [
         "model=smollm2_135m",
         "task=rag",

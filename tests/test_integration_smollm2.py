@@ -19,17 +19,22 @@ def niah_prompt(smollm2):
     return next(iter(task.samples(smollm2))).input_ids
 
 
-def test_full_is_token_identical_to_generate(smollm2, niah_prompt):
+@pytest.fixture(scope="module")
+def full_run(smollm2, niah_prompt):
+    """``full``'s NEW tokens on the prompt, generated once for the tests of this module (each compares
+    another generation with it; generation is deterministic)."""
+    return generate(smollm2, create_method({"name": "full"}), niah_prompt, max_new_tokens=NEW, min_new_tokens=NEW)
+
+
+def test_full_is_token_identical_to_generate(smollm2, niah_prompt, full_run):
     out = smollm2.model.generate(torch.tensor([niah_prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     expected = out[0, len(niah_prompt) :].tolist()
-    ours = generate(smollm2, create_method({"name": "full"}), niah_prompt, max_new_tokens=NEW, min_new_tokens=NEW)
-    assert ours.tokens == expected
-    assert "Dolores Park" in ours.text
+    assert full_run.tokens == expected
+    assert "Dolores Park" in full_run.text
 
 
 @pytest.mark.parametrize("name", ["oracle", "streamingllm"])
-def test_covering_budget_matches_full_and_small_budget_attends_the_budget(smollm2, niah_prompt, name):
-    full = generate(smollm2, create_method({"name": "full"}), niah_prompt, max_new_tokens=NEW, min_new_tokens=NEW)
+def test_covering_budget_matches_full_and_small_budget_attends_the_budget(smollm2, niah_prompt, full_run, name):
     cover = generate(
         smollm2,
         create_method({"name": name}),
@@ -38,7 +43,7 @@ def test_covering_budget_matches_full_and_small_budget_attends_the_budget(smollm
         min_new_tokens=NEW,
         budget=BudgetConfig(tokens=len(niah_prompt) + NEW),
     )
-    assert cover.tokens == full.tokens
+    assert cover.tokens == full_run.tokens
     small = generate(
         smollm2, create_method({"name": name}), niah_prompt, max_new_tokens=4, budget=BudgetConfig(token_ratio=0.1)
     )

@@ -14,6 +14,8 @@ import yaml
 from kvbench.results import RunDir, load, run_id_for
 from kvbench.runner import run
 
+from .conftest import kvbench_in_process
+
 KVBENCH = [sys.executable, "-m", "kvbench"]
 
 
@@ -85,21 +87,17 @@ def test_sigkill_loses_no_finished_sample(tmp_path, essays):
     assert samples is not None, "the run never wrote a sample"
     kept = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
     assert len(kept) >= 2 and len(kept) == len(set(kept))
-    done = subprocess.run(KVBENCH + args, capture_output=True, text=True, timeout=300)
+    done = kvbench_in_process(*args)  # the resume (the killed run was a real process)
     assert done.returncode == 0, done.stderr
     final = [json.loads(line)["id"] for line in samples.read_text().splitlines()]
     assert final[: len(kept)] == kept and len(final) == len(set(final)) == 10
 
 
 def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
-    out = subprocess.run(
-        KVBENCH
-        + cli_args(
+    out = kvbench_in_process(
+        *cli_args(
             tmp_path, essays, "-m", "method=full,oracle,streamingllm", "budget.token_ratio=0.1", "task.depths=[0.5]"
-        ),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        )
     )
     assert out.returncode == 0, out.stderr
     runs = sorted(p.name.split("-")[1] for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
