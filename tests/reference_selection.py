@@ -14,6 +14,7 @@ from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods.oracle import Oracle
 from kvbench.methods.selection import compose, exact_topk
+from kvbench.methods.streamingllm import StreamingLLM
 
 
 class LegacyOracle(Oracle):
@@ -41,4 +42,24 @@ class LegacyOracle(Oracle):
         return compose(lay, chosen, ascending=True)
 
 
-LEGACY = {"oracle": LegacyOracle}
+class LegacyStreamingLLM(StreamingLLM):
+    """StreamingLLM sliding its window by eviction, as before the static step: each decode step drops the
+    layer's oldest non-sink token once the layer holds more than the sinks, the window and the current
+    token (a host-side compaction of the buffers). The earlier code evicted right *after* attending, this
+    reference right *before*: the same tokens are attended at every step, and the selection digest, which
+    folds what a dense step holds, then records what the step attended."""
+
+    name = "_legacy_streamingllm"
+    static_decode = False
+
+    def select(self, layer: int, query: torch.Tensor, kv: LayerKV) -> Selection | None:
+        if kv.n > self._limit() + 1:
+            oldest = self.ctx.budget.sink  # slots stay in position order: slot `sink` is the oldest non-sink
+            kv.remove(torch.full((kv.n_kv_heads, 1), oldest, dtype=torch.long, device=kv.home))
+        return None
+
+    def decode_key(self) -> tuple:
+        return ()
+
+
+LEGACY = {"oracle": LegacyOracle, "streamingllm": LegacyStreamingLLM}

@@ -24,7 +24,7 @@ from tests.reference_selection import LEGACY
 from tests.static_helpers import assert_same_as_legacy, assert_static_step, digest_run, recorded_steps, registered
 
 NEW = 24
-STATIC_METHODS = ["full", "oracle"]
+STATIC_METHODS = ["full", "oracle", "streamingllm"]
 
 
 def _method(name: str, **params):
@@ -46,6 +46,23 @@ def _test_methods_registered():
 def test_static_oracle_attends_what_the_earlier_oracle_attended(fixture, params, request, random_ids):
     loaded = request.getfixturevalue(fixture)
     assert_same_as_legacy(loaded, "oracle", LEGACY["oracle"].name, random_ids(700, seed=11), params=params, tokens=96)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize(
+    ("prompt", "budget"),
+    [(700, {"tokens": 96}), (700, {"token_ratio": 0.1, "sink": 0}), (100, {"tokens": 110})],
+    ids=["sliding", "no_sinks", "starts_sliding_while_decoding"],
+)
+def test_static_streamingllm_attends_what_the_evicting_one_kept(fixture, prompt, budget, request, random_ids):
+    """The window slid by a device-side selection attends, at every step and layer, the positions the
+    earlier per-step eviction kept (in the same order: the same tokens), also when the prompt fits the
+    budget and the window starts to slide during the decode."""
+    loaded = request.getfixturevalue(fixture)
+    static, _ = assert_same_as_legacy(
+        loaded, "streamingllm", LEGACY["streamingllm"].name, random_ids(prompt, seed=17), n=NEW, **budget
+    )
+    assert len(set(static.telemetry["attended_per_layer"])) == 1  # every layer slides the same window
 
 
 def test_a_covering_budget_is_the_dense_step(tiny_llama, random_ids):
@@ -104,7 +121,7 @@ def test_a_later_readback_keeps_the_tokens_and_drops_the_steps_past_a_stop(tiny_
 def test_a_steady_step_reads_nothing_back_and_repeats_its_ops(name, tiny_llama, random_ids):
     budget = {} if name == "full" else {"tokens": 96, "comm_ratio": 1 / 64}
     assert_static_step(
-        tiny_llama, name, random_ids(700, seed=15), None if name == "full" else {"offload": False}, **budget
+        tiny_llama, name, random_ids(700, seed=15), {"offload": False} if name == "oracle" else None, **budget
     )
 
 

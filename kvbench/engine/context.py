@@ -359,9 +359,10 @@ class GenerationContext:
         ``softmax_sum`` / ``logit_sum`` / ``max``: the earlier rule, kept for old runs — only the part
         the method *chose* against the exact top-k of its candidates, ``k`` = the number it chose, per
         query head for a per-query-head selection, else per KV head under that GQA rule.
-        A layer that attends everything by design (``selection is None``) has no recall.
+        A layer that attends everything by design (``selection is None``) has no recall, nor has a selection
+        that ranked nothing (``selected is None``: StreamingLLM's sliding window).
         """
-        if selection is None:
+        if selection is None or selection.selected is None:  # (StreamingLLM's window ranks nothing)
             return None
         rule = self.profile.recall_rule
         start = self.clock.now()

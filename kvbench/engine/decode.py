@@ -28,8 +28,8 @@ of a regime (the first runs eagerly and is the warm-up) and replayed from then o
 (``engine.cuda_graph``); work a method must do on the host side of a step (ClusterKV's reclustering,
 InfLLM's new blocks) runs in :meth:`~kvbench.engine.protocol.KVMethod.before_step`, outside the graph.
 
-Layers of a method without a static step (``static_decode = False``: the decode-time eviction of H2O
-and StreamingLLM) run the earlier per-layer code (:meth:`GenerationContext.dynamic_decode`) inside the
+Layers of a method without a static step (``static_decode = False``: the decode-time eviction of H2O)
+run the earlier per-layer code (:meth:`GenerationContext.dynamic_decode`) inside the
 same loop; the step is then eager. Host-tier layers (``offload``) write through a host-known slot and
 count their fetches on the host (a sync per layer, the offload experiment's cost).
 """

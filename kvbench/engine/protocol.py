@@ -145,7 +145,8 @@ class KVMethod:
     #: ``after_attention`` read lengths from the store's device counters (``kv.length``, ``kv.bucket_end``)
     #: rather than from ``kv.n``, issue the same ops at every step of one :meth:`decode_key`, read nothing
     #: back to the host and change no Python state (host-side work goes in :meth:`before_step`). A method
-    #: that evicts during decode (H2O, StreamingLLM) keeps the earlier per-layer step (``False``).
+    #: that evicts during decode (H2O) keeps the earlier per-layer step (``False``); StreamingLLM slides its
+    #: window by a device-side selection instead of evicting, and is static.
     static_decode: ClassVar[bool] = True
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
