@@ -8,7 +8,6 @@ from kvbench.methods.pqcache import default_pq
 from kvbench.profile import Profile
 
 
-
 def first_step_selection(loaded, cfg, ids, budget, layer=1):
     method = create_method(cfg)
     captured = []
