@@ -93,43 +93,8 @@ RELATIONS = ("=", "~", "<", "<=", ">", ">=")
 ROW_FIELDS = ("value", "low", "high", "relation", "sided", "quote", "note")
 #: how a stated number is graded (see ``sided`` in the module doc)
 SIDES = ("at_least", "at_most", "up_to", "range")
-#: the contract's names (DESIGN.md); methods and models being added concurrently are named here once
-KVBENCH_METHODS = (
-    "full",
-    "oracle",
-    "streamingllm",
-    "h2o",
-    "snapkv",
-    "pyramidkv",
-    "sparq",
-    "infllm",
-    "quest",
-    "pqcache",
-    "clusterkv",
-    "cacheblend",
-    "full_reuse",
-    "prefix_cache",
-    "cachecraft",
-    "set_cache",
-    "random_recomp",
-    "prefill_h2o",
-)
-KVBENCH_MODELS = (
-    "smollm2_135m",
-    "qwen25_05b",
-    "qwen25_15b",
-    "tiny_llama",
-    "tiny_qwen2",
-    "llama31_8b_instruct",
-    "llama31_8b_shape",
-    "llama2_7b_shape",
-    "mistral7b_instruct_v02",
-    "glm4_9b_chat",
-    "hf",
-)
 #: the dataset name of a table's mean row (the papers' Average; kvbench.render.long_frame's run-level row)
 AVERAGE = "average"
-KVBENCH_TASKS = ("niah", "longbench", "infinitebench", "gsm8k_cot", "pg19", "rag", "rag_stream", "ruler")
 #: row keys whose values must be known names, and which vocabulary they use
 CHECKED_KEYS = {"method": "method", "baseline": "method", "model": "model", "dataset": "dataset"}
 
@@ -307,12 +272,18 @@ def values_frame(paper: str, artifact: str) -> pd.DataFrame:
 
 @functools.lru_cache(maxsize=1)
 def _vocabulary() -> dict[str, frozenset[str]]:
+    """kvbench's names, each read from where it is declared (no list kept here): the registered methods'
+    parameters (:mod:`kvbench.methods.params`), the model and task config groups (``conf/model``,
+    ``conf/task``), the LongBench and InfiniteBench datasets of their protocols."""
+    from kvbench.listing import group_options
+    from kvbench.methods import PARAMS
     from kvbench.tasks.infinitebench_protocol import TASKS
     from kvbench.tasks.longbench_protocol import DATASETS
 
     return {
-        "method": frozenset(KVBENCH_METHODS),
-        "model": frozenset(KVBENCH_MODELS),
+        "method": frozenset(PARAMS),
+        "model": frozenset(group_options("model")),
+        "task": frozenset(group_options("task")),
         "dataset": frozenset(DATASETS) | frozenset(TASKS) | {AVERAGE},
     }
 
@@ -416,8 +387,8 @@ def _artifact(paper: str, aid: str, spec: Any, source: str, vocab: Mapping[str, 
     for name in models:
         if name not in vocab["model"]:
             raise bad(f"unknown model {name!r} (add it to extra_names.model if it is not a kvbench model)")
-    if spec.get("task") is not None and spec["task"] not in KVBENCH_TASKS:
-        raise bad(f"unknown task {spec['task']!r}; kvbench tasks: {', '.join(KVBENCH_TASKS)}")
+    if spec.get("task") is not None and spec["task"] not in vocab["task"]:
+        raise bad(f"unknown task {spec['task']!r}; kvbench tasks: {', '.join(sorted(vocab['task']))}")
     protocol, fixed = spec.get("protocol") or {}, spec.get("fixed") or {}
     if not isinstance(protocol, dict):
         raise bad("protocol must be a mapping")
