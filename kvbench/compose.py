@@ -5,10 +5,11 @@ cartesian product of every comma list, ``range(...)``, ``glob(...)``), so that e
 and validated before the first one runs. Hydra's parse errors become one line with the fix; the most
 common one, a non-ASCII character in an unquoted value, says how to quote it.
 
-The ``method`` config group has no YAML files: :func:`register_method_configs` builds each
-``method=<name>`` node from its parameter declarations (:mod:`kvbench.methods.params`), so the
-defaults exist once. The nodes are plain dicts (OmegaConf need not understand ``Literal`` or union
-types); :func:`kvbench.methods.validate_method_config` checks the values.
+The ``method`` and ``task`` config groups have no YAML files: :func:`register_method_configs` builds each
+``method=<name>`` and ``task=<name>`` node from its parameter declarations (:mod:`kvbench.methods.params`,
+:mod:`kvbench.tasks.params`), so the defaults exist once. The nodes are plain dicts (OmegaConf need not
+understand ``Literal`` or union types); :func:`kvbench.methods.validate_method_config` and the task's
+constructor check the values.
 """
 
 from __future__ import annotations
@@ -26,15 +27,29 @@ NOT_RUN_KEYS = ("hydra", "reproduce")
 
 
 def register_method_configs() -> None:
-    """Store every method's default node in Hydra's ConfigStore (group ``method``); idempotent.
+    """Store every method's and every task's default node in Hydra's ConfigStore (groups ``method`` and
+    ``task``); idempotent.
     Call before any compose or ``hydra.main``."""
     from hydra.core.config_store import ConfigStore
 
     from kvbench.methods import method_choices, method_node
+    from kvbench.tasks.params import TASK_PARAMS
 
     store = ConfigStore.instance()
     for name in method_choices():
         store.store(group="method", name=name, node=method_node(name))
+    for name in TASK_PARAMS:
+        store.store(group="task", name=name, node=task_node(name))
+
+
+def task_node(name: str) -> dict[str, Any]:
+    """The default config node of ``task=<name>``: ``{"name": name, **defaults}`` from its parameters."""
+    from kvbench.params import defaults
+    from kvbench.tasks.params import TASK_PARAMS
+
+    if name not in TASK_PARAMS:
+        raise ConfigError(f"unknown task {name!r}", f"choose one of: {', '.join(TASK_PARAMS)} (`kvbench list`)")
+    return {"name": name, **defaults(TASK_PARAMS[name])}
 
 
 def compose(overrides: Sequence[str]) -> dict[str, Any]:

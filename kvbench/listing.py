@@ -1,11 +1,11 @@
 """``kvbench list``: the choices of every config group and the parameters of any of them.
 
 One registry answers both ``kvbench list`` and ``kvbench run --help``: :func:`group_options` (the YAML
-files of ``conf/<group>/``, and for methods the declarations of :mod:`kvbench.methods.params` with
-their presets). Nothing here imports torch or a method module, so a listing takes well under two
-seconds: a method's parameters and family come from its ``Params`` declaration, a task's from its
-class's defaults and the comments of ``conf/task/<name>.yaml``, a model's and the shared groups'
-(``budget``, ``profile``, ``store``, ``engine``) from their YAML and its comments.
+files of ``conf/<group>/``; for methods the declarations of :mod:`kvbench.methods.params` with their
+presets, for tasks those of :mod:`kvbench.tasks.params`). Nothing here imports torch or a method or
+task module, so a listing takes well under two seconds: a method's and a task's parameters come from
+their ``Params`` declarations, a model's and the shared groups' (``budget``, ``profile``, ``store``,
+``engine``) from their YAML and its comments.
 """
 
 from __future__ import annotations
@@ -27,11 +27,16 @@ def conf_dir() -> Path:
 
 
 def group_options(group: str) -> list[str]:
-    """The choices of a config group: YAML files, except methods (declared in kvbench.methods.params)."""
+    """The choices of a config group: YAML files, except methods and tasks (declared in
+    kvbench.methods.params and kvbench.tasks.params)."""
     if group == "method":
         from kvbench.methods import method_choices
 
         return method_choices()
+    if group == "task":
+        from kvbench.tasks.params import TASK_PARAMS
+
+        return sorted(TASK_PARAMS)
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
@@ -85,20 +90,16 @@ def method_table(names: Sequence[str]) -> str:
 
 # ---------------------------------------------------------------------- tasks and models
 def task_table(names: Sequence[str]) -> str:
-    """``kvbench list tasks``: per task one row per ``task.<key>``: type, default and the help of its
-    ``conf/task/<name>.yaml`` comment (keys the class takes that the file does not set come after)."""
-    from kvbench.tasks import REGISTRY
+    """``kvbench list tasks``: per task one row per ``task.<key>``: type, default and help, from its
+    declared parameters (:mod:`kvbench.tasks.params`; nothing heavy is imported)."""
+    from kvbench.params import help_rows
+    from kvbench.tasks.params import TASK_PARAMS
 
     blocks = []
     for name in names:
-        cls = REGISTRY.get(name)
-        rows = [row for row in yaml_rows(conf_dir() / "task" / f"{name}.yaml") if row[0] != "name"]
-        seen = {row[0] for row in rows}
-        for key, default in {**cls.defaults, **{k: None for k in cls.common_keys}}.items():
-            if key not in seen and key != "name":
-                rows.append((key, _type_of(default), _text(default), ""))
-        doc = (cls.__doc__ or "").strip().splitlines()
-        blocks.append((f"{name}" + (f": {doc[0]}" if doc else ""), rows))
+        params = TASK_PARAMS[name]
+        doc = (params.__doc__ or "").strip().splitlines()
+        blocks.append((f"{name}" + (f": {doc[0]}" if doc else ""), help_rows(params)))
     return _blocks(blocks)
 
 

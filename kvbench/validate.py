@@ -301,7 +301,7 @@ def check_task(resolved: dict[str, Any]) -> None:
     except (TypeError, ValueError) as exc:
         raise ConfigError(
             f"task {resolved['task']['name']}: a value has the wrong type ({exc})",
-            "compare your task.* overrides with conf/task/" + f"{resolved['task']['name']}.yaml",
+            f"compare your task.* overrides with `kvbench list tasks` ({resolved['task']['name']})",
         ) from None
 
 

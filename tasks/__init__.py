@@ -18,6 +18,7 @@ REGISTRY: Registry[Task] = Registry(
         "scoring",
         "sources",
         "longbench_protocol",
+        "params",
         "infinitebench_protocol",
         "rag_figures",
         "rag_metrics",
@@ -26,7 +27,17 @@ REGISTRY: Registry[Task] = Registry(
         "ruler_protocol",
     },
 )
-register = REGISTRY.register
+
+
+def register(cls: type[Task]) -> type[Task]:
+    """Register a task class; a shipped task (one named in :data:`~kvbench.tasks.params.TASK_PARAMS`) must
+    declare the parameters listed there."""
+    from kvbench.tasks.params import TASK_PARAMS
+
+    listed = TASK_PARAMS.get(cls.name)
+    if listed is not None and cls.Params is not listed:
+        raise TypeError(f"task {cls.name} declares {cls.Params.__name__}, not {listed.__name__} (kvbench.tasks.params)")
+    return REGISTRY.register(cls)
 
 
 def available_tasks() -> list[str]:

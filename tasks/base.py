@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, defaults, parse
 from kvbench.requests import (
     COMPRESSIONS,
     GenerateRequest,
@@ -126,9 +127,12 @@ class Task:
     """Base task: subclasses set ``name`` and implement :meth:`samples` and :meth:`score`."""
 
     name: ClassVar[str] = ""
+    #: the task's parameters (``task.<key>``), declared in :mod:`kvbench.tasks.params` (every shipped task
+    #: names its own); an instance, parsed and checked from the config, is ``self.params``
+    Params: ClassVar[type[Params]] = Params
     #: config keys every task accepts (beyond its own), e.g. ``limit``
     common_keys: ClassVar[tuple[str, ...]] = ("name", "limit", "data_dir", "question_position", "shard")
-    #: the task's own config keys with their defaults
+    #: the task's own config keys with their defaults: its ``Params``' (set for each subclass)
     defaults: ClassVar[dict[str, Any]] = {}
     #: how the run's score averages: ``samples`` (mean over samples) or ``subsets`` (mean of subset means)
     average: ClassVar[str] = "samples"
@@ -150,6 +154,12 @@ class Task:
     #: another value is another run. A task adding an option after recording adds it here
     unrecorded_defaults: ClassVar[dict[str, Any]] = MULTI_QUERY_OPTIONS
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "defaults" in vars(cls):
+            raise TypeError(f"{cls.__name__} sets defaults: declare its Params instead (kvbench.tasks.params)")
+        cls.defaults = defaults(cls.Params)  # (one declaration: the Params' defaults)
+
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         cfg = dict(cfg or {})
         unknown = sorted(set(cfg) - set(self.common_keys) - set(self.defaults))
@@ -158,6 +168,10 @@ class Task:
                 f"task {self.name} has no option(s) {', '.join(unknown)}",
                 f"valid task.* keys: {', '.join(sorted(set(self.common_keys) | set(self.defaults)))}",
             )
+        #: the parameters, typed and checked (a wrong type, choice or range is one line naming the key)
+        self.params = parse(
+            self.Params, {k: v for k, v in cfg.items() if k in self.defaults}, owner=f"task {self.name}", prefix="task."
+        )
         self.cfg = {**self.defaults, **cfg}
         limit = self.cfg.get("limit")
         if limit is not None and int(limit) < 1:

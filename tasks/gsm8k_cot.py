@@ -32,6 +32,7 @@ from typing import Any
 from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.params import Gsm8kCotParams
 from kvbench.tasks.sources import data_dir, find_file, hub_rows, read_jsonl
 
 # Wei et al. (2022), "Chain-of-thought prompting elicits reasoning in large language models", the
@@ -110,26 +111,10 @@ def extract(text: str, rule: str) -> float | None:
 @register
 class GSM8kCoT(Task):
     name = "gsm8k_cot"
-    defaults = {
-        "protocol": "pqcache",
-        "split": "test",
-        "max_new_tokens": 256,
-        "use_template": False,
-        "extraction": None,
-        "question_position": "end",
-    }
+    Params = Gsm8kCotParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        if self.cfg["protocol"] not in ("pqcache", "wei8"):
-            raise ConfigError(f"unknown task.protocol {self.cfg['protocol']!r}", "use pqcache or wei8")
-        if self.cfg["extraction"] not in (None, "answer_is", "last_number"):
-            raise ConfigError(
-                f"unknown task.extraction {self.cfg['extraction']!r}",
-                "use answer_is, last_number, or null (the protocol's own)",
-            )
-        if self.cfg["question_position"] not in ("end", "start"):
-            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
         self._exemplars: str | None = None
 
     @property

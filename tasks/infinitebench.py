@@ -64,6 +64,7 @@ from kvbench.tasks.infinitebench_protocol import (
     TASKS,
     infllm_conv,
 )
+from kvbench.tasks.params import InfiniteBenchParams
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -169,20 +170,7 @@ class Generator:
 class InfiniteBench(Task):
     name = "infinitebench"
     average = "subsets"
-    defaults = {
-        "subsets": ["passkey"],
-        "protocol": "open",
-        "max_length": None,
-        "max_new_tokens": None,
-        "scorer_version": "2024-08",
-        "generate": None,
-        "lengths": [4096],
-        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
-        "length_unit": "tokens",
-        "seed": 0,
-        "file": None,
-        "question_position": "end",
-    }
+    Params = InfiniteBenchParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
@@ -193,12 +181,6 @@ class InfiniteBench(Task):
         unknown = [n for n in self.names if n not in TASKS]
         if unknown:
             raise ConfigError(f"unknown InfiniteBench task(s) {', '.join(unknown)}", f"use {', '.join(TASKS)}")
-        if self.cfg["protocol"] not in PROTOCOLS:
-            raise ConfigError(f"unknown task.protocol {self.cfg['protocol']!r}", f"use {', '.join(PROTOCOLS)}")
-        if self.cfg["length_unit"] not in ("tokens", "infinitebench"):
-            raise ConfigError(f"task.length_unit={self.cfg['length_unit']!r}", "use tokens or infinitebench")
-        if self.cfg["question_position"] not in ("end", "start"):
-            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
         self.protocol_cfg = PROTOCOLS[self.cfg["protocol"]]
         self.generating = self.cfg["generate"] if self.cfg["generate"] is not None else not self.cfg.get("data_dir")
         if self.generating:

@@ -53,6 +53,7 @@ from kvbench.tasks.longbench_protocol import (
     Dataset,
     pqcache_chat_style,
 )
+from kvbench.tasks.params import LongBenchParams
 from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
 
 HUB = "THUDM/LongBench"  # the data set on the Hugging Face hub (when task.data_dir is unset)
@@ -109,14 +110,7 @@ def pqcache_ids(model: Any, prompt: str) -> tuple[list[int], str] | None:
 class LongBench(Task):
     name = "longbench"
     average = "subsets"
-    defaults = {
-        "subsets": ["multi_news"],
-        "e": False,
-        "protocol": "official",
-        "max_length": None,
-        "config_dir": None,
-        "question_position": "end",
-    }
+    Params = LongBenchParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
@@ -135,12 +129,6 @@ class LongBench(Task):
             missing = [n for n in names if not DATASETS[n].in_e]
             if missing:
                 raise ConfigError(f"LongBench-E has no {', '.join(missing)}", "use task.subsets=[e] or drop those")
-        if self.cfg["protocol"] not in LENGTH_LIMITS:
-            raise ConfigError(
-                f"unknown task.protocol {self.cfg['protocol']!r}", f"use one of {', '.join(LENGTH_LIMITS)}"
-            )
-        if self.cfg["question_position"] not in ("end", "start"):
-            raise ConfigError(f"task.question_position={self.cfg['question_position']!r}", "use end or start")
         if self.cfg["question_position"] == "start":
             others = [n for n in names if n not in QA]
             if others:

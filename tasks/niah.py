@@ -44,12 +44,8 @@ from kvbench.errors import ConfigError
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame
+from kvbench.tasks.params import ANSWER, NiahParams
 
-NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
-QUESTION = "What is the best thing to do in San Francisco?"
-ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
-INSTRUCTION = "Don't give information outside the document or repeat your findings"
-SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 SCORERS = ("rouge1_recall", "rouge1_f", "substring")
 PLACEHOLDER = "\u0000KVBENCH_HAYSTACK\u0000"
 #: the needles after the configured one for ``needles > 1``: (city, answer, key phrase for ``substring``)
@@ -77,21 +73,7 @@ class Needle:
 @register
 class NeedleInAHaystack(Task):
     name = "niah"
-    defaults = {
-        "lengths": [1024, 2048, 4096],
-        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
-        "question_position": "end",
-        "needle": NEEDLE,
-        "question": QUESTION,
-        "answer": ANSWER,
-        "instruction": INSTRUCTION,
-        "system_prompt": SYSTEM,
-        "max_new_tokens": 48,
-        "scorer": "rouge1_recall",
-        "haystack": "paul_graham_essays",
-        "needles": 1,
-        **MULTI_QUERY_OPTIONS,
-    }
+    Params = NiahParams
     unrecorded_defaults = {**MULTI_QUERY_OPTIONS, "needles": 1}
 
     def __init__(self, cfg: Any = None) -> None:
@@ -104,12 +86,6 @@ class NeedleInAHaystack(Task):
             )
         if not depths or min(depths) < 0 or max(depths) > 1:
             raise ConfigError(f"task.depths={depths} must lie in [0, 1]", "e.g. task.depths=[0,0.5,1]")
-        if self.cfg["question_position"] not in ("end", "start"):
-            raise ConfigError(
-                f"task.question_position={self.cfg['question_position']!r} is not end or start", "use end or start"
-            )
-        if self.cfg["scorer"] not in SCORERS:
-            raise ConfigError(f"unknown task.scorer {self.cfg['scorer']!r}", f"use one of {', '.join(SCORERS)}")
         count = self.cfg["needles"]
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1 + len(EXTRA_NEEDLES):
             raise ConfigError(

@@ -37,6 +37,7 @@ from kvbench.errors import ConfigError
 from kvbench.requests import Output, Request, ScoreRequest
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
+from kvbench.tasks.params import Pg19Params
 from kvbench.tasks.sources import data_dir, hub_rows
 
 HUB = "deepmind/pg19"  # the data set on the Hugging Face hub (when task.data_dir is unset)
@@ -46,22 +47,10 @@ WHERE = "the PG-19 test set (deepmind/pg19 on the hub, or github.com/google-deep
 @register
 class PG19(Task):
     name = "pg19"
-    defaults = {
-        "lengths": [1024],
-        "prefix": 1,
-        "mode": "sweep",
-        "eval_every": 64,
-        "source": "data_dir",
-        "book": None,
-        "encoding": "utf-8",
-    }
+    Params = Pg19Params
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        if self.cfg["mode"] not in ("sweep", "fresh_prefill"):
-            raise ConfigError(f"unknown task.mode {self.cfg['mode']!r}", "use sweep or fresh_prefill")
-        if self.cfg["source"] not in ("data_dir", "shakespeare", "hub"):
-            raise ConfigError(f"unknown task.source {self.cfg['source']!r}", "use data_dir, shakespeare or hub")
         self.lengths = [int(x) for x in self.cfg["lengths"]]
         prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
         if prefix < 1 or every < 1 or not self.lengths or min(self.lengths) <= prefix + 1:

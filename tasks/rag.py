@@ -79,12 +79,14 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError
 from kvbench.figures.rag import FIGURE_KINDS
 from kvbench.figures.rag_system import SYSTEM_FIGURE_KINDS
+from kvbench.params import Params
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
+from kvbench.tasks.params import RagParams
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
-from kvbench.tasks.rag_retrieval import RETRIEVERS, rechunk, retriever, top_k
+from kvbench.tasks.rag_retrieval import rechunk, retriever, top_k
 from kvbench.tasks.sources import check_jsonl, json_kind, missing_folder, read_json, read_json_rows
 
 PLACEHOLDER = "\u0000KVBENCH_RAG_USER\u0000"
@@ -240,16 +242,7 @@ class Rag(Task):
     name = "rag"
     chunked = True
     figure_kinds: ClassVar[tuple[str, ...]] = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
-    defaults = {
-        "dataset": "musique",
-        "chunk_tokens": None,
-        "top_k": None,
-        "retriever": "minilm",
-        "max_length": None,
-        "pipeline": "stuff",
-        "map_tokens": None,
-        "rerank_score": "free",
-    }
+    Params: ClassVar[type[Params]] = RagParams
     #: ``rerank_score`` joined after runs existed: at its default it stays out of the run id
     unrecorded_defaults: ClassVar[dict[str, Any]] = {**Task.unrecorded_defaults, "rerank_score": "free"}
 
@@ -261,14 +254,6 @@ class Rag(Task):
         self.dataset = DATASETS[name]
         if self.cfg.get("question_position") not in (None, "end"):
             raise ConfigError("task rag always asks the question after the passages", "drop task.question_position")
-        for key in ("chunk_tokens", "top_k", "max_length"):
-            value = self.cfg[key]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"task.{key}={value!r} must be a positive integer or null", f"e.g. task.{key}=null")
-        if self.cfg["retriever"] not in RETRIEVERS:
-            raise ConfigError(
-                f"unknown task.retriever {self.cfg['retriever']!r}", f"use one of {', '.join(RETRIEVERS)}"
-            )
         if self.cfg["top_k"] is not None and name == "multi_news":
             raise ConfigError(
                 "task.top_k needs a question to retrieve by, and multi_news has none",

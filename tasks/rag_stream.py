@@ -114,17 +114,22 @@ from typing import Any
 import numpy as np
 
 from kvbench.errors import ConfigError
+from kvbench.params import defaults
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, T
+from kvbench.tasks.params import RagStreamParams
 from kvbench.tasks.rag import Rag, RawSample
 from kvbench.tasks.rag_retrieval import retriever
 
 POPULARITIES = ("repeat", "zipf")
-#: Zipf exponent over the questions: the top 5 % of chunks in about 60 % of requests at the defaults
-ZIPF_S = 2.0
-#: the keys of the zipf stream (issue 43) at the values the task had before them: at popularity=repeat
-#: they leave a run's id and recorded config as they were (:meth:`RagStream.recorded_config`)
-STREAM_KEYS: dict[str, Any] = {"popularity": "repeat", "zipf_s": ZIPF_S, "requests": 200, "candidates": 10}
+#: the keys of the zipf stream (issue 43) at their declared defaults (:class:`RagStreamParams`), the values
+#: the task had before them: at popularity=repeat they leave a run's id and recorded config as they were
+#: (:meth:`RagStream.recorded_config`). zipf_s = 2.0: the top 5 % of chunks in about 60 % of requests
+STREAM_KEYS: dict[str, Any] = {
+    key: value
+    for key, value in defaults(RagStreamParams).items()
+    if key in ("popularity", "zipf_s", "requests", "candidates")
+}
 #: the share of the most requested chunks that :func:`stream_stats` reports on (the paper's top 5 %)
 TOP_SHARE = 0.05
 
@@ -221,41 +226,22 @@ def popularity_ranks(chunk_sets: list[list[str]]) -> dict[str, int]:
 @register
 class RagStream(Rag):
     name = "rag_stream"
-    defaults = {
-        **Rag.defaults,
-        "repeats": 4,
-        "seed": 0,
-        "warmup": 20,
-        "shuffle_chunks": True,
-        **STREAM_KEYS,
-    }
+    Params = RagStreamParams
     figure_kinds = ()
     shares_chunk_store = False  # every run starts on an empty store, also inside a sweep
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg)
-        for key, low in (("repeats", 1), ("warmup", 0), ("seed", 0), ("requests", 1), ("candidates", 1)):
-            value = self.cfg[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"task.{key}={value!r} must be an integer >= {low}", f"e.g. task.{key}={max(low, 1)}")
-        if not isinstance(self.cfg["shuffle_chunks"], bool):
-            raise ConfigError(
-                f"task.shuffle_chunks={self.cfg['shuffle_chunks']!r} must be true or false",
-                "use task.shuffle_chunks=true",
-            )
+        super().__init__(cfg)  # (types, choices and ranges: RagStreamParams)
         if self.cfg["pipeline"] != "stuff":
             raise ConfigError("task rag_stream serves single prompts", "drop task.pipeline (or use task=rag)")
         self._check_popularity()
 
     def _check_popularity(self) -> None:
         cfg, popularity = self.cfg, self.cfg["popularity"]
-        if popularity not in POPULARITIES:
+        if not math.isfinite(cfg["zipf_s"]):
             raise ConfigError(
-                f"unknown task.popularity {popularity!r}", "use task.popularity=repeat or task.popularity=zipf"
+                f"task.zipf_s={cfg['zipf_s']!r} must be finite", f"e.g. task.zipf_s={STREAM_KEYS['zipf_s']}"
             )
-        s = cfg["zipf_s"]
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
-            raise ConfigError(f"task.zipf_s={s!r} must be a number >= 0", f"e.g. task.zipf_s={ZIPF_S}")
         if popularity == "repeat":
             moved = [key for key in ("zipf_s", "requests", "candidates") if cfg[key] != STREAM_KEYS[key]]
             if moved:

@@ -73,7 +73,8 @@ import numpy as np
 from kvbench.errors import ConfigError, note
 from kvbench.requests import Segment
 from kvbench.tasks import register
-from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame, multi_query_metrics
+from kvbench.tasks.base import Sample, SampleQuery, Task, followup_frame, multi_query_metrics
+from kvbench.tasks.params import RulerParams
 from kvbench.tasks.ruler_data import (
     WONDERWORDS_VERSION,
     Draw,
@@ -158,17 +159,7 @@ class Ruler(Task):
     # a sweep split into one run per length draws one curve per method, also when the lengths were run
     # with different sample counts (a draw depends only on seed, task, length and index)
     figure_joins = ("lengths", "num_samples")
-    defaults = {
-        "subsets": list(TASKS),
-        "lengths": [4096, 8192],
-        "num_samples": 20,
-        "seed": 42,
-        "haystack": "paul_graham_essays",
-        "chat_template": True,
-        "generator_version": GENERATOR_VERSION,
-        "question_position": "end",
-        **MULTI_QUERY_OPTIONS,
-    }
+    Params = RulerParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)

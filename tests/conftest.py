@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.cli import conf_dir
+from kvbench.compose import task_node
 from kvbench.methods import method_node
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,7 +140,7 @@ def niah_run_config(output_dir: Path, essays: Path, method: str = "full", **extr
     cfg = {
         "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),
         "method": method_node(method),
-        "task": OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "niah.yaml")),
+        "task": task_node("niah"),
         "budget": OmegaConf.to_container(base.budget),
         "profile": OmegaConf.to_container(base.profile),
         "output_dir": str(output_dir),

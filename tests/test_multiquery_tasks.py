@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench.cli import conf_dir
+from kvbench.compose import task_node
 from kvbench.errors import ConfigError
 from kvbench.results import run_id_for
 from kvbench.tasks import create_task
@@ -250,7 +251,7 @@ def test_ruler_multi_query_run_reports_per_task_by_question(tiny_llama, ruler_es
     from kvbench.runner import run
 
     base = OmegaConf.load(conf_dir() / "config.yaml")
-    task = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "ruler.yaml"))
+    task = task_node("ruler")
     task.update(
         subsets=["niah_multikey_1", "fwe"],
         lengths=[1024],

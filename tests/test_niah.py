@@ -2,7 +2,8 @@ import pytest
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import create_task
-from kvbench.tasks.niah import ANSWER, NEEDLE, _insert
+from kvbench.tasks.niah import _insert
+from kvbench.tasks.params import ANSWER, NEEDLE
 
 
 @pytest.fixture

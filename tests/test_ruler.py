@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench.cli import conf_dir
+from kvbench.compose import task_node
 from kvbench.errors import ConfigError
 from kvbench.tasks import create_task
 from kvbench.tasks.ruler import GENERATOR_VERSION, Ruler, largest_fitting
@@ -308,13 +309,13 @@ def test_sample_ids_without_a_model(tiny_llama, essay_dir, capsys):
 
 
 def test_every_generator_input_is_in_the_config():
-    """The run id hashes the resolved config, so the yaml must carry every input of the generators."""
-    yaml = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "ruler.yaml"))
+    """The run id hashes the resolved config, so the task's node must carry every input of the generators."""
+    node = task_node("ruler")
     inputs = ("seed", "lengths", "num_samples", "subsets", "haystack", "chat_template", "generator_version", "data_dir")
-    assert all(key in yaml for key in inputs)
-    assert {k: yaml[k] for k in Ruler.defaults} == Ruler.defaults
+    assert all(key in node for key in inputs)
+    assert {k: node[k] for k in Ruler.defaults} == Ruler.defaults
     optional = {"shard"}  # task.shard=i/n is added on the command line (+task.shard) and absent otherwise
-    assert set(yaml) == set(Ruler.defaults) | (set(Ruler.common_keys) - optional)
+    assert set(node) == set(Ruler.defaults) | (set(Ruler.common_keys) - optional)
 
 
 def test_config_errors(tiny_llama, essay_dir):
@@ -384,7 +385,7 @@ def test_run_through_the_runner(tiny_llama, essay_dir, tmp_path):
     from kvbench.runner import run
 
     base = OmegaConf.load(conf_dir() / "config.yaml")
-    task = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "ruler.yaml"))
+    task = task_node("ruler")
     task.update(subsets=["fwe", "qa_1"], lengths=[1024], num_samples=1, haystack=str(essay_dir))  # fwe: 50 new tokens
     cfg = {
         "model": OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "tiny_llama.yaml")),

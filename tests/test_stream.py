@@ -75,18 +75,18 @@ def test_rate_grid_spans_light_load_to_overload():
 
 
 # ---------------------------------------------------------------------- the rag_stream task
+#: the stream over musique with each passage one chunk and every passage retrieved (the task's defaults are
+#: CacheBlend Fig. 14's 2WikiMQA, 512-token chunks, top 6)
+WHOLE_PASSAGES = {"name": "rag_stream", "dataset": "musique", "chunk_tokens": None, "top_k": None}
+
+
 def test_the_stream_repeats_questions_in_a_seeded_order_with_shuffled_chunks(tiny_llama, qa_dir):  # noqa: F811
-    task = create_task(
-        {"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "repeats": 3, "warmup": 2, "seed": 5}
-    )
+    task = create_task({**WHOLE_PASSAGES, "data_dir": str(qa_dir), "repeats": 3, "warmup": 2, "seed": 5})
     ids = task.sample_ids()
     assert sorted(ids) == sorted(f"musique-{q}~{k}" for q in range(2) for k in range(3))
     assert (
         ids != sorted(ids)
-        and ids
-        == create_task(
-            {"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "repeats": 3, "seed": 5}
-        ).sample_ids()
+        and ids == create_task({**WHOLE_PASSAGES, "data_dir": str(qa_dir), "repeats": 3, "seed": 5}).sample_ids()
     )
     samples = list(task.samples(tiny_llama))
     assert [s.id for s in samples] == ids
@@ -97,9 +97,7 @@ def test_the_stream_repeats_questions_in_a_seeded_order_with_shuffled_chunks(tin
     orders = [s.meta["chunk_order"] for s in first]
     assert len({tuple(o) for o in orders}) > 1 and all(sorted(o) == list(range(6)) for o in orders)  # ... reordered
     assert [seg.role for seg in first[0].segments] == ["prefix"] + ["chunk"] * 6 + ["query"]
-    limited = create_task(
-        {"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), "limit": 1, "repeats": 2}
-    )
+    limited = create_task({**WHOLE_PASSAGES, "data_dir": str(qa_dir), "limit": 1, "repeats": 2})
     assert sorted(limited.sample_ids()) == ["musique-0~0", "musique-0~1"]  # limit counts questions
 
 
@@ -114,7 +112,7 @@ def test_the_stream_repeats_questions_in_a_seeded_order_with_shuffled_chunks(tin
 )
 def test_bad_stream_settings_are_refused(cfg, needle, qa_dir):  # noqa: F811
     with pytest.raises(ConfigError, match=needle):
-        create_task({"name": "rag_stream", "dataset": "musique", "data_dir": str(qa_dir), **cfg})
+        create_task({**WHOLE_PASSAGES, "data_dir": str(qa_dir), **cfg})
 
 
 def test_a_stream_run_keeps_one_store_so_repeated_chunks_are_computed_once(tmp_path, qa_dir):  # noqa: F811

@@ -1,0 +1,115 @@
+"""Task parameters declared once (kvbench.tasks.params): the config nodes, the checks, the records.
+
+* every registered task declares the parameters listed in ``TASK_PARAMS``, its defaults are theirs, and
+  Hydra's ``task=<name>`` node is built from them (there is no ``conf/task/*.yaml``);
+* the ``Literal`` choices agree with the task modules' own tuples;
+* a wrong type, choice or range is one ``ConfigError`` naming the key, before any data or model loads;
+* every recorded run (``benchmarks/records``, ``results``) is what today's node gives with the record's
+  values: the node adds no key a record lacks (except at a key's legacy value), so no run id moves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+import pytest
+import yaml
+
+from kvbench.compose import compose, task_node
+from kvbench.errors import ConfigError
+from kvbench.params import defaults
+from kvbench.results import run_id_for
+from kvbench.tasks import REGISTRY, create_task
+from kvbench.tasks.params import TASK_PARAMS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_task_declares_its_listed_parameters():
+    assert sorted(TASK_PARAMS) == REGISTRY.names()
+    for name, params in TASK_PARAMS.items():
+        cls = REGISTRY.get(name)
+        assert cls.Params is params
+        assert cls.defaults == defaults(params)
+        assert task_node(name) == {"name": name, **defaults(params)}
+    assert not (REPO / "conf" / "task").exists()
+
+
+def test_hydra_composes_the_declared_node():
+    resolved = compose(["task=ruler", "task.num_samples=3"])
+    assert resolved["task"] == {**task_node("ruler"), "num_samples": 3}
+
+
+def test_a_task_that_sets_its_defaults_instead_of_params_is_refused():
+    from kvbench.tasks.base import Task
+
+    with pytest.raises(TypeError, match="declare its Params"):
+        type("Loose", (Task,), {"name": "loose", "defaults": {"x": 1}})
+
+
+def test_the_choices_agree_with_the_task_modules():
+    from kvbench.requests import COMPRESSIONS
+    from kvbench.tasks.infinitebench_protocol import PROTOCOLS
+    from kvbench.tasks.longbench_protocol import LENGTH_LIMITS
+    from kvbench.tasks.metrics_infinitebench import VERSIONS
+    from kvbench.tasks.niah import SCORERS
+    from kvbench.tasks.params import RULER_TASKS
+    from kvbench.tasks.rag_pipelines import PIPELINES, RERANK_SCORES
+    from kvbench.tasks.rag_retrieval import RETRIEVERS
+    from kvbench.tasks.rag_stream import POPULARITIES
+    from kvbench.tasks.ruler_protocol import TASKS
+
+    p = TASK_PARAMS
+    assert set(get_args(get_type_hints(p["niah"])["scorer"])) == set(SCORERS)
+    assert set(get_args(get_type_hints(p["niah"])["compression"])) == set(COMPRESSIONS)
+    assert set(get_args(get_type_hints(p["rag"])["retriever"])) == set(RETRIEVERS)
+    assert set(get_args(get_type_hints(p["rag"])["pipeline"])) == set(PIPELINES)
+    assert set(get_args(get_type_hints(p["rag"])["rerank_score"])) == set(RERANK_SCORES)
+    assert set(get_args(get_type_hints(p["rag_stream"])["popularity"])) == set(POPULARITIES)
+    assert set(get_args(get_type_hints(p["infinitebench"])["protocol"])) == set(PROTOCOLS)
+    assert set(get_args(get_type_hints(p["infinitebench"])["scorer_version"])) == set(VERSIONS)
+    assert set(get_args(get_type_hints(p["longbench"])["protocol"])) == set(LENGTH_LIMITS)
+    assert RULER_TASKS == tuple(TASKS)
+
+
+@pytest.mark.parametrize(
+    "cfg,message",
+    [
+        ({"name": "niah", "scorer": "bleu"}, "task.scorer=bleu is not one of 'rouge1_recall', 'rouge1_f', 'substring'"),
+        ({"name": "niah", "depths": [0.5, 1.5]}, "task.depths=1.5 is out of range"),
+        ({"name": "niah", "max_new_tokens": 0}, "task.max_new_tokens=0 is out of range"),
+        ({"name": "rag", "top_k": "six"}, "task.top_k=six is not an integer or null"),
+        ({"name": "pg19", "mode": "fresh"}, "task.mode=fresh is not one of 'sweep', 'fresh_prefill'"),
+        ({"name": "ruler", "keep_answers": "yes"}, "task.keep_answers=yes is not true or false"),
+        ({"name": "longbench", "protocol": "loose"}, "task.protocol=loose is not one of"),
+        ({"name": "gsm8k_cot", "limit": 0}, "task.limit=0 is out of range"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_key(cfg, message):
+    with pytest.raises(ConfigError) as caught:
+        create_task(cfg)
+    assert message in caught.value.message and "\n" not in caught.value.message
+    assert caught.value.fix
+
+
+def _recorded_configs() -> list[Path]:
+    roots = [REPO / "benchmarks" / "records", REPO / "results"]
+    return sorted(p for root in roots if root.is_dir() for p in root.rglob("config.yaml"))
+
+
+def test_every_recorded_run_is_what_todays_node_gives_with_its_values():
+    """Today's node with a record's task values (``{**node, **recorded}``) identifies the same run as the
+    record: the node holds no key the record lacks, except keys at their legacy value."""
+    checked = 0
+    for path in _recorded_configs():
+        resolved = yaml.safe_load(path.read_text())
+        if not isinstance(resolved, dict) or not isinstance(resolved.get("task"), dict):
+            continue
+        task = resolved["task"]
+        if task.get("name") not in TASK_PARAMS:
+            continue
+        today = {**resolved, "task": {**task_node(task["name"]), **task}}
+        assert run_id_for(today) == run_id_for(resolved), path
+        checked += 1
+    assert checked >= 100, checked  # (the records are there: the test has something to check)
