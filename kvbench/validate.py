@@ -46,12 +46,19 @@ BUDGET_TYPES: dict[str, tuple[tuple[type, ...], bool, float | None, str]] = {
     "compensate": ((bool,), False, None, "budget.compensate=true"),
 }
 
-#: tasks whose prompts are exactly ``task.lengths`` tokens, so a length the model cannot hold is known
-#: before loading it; the value gives the tokens a sample needs beyond its length (its generation)
-EXACT_LENGTH_TASKS: dict[str, Callable[[dict[str, Any]], int]] = {
-    "niah": lambda task: int(task.get("max_new_tokens") or 0),  # the prompt is L tokens, template included
-    "pg19": lambda task: 0,  # a teacher-forced pass over L tokens of the book
-}
+
+
+def exact_length_extra(task: dict[str, Any]) -> Callable[[dict[str, Any]], int] | None:
+    """For a task whose prompts are exactly ``task.lengths`` tokens (its parameters say so:
+    ``exact_lengths``), the tokens a sample needs beyond its length: its generation, ``max_new_tokens``
+    where the task has the key (NIAH), else none (PG19's teacher-forced pass over L tokens). ``None`` for
+    any other task: a length the model cannot hold is then found when the prompt is built."""
+    from kvbench.tasks.params import TASK_PARAMS
+
+    params = TASK_PARAMS.get(str(task.get("name")))
+    if params is None or not getattr(params, "exact_lengths", False):
+        return None
+    return lambda cfg: int(cfg.get("max_new_tokens") or 0)
 
 
 # ---------------------------------------------------------------------- config-only checks
@@ -461,7 +468,7 @@ def looks_like_path(text: str) -> bool:
 
 def check_lengths(resolved: dict[str, Any]) -> None:
     task, model = resolved["task"], resolved["model"]
-    extra = EXACT_LENGTH_TASKS.get(task["name"])
+    extra = exact_length_extra(task)
     limit = model_max_length(model)
     generate = task.get("max_new_tokens")
     if limit is not None and isinstance(generate, int) and generate >= limit:
@@ -595,7 +602,7 @@ def check_method_budget(resolved: dict[str, Any]) -> None:
             "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
         )
     task = resolved["task"]
-    extra = EXACT_LENGTH_TASKS.get(task["name"])
+    extra = exact_length_extra(task)
     sink = budget.sink if budget.sink is not None else method.defaults().sink
     limit = model_max_length(resolved["model"])
     if limit is not None and sink >= limit:

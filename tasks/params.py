@@ -23,7 +23,7 @@ The ``Literal`` choices repeat tuples of the task modules (``SCORERS``, ``RETRIE
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from kvbench.params import Params, param
 
@@ -84,6 +84,10 @@ class MultiQueryParams(Params):
 @dataclass(frozen=True)
 class NiahParams(MultiQueryParams):
     """Needle in a haystack on Paul Graham essays (Kamradt; PQCache Fig. 9)."""
+
+    #: prompts are exactly ``lengths`` tokens, template included (kvbench.validate checks them against the
+    #: model before it loads, with ``max_new_tokens`` on top)
+    exact_lengths: ClassVar[bool] = True
 
     lengths: tuple[int, ...] = param((1024, 2048, 4096), "whole-prompt lengths in tokens", min=1)
     depths: tuple[float, ...] = param(
@@ -187,6 +191,9 @@ class LongBenchParams(Params):
 @dataclass(frozen=True)
 class Pg19Params(Params):
     """Book perplexity under a KV budget, decode mode (ClusterKV Fig. 10)."""
+
+    #: a teacher-forced pass over exactly ``lengths`` tokens of the book
+    exact_lengths: ClassVar[bool] = True
 
     lengths: tuple[int, ...] = param((1024,), "tokens per evaluation (prefix + scored tokens)", min=1)
     prefix: int = param(1, "densely prefilled tokens before teacher forcing starts", min=1)

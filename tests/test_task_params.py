@@ -113,3 +113,13 @@ def test_every_recorded_run_is_what_todays_node_gives_with_its_values():
         assert run_id_for(today) == run_id_for(resolved), path
         checked += 1
     assert checked >= 100, checked  # (the records are there: the test has something to check)
+
+
+def test_the_tasks_with_exact_prompt_lengths_say_so_in_their_parameters():
+    from kvbench.validate import exact_length_extra
+
+    exact = {name for name, params in TASK_PARAMS.items() if getattr(params, "exact_lengths", False)}
+    assert exact == {"niah", "pg19"}
+    assert exact_length_extra(task_node("niah"))(task_node("niah")) == 48  # its generation on top
+    assert exact_length_extra(task_node("pg19"))(task_node("pg19")) == 0
+    assert exact_length_extra(task_node("ruler")) is None
