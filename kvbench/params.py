@@ -53,6 +53,13 @@ class Params:
         """Rules that involve several fields; raise :class:`ConfigError` (its message without the
         owner's name: :func:`parse` prefixes it)."""
 
+    @classmethod
+    def identity(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` (a config node of this component) as they identify a run: without the keys at their
+        legacy value (:func:`identity_values`). A component whose legacy values depend on another key (a
+        key that only means something in a new mode) overrides it."""
+        return identity_values(cls, values)
+
 
 _NO_LEGACY = object()
 

@@ -85,35 +85,21 @@ def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> s
 
 
 def identity(resolved: dict[str, Any]) -> dict[str, Any]:
-    """``resolved`` as it identifies a run: the method node without the keys at their legacy value
-    (:func:`kvbench.params.identity_values`) and the task node without the options its task added after
-    runs were recorded, at the values that reproduce those runs (:meth:`kvbench.tasks.base.Task.recorded_config`),
-    so a run recorded before a key existed and the same run with the key at that value are one run."""
-    task = resolved.get("task")
-    if isinstance(task, dict):
-        cls = _task_class(task.get("name"))
-        if cls is not None:
-            resolved = {**resolved, "task": cls.recorded_config(task)}
-    method = resolved.get("method")
-    if not isinstance(method, dict):
-        return resolved
+    """``resolved`` as it identifies a run: the method and task nodes without the keys added after runs were
+    recorded that sit at their legacy value (declared with their parameters, :meth:`kvbench.params.Params.identity`;
+    :mod:`kvbench.methods.params`, :mod:`kvbench.tasks.params`), so a run recorded before a key existed and
+    the same run with the key at that value are one run. Nothing heavy is imported."""
     from kvbench.methods.params import PARAMS
-    from kvbench.params import identity_values
+    from kvbench.tasks.params import TASK_PARAMS
 
-    params = PARAMS.get(str(method.get("name")))
-    if params is None:
-        return resolved
-    return {**resolved, "method": identity_values(params, method)}
-
-
-def _task_class(name: Any) -> Any:
-    """The registered task class called ``name``; None for a name no task has (an old or foreign record)."""
-    from kvbench.tasks import REGISTRY
-
-    try:
-        return REGISTRY.get(name)
-    except ConfigError:
-        return None
+    for group, declared in (("task", TASK_PARAMS), ("method", PARAMS)):
+        node = resolved.get(group)
+        if not isinstance(node, dict):
+            continue
+        params = declared.get(str(node.get("name")))
+        if params is not None:
+            resolved = {**resolved, group: params.identity(dict(node))}
+    return resolved
 
 
 def run_id_for(resolved: dict[str, Any]) -> str:

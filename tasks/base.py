@@ -148,11 +148,6 @@ class Task:
     #: whether the runs of a sweep may share one chunk store (:func:`kvbench.kv.chunks.run_store`);
     #: false for a task whose runs must each start on an empty store (a request stream)
     shares_chunk_store: ClassVar[bool] = True
-    #: the legacy values of the options added after runs were recorded (the values that reproduce what
-    #: those runs did): at these values they are left out of a run's recorded config and of its id
-    #: (:meth:`recorded_config`), so runs made before the option existed keep their ids and resume, and
-    #: another value is another run. A task adding an option after recording adds it here
-    unrecorded_defaults: ClassVar[dict[str, Any]] = MULTI_QUERY_OPTIONS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -217,12 +212,12 @@ class Task:
 
     @classmethod
     def recorded_config(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
-        """``cfg`` without the options of :attr:`unrecorded_defaults` that sit at those values: the task's
-        legacy hook, applied to what :mod:`kvbench.runner` records and to every run id and resume check
-        (:func:`kvbench.results.identity`). A task whose legacy values depend on other options (a key that
-        only means something in a new mode) overrides it."""
-        skip = cls.unrecorded_defaults
-        return {key: value for key, value in cfg.items() if not (key in skip and value == skip[key])}
+        """``cfg`` without the options added after runs were recorded that sit at their legacy values (the
+        values that reproduce those runs, declared with the parameters: ``legacy=``, or a ``Params.identity``
+        override for a key that only means something in a new mode): what :mod:`kvbench.runner` records,
+        and what every run id and resume check hashes (:func:`kvbench.results.identity`). Runs made before
+        an option existed keep their ids and resume; another value is another run."""
+        return cls.Params.identity(dict(cfg))
 
     # ------------------------------------------------------------------ data and prompts
     def sample_ids(self) -> list[str] | None:

@@ -43,7 +43,7 @@ from typing import Any
 from kvbench.errors import ConfigError
 from kvbench.requests import Segment
 from kvbench.tasks import register
-from kvbench.tasks.base import MULTI_QUERY_OPTIONS, Sample, SampleQuery, Task, followup_frame
+from kvbench.tasks.base import Sample, SampleQuery, Task, followup_frame
 from kvbench.tasks.params import ANSWER, NiahParams
 
 SCORERS = ("rouge1_recall", "rouge1_f", "substring")
@@ -74,7 +74,6 @@ class Needle:
 class NeedleInAHaystack(Task):
     name = "niah"
     Params = NiahParams
-    unrecorded_defaults = {**MULTI_QUERY_OPTIONS, "needles": 1}
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)

@@ -244,7 +244,6 @@ class Rag(Task):
     figure_kinds: ClassVar[tuple[str, ...]] = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
     Params: ClassVar[type[Params]] = RagParams
     #: ``rerank_score`` joined after runs existed: at its default it stays out of the run id
-    unrecorded_defaults: ClassVar[dict[str, Any]] = {**Task.unrecorded_defaults, "rerank_score": "free"}
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)

@@ -105,7 +105,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from itertools import islice
 from pathlib import Path
@@ -272,16 +272,6 @@ class RagStream(Rag):
     @property
     def zipf(self) -> bool:
         return self.cfg["popularity"] == "zipf"
-
-    @classmethod
-    def recorded_config(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
-        """As :meth:`Task.recorded_config`, and at ``popularity=repeat`` (the stream recorded before the
-        zipf stream's keys existed) without those keys at their :data:`STREAM_KEYS` values; a zipf run
-        records every key."""
-        recorded = super().recorded_config(cfg)
-        if recorded.get("popularity", STREAM_KEYS["popularity"]) != STREAM_KEYS["popularity"]:
-            return recorded
-        return {key: value for key, value in recorded.items() if not (key in STREAM_KEYS and value == STREAM_KEYS[key])}
 
     # ------------------------------------------------------------------ the stream
     def limited(self, samples: Iterable[T]) -> Iterator[T]:

@@ -123,3 +123,29 @@ def test_the_tasks_with_exact_prompt_lengths_say_so_in_their_parameters():
     assert exact_length_extra(task_node("niah"))(task_node("niah")) == 48  # its generation on top
     assert exact_length_extra(task_node("pg19"))(task_node("pg19")) == 0
     assert exact_length_extra(task_node("ruler")) is None
+
+
+def test_identity_reads_the_declared_legacy_values_without_importing_a_task():
+    """A key added after runs were recorded is left out of the identity at its declared legacy value (NIAH's
+    needles and the multi-query options, RAG's rerank_score, the zipf stream's keys at popularity=repeat),
+    and computing an identity imports no task module."""
+    import subprocess
+    import sys
+
+    from kvbench.results import identity
+
+    niah = task_node("niah")
+    assert not {"needles", "queries_per_context", "compression", "keep_answers"} & set(identity({"task": niah})["task"])
+    assert identity({"task": {**niah, "needles": 4}})["task"]["needles"] == 4
+    assert "rerank_score" not in identity({"task": task_node("rag")})["task"]
+    stream = task_node("rag_stream")
+    assert "zipf_s" not in identity({"task": stream})["task"]
+    assert identity({"task": {**stream, "popularity": "zipf"}})["task"]["zipf_s"] == 2.0  # a zipf run keeps every key
+    code = (
+        "import sys; from kvbench.results import identity; from kvbench.compose import task_node; "
+        "identity({'task': task_node('niah'), 'method': {'name': 'full'}}); "
+        "print(sorted(m for m in sys.modules if m.startswith('kvbench.tasks.') and m != 'kvbench.tasks.params'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['kvbench.tasks.base']", out.stdout  # (the package's base, no task module)
