@@ -47,7 +47,6 @@ BUDGET_TYPES: dict[str, tuple[tuple[type, ...], bool, float | None, str]] = {
 }
 
 
-
 def exact_length_extra(task: dict[str, Any]) -> Callable[[dict[str, Any]], int] | None:
     """For a task whose prompts are exactly ``task.lengths`` tokens (its parameters say so:
     ``exact_lengths``), the tokens a sample needs beyond its length: its generation, ``max_new_tokens``
