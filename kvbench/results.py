@@ -529,11 +529,43 @@ def _rows(
             _flatten("", {k: v for k, v in record.items() if k not in ("meta", "telemetry", "budget")}, row)
             _flatten("meta", record.get("meta", {}), row)
             _flatten("telemetry", record.get("telemetry", {}), row)
+            row["compute_ratio"] = prefill_compute_ratio(record)  # (the request's share, as in metrics.json)
             rows.append(row)
     else:
         row = {**base, "status": state.label, "done": state.done, "total": state.total}
         _flatten("", metrics, row)
         rows.append(row)
+
+
+# ---------------------------------------------------------------------- per-request figures
+def prefill_compute_ratio(record: dict[str, Any]) -> float | None:
+    """The prefill computation of one request as a share of a dense prefill's (``compute_ratio`` in
+    metrics.json: the mean over a run's requests, a stream's warm-up requests left out).
+
+    One definition for every method: token-layers computed = rows computed through a layer (their Q/K/V
+    computed), summed over the layers, plus, for each chunk cache precomputed *for this request* before
+    its clock (a reuse method's ``miss: precompute``), its rows x layers; divided by ``n x L`` (prompt
+    tokens x layers). A dense prefill (no reuse plan: full recompute, the eviction and retrieval methods)
+    computes ``n x L``: exactly 1. A reuse plan's chunks missed and computed in the prefill (CacheBlend's
+    ``miss: prefill``, Cache-Craft's new variants) are rows it computed, so they count; cached rows
+    installed from the store do not. Prefix caching at a full hit computes its uncached rows only.
+    ``None`` when a reuse record lacks the counts (records written before they existed)."""
+    telemetry = record.get("telemetry") or {}
+    if not telemetry:
+        return None
+    plan = telemetry.get("prefill")
+    if not isinstance(plan, dict) or plan.get("recompute_ratio") is None:
+        return 1.0  # a dense prefill
+    n, layers = plan.get("tokens"), plan.get("layers")
+    computed = plan.get("computed_token_layers")
+    precomputed = (telemetry.get("prepared") or {}).get("precomputed_tokens")
+    if not n or not layers or computed is None:
+        return None
+    if precomputed is None:
+        if (telemetry.get("prepared") or {}).get("precomputed_chunks"):
+            return None  # chunks precomputed for it, of unknown size
+        precomputed = 0
+    return (computed + precomputed * layers) / (n * layers)
 
 
 # ---------------------------------------------------------------------- shards (task.shard=i/n)

@@ -32,7 +32,16 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.settings import EngineSettings, engine_settings
 from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.profile import Profile
-from kvbench.results import OutputError, RunDir, Stopped, output_fault, run_id_for, stop_on_sigterm, warn
+from kvbench.results import (
+    OutputError,
+    RunDir,
+    Stopped,
+    output_fault,
+    prefill_compute_ratio,
+    run_id_for,
+    stop_on_sigterm,
+    warn,
+)
 
 TELEMETRY_MEANS = (
     "ttft_s",
@@ -387,36 +396,6 @@ def chunk_hit_rate(records: list[dict[str, Any]]) -> float | None:
             lookups += int(prepared["chunk_lookups"])
             hits += int(prepared.get("chunk_hits") or 0)
     return hits / lookups if lookups else None
-
-
-def prefill_compute_ratio(record: dict[str, Any]) -> float | None:
-    """The prefill computation of one request as a share of a dense prefill's (``compute_ratio`` in
-    metrics.json: the mean over a run's requests, a stream's warm-up requests left out).
-
-    One definition for every method: token-layers computed = rows computed through a layer (their Q/K/V
-    computed), summed over the layers, plus, for each chunk cache precomputed *for this request* before
-    its clock (a reuse method's ``miss: precompute``), its rows x layers; divided by ``n x L`` (prompt
-    tokens x layers). A dense prefill (no reuse plan: full recompute, the eviction and retrieval methods)
-    computes ``n x L``: exactly 1. A reuse plan's chunks missed and computed in the prefill (CacheBlend's
-    ``miss: prefill``, Cache-Craft's new variants) are rows it computed, so they count; cached rows
-    installed from the store do not. Prefix caching at a full hit computes its uncached rows only.
-    ``None`` when a reuse record lacks the counts (records written before they existed)."""
-    telemetry = record.get("telemetry") or {}
-    if not telemetry:
-        return None
-    plan = telemetry.get("prefill")
-    if not isinstance(plan, dict) or plan.get("recompute_ratio") is None:
-        return 1.0  # a dense prefill
-    n, layers = plan.get("tokens"), plan.get("layers")
-    computed = plan.get("computed_token_layers")
-    precomputed = (telemetry.get("prepared") or {}).get("precomputed_tokens")
-    if not n or not layers or computed is None:
-        return None
-    if precomputed is None:
-        if (telemetry.get("prepared") or {}).get("precomputed_chunks"):
-            return None  # chunks precomputed for it, of unknown size
-        precomputed = 0
-    return (computed + precomputed * layers) / (n * layers)
 
 
 def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> list[float] | None:

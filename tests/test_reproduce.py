@@ -671,3 +671,35 @@ def test_bench_columns_may_be_labelled_and_fig15c_labels_its_computed_columns():
     for column in ("full_one_by_one_s", "cacheblend_prefill_s"):  # B x the batch-1 time, never measured at B
         assert "computed" in bench["columns"][column]
     assert "measured" in bench["columns"]["full_prefill_s"]
+
+
+def test_an_interval_that_holds_the_papers_bound_is_undecided():
+    """A claim from samples with ``paired``: the interval decides, never the point alone."""
+    from kvbench.render.paper import holds
+
+    at_least = {"value": 51, "sided": "at_least"}
+    assert holds(50.7, at_least) == "no"  # the point alone
+    assert holds(50.7, at_least, [40.7, 61.1]) == "undecided"  # 51 lies inside our interval
+    assert holds(58.2, {"value": 75, "sided": "at_least"}, [47.9, 68.3]) == "no"  # the whole interval below
+    assert holds(80.0, {"value": 75, "sided": "at_least"}, [76.0, 84.0]) == "yes"
+    assert holds(0.02, {"value": 0.03, "relation": "<="}, [0.01, 0.04]) == "undecided"  # at_most's ceiling inside
+    assert holds(12.0, {"low": 10, "high": 15, "relation": "~"}, [9.0, 16.0]) == "yes"  # a range: the point
+
+
+def test_a_paired_claim_interval_resamples_shared_ids():
+    import pandas as pd
+
+    from kvbench.render.claims import claim_interval, claim_value
+
+    ids = [f"q{i}" for i in range(40)]
+    frame = pd.DataFrame(
+        [{"id": i, "config.method.name": "a", "compute_ratio": 0.4 + 0.01 * (k % 5)} for k, i in enumerate(ids)]
+        + [{"id": i, "config.method.name": "b", "compute_ratio": 0.8 + 0.01 * (k % 5)} for k, i in enumerate(ids)]
+        + [{"id": "extra", "config.method.name": "b", "compute_ratio": 5.0}]  # no pair: left out of the interval
+    )
+    spec = {"op": "rel_gap", "metric": "compute_ratio", "paired": "id", "a": {"method": "a"}, "b": {"method": "b"}}
+    low, high = claim_interval(frame, spec)
+    paired_point = 100 * (1 - 0.42 / 0.82)
+    assert low < paired_point < high and high - low < 5  # the pairs move together: a narrow interval
+    assert claim_interval(frame, {**spec, "paired": None}) is None
+    assert claim_value(frame, spec) is not None

@@ -1,4 +1,8 @@
-"""``claims``: numbers the paper states in prose against ours, computed by an op (:mod:`kvbench.render`)."""
+"""``claims``: numbers the paper states in prose against ours, computed by an op (:mod:`kvbench.render`).
+
+A claim computed from samples (``source: samples``) may name the key its two sides share
+(``ours.paired: id``): the table then shows our 95 % paired bootstrap interval (:func:`claim_interval`)
+and grades a one-sided claim whose bound lies inside it ``undecided`` (at this power)."""
 
 from __future__ import annotations
 
@@ -82,6 +86,42 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     return None if result is None else result * scale
 
 
+def claim_interval(frame: Any, spec: Mapping[str, Any], resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95 % paired bootstrap interval of a claim computed from samples (``paired: <key>`` in ``ours``: the
+    per-sample key both sides share, e.g. ``id``, so each side's sample of a request is resampled with the
+    other's): the op (``rel_gap``, ``ratio``, ``diff``) recomputed on the means of each resample of the
+    keys both sides have (percentile method). ``None`` without ``paired``, for another op, or below two
+    shared keys."""
+    import numpy as np
+
+    op, key = spec["op"], spec.get("paired")
+    if not key or op not in ("rel_gap", "ratio", "diff"):
+        return None
+    metric = spec.get("metric", "score")
+
+    def by_key(selector: Any) -> dict[Any, float]:
+        rows = select(frame, selector)
+        name, keys = column(rows, metric), column(rows, key)
+        if name is None or keys is None:
+            return {}
+        return {k: float(v) for k, v in zip(rows[keys], rows[name]) if not is_missing(v)}
+
+    a, b = by_key(spec.get("a")), by_key(spec.get("b"))
+    shared = sorted(set(a) & set(b), key=str)
+    if len(shared) < 2:
+        return None
+    av, bv = np.array([a[k] for k in shared]), np.array([b[k] for k in shared])
+    draws = np.random.default_rng(seed).integers(0, len(shared), size=(resamples, len(shared)))
+    ma, mb = av[draws].mean(axis=1), bv[draws].mean(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stats = ma / mb if op == "ratio" else ma - mb if op == "diff" else 100.0 * (mb - ma) / mb
+    stats = stats[np.isfinite(stats)] * float(spec.get("scale", 1.0))
+    if not len(stats):
+        return None
+    low, high = np.percentile(stats, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
 def render_claims(
     exp: Any, spec: Mapping[str, Any], runs: Any, bench_rows: Any = None, samples: Any = None
 ) -> list[Section]:
@@ -99,6 +139,7 @@ def render_claims(
     if not frame.empty:
         for claim in spec.get("rows") or []:
             check_metric(frame, claim["ours"].get("metric", "score"))
+    paired = any((claim.get("ours") or {}).get("paired") for claim in spec.get("rows") or [])
     out = []
     for label, group in groups(frame, split) if not frame.empty else [("", frame)]:
         for claim in spec.get("rows") or []:
@@ -111,15 +152,21 @@ def render_claims(
             if row is not None and claim.get("sided"):  # the experiment grades it otherwise (its notes say why)
                 row["sided"] = claim["sided"]
             ours = claim_value(group, claim["ours"]) if not group.empty else None
+            interval = claim_interval(group, claim["ours"]) if not group.empty else None
             out.append(
                 {
                     **({"split": label} if split else {}),
                     **{k: norm(v) for k, v in keys.items()},
                     "ours": fmt(ours, 3),
+                    **(
+                        {"95% CI": f"[{fmt(interval[0], 3)}, {fmt(interval[1], 3)}]" if interval else "–"}
+                        if paired
+                        else {}
+                    ),
                     "paper": paper_text(row, 3) if row else "–",
                     "unit": (row or {}).get("unit") or "",
                     "sided": (sided(row) or "–").replace("_", " "),
-                    "holds": holds(ours, row),
+                    "holds": holds(ours, row, interval),
                     "quote": (row or {}).get("quote") or "",
                 }
             )

@@ -3,7 +3,7 @@ is printed, and whether ours holds against a claim as it is worded."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbench.errors import ConfigError
@@ -67,8 +67,11 @@ def sided(row: Mapping[str, Any] | None) -> str | None:
     return "range" if not is_missing(row.get("low")) else None
 
 
-def holds(ours: float | None, row: Mapping[str, Any] | None) -> str:
-    """Whether ``ours`` satisfies the paper's claim, graded as the claim is worded (:func:`sided`):
+def holds(ours: float | None, row: Mapping[str, Any] | None, interval: Sequence[float] | None = None) -> str:
+    """Whether ``ours`` satisfies the paper's claim, graded as the claim is worded (:func:`sided`).
+
+    With ``interval`` (our 95 % interval, ``(low, high)``) a one-sided claim whose bound lies inside it is
+    ``undecided`` (at this power: the data cannot tell the paper's number from ours); otherwise:
 
     * ``at_least`` — ``no`` below the floor (``low``, or the value: strictly below it for ``>``), ``yes``
       from there to the top of a stated range, ``exceeds`` above that top;
@@ -86,6 +89,10 @@ def holds(ours: float | None, row: Mapping[str, Any] | None) -> str:
     low = row["low"] if ranged else row["value"]
     high = row["high"] if ranged else row["value"]
     strict = relation in ("<", ">")
+    if interval is not None and side in ("at_least", "at_most", "up_to"):
+        bound = low if side == "at_least" else high
+        if min(interval) <= bound <= max(interval):
+            return "undecided"
     if side == "range":
         return "yes" if low <= ours <= high else "no"
     if side == "at_least":
