@@ -360,6 +360,6 @@ def listing() -> str:
     rows = []
     for name in experiment_names():
         exp = load_experiment(name)
-        kind = f"bench {exp.bench}" if exp.bench else "runs"
+        kind = "cannot run" if exp.cannot else f"bench {exp.bench}" if exp.bench else "runs"
         rows.append(f"{exp.ref:<28} {exp.description}  [{kind}]")
     return "\n".join(rows)

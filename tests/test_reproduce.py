@@ -77,6 +77,7 @@ def test_list_says_why_the_artifacts_nothing_runs_cannot_run(tmp_path):
     lines = {line.split()[0]: line for line in out.stdout.strip().splitlines()}
     for ref, why in (("pqcache/table5", "MInference"), ("pqcache/table6", "70B"), ("clusterkv/fig13a", "InfiniGen")):
         assert "cannot run in kvbench" in lines[ref] and why in lines[ref].split("cannot run in kvbench")[1]
+        assert lines[ref].endswith("[cannot run]")  # (not tagged as runs)
     done = kvbench("reproduce", "pqcache/table5", f"output_dir={tmp_path / 'runs'}", "--out", str(tmp_path / "r"))
     assert done.returncode == 0, done.stderr
     assert "does not run at scale cpu: MInference" in done.stderr
