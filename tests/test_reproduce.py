@@ -704,3 +704,18 @@ def test_a_paired_claim_interval_resamples_shared_ids():
     assert low < paired_point < high and high - low < 5  # the pairs move together: a narrow interval
     assert claim_interval(frame, {**spec, "paired": None}) is None
     assert claim_value(frame, spec) is not None
+
+
+def test_what_reproduce_writes_is_not_tracked():
+    """`kvbench reproduce` writes its reports under results/reproduce/<scale>/: running the README's
+    commands leaves the working tree clean at every scale."""
+    import shutil
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    for scale in ("smoke", "cpu", "paper"):
+        path = f"results/reproduce/{scale}/pqcache_table3/report.md"
+        out = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+        assert out.returncode == 0, f"{path} would be tracked"
+    tracked = subprocess.run(["git", "ls-files", "results/reproduce"], cwd=REPO, capture_output=True, text=True)
+    assert tracked.stdout.strip() == ""
