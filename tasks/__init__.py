@@ -20,7 +20,6 @@ REGISTRY: Registry[Task] = Registry(
         "longbench_protocol",
         "params",
         "infinitebench_protocol",
-        "rag_figures",
         "rag_metrics",
         "rag_retrieval",
         "ruler_data",

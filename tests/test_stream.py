@@ -9,14 +9,45 @@ import numpy as np
 import pytest
 
 from kvbench.errors import ConfigError
+from kvbench.figures import rag, rag_system
 from kvbench.report import FigureRun
 from kvbench.stream import arrivals, rate_grid, replay, service_times, stream_stats
 from kvbench.tasks import create_task
-from kvbench.tasks.rag_figures import run_infos
 from kvbench.tasks.rag_stream import RagStream
-from kvbench.tasks.rag_system_figures import equal_quality_points, pipelines, retrieval, scaling, storage
 
 from .test_rag import qa_dir  # noqa: F401 (fixture)
+
+
+def _legend():
+    """The legend the rag task's figures use (CacheBlend's)."""
+    from kvbench.figures.legend import paper_legend
+    from kvbench.tasks.rag import FIGURES_PAPER
+
+    return paper_legend(FIGURES_PAPER)
+
+
+def run_infos(runs):
+    return rag.run_infos(runs, _legend())
+
+
+def retrieval(infos):
+    return rag_system.retrieval(infos, _legend())
+
+
+def equal_quality_points(infos):
+    return rag_system.equal_quality_points(infos, _legend())
+
+
+def scaling(infos):
+    return rag_system.scaling(infos, _legend())
+
+
+def pipelines(infos):
+    return rag_system.pipelines(infos, _legend())
+
+
+def storage(infos):
+    return rag_system.storage(infos, _legend())
 
 
 # ---------------------------------------------------------------------- arrivals and the queue
