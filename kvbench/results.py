@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import ConfigError
+from kvbench.metrics import prefill_compute_ratio
 from kvbench.runfiles import (  # noqa: F401 - re-exported: the names results' users import from here
     OUTPUT_FAULTS,
     OutputError,
@@ -537,37 +538,6 @@ def _rows(
         rows.append(row)
 
 
-# ---------------------------------------------------------------------- per-request figures
-def prefill_compute_ratio(record: dict[str, Any]) -> float | None:
-    """The prefill computation of one request as a share of a dense prefill's (``compute_ratio`` in
-    metrics.json: the mean over a run's requests, a stream's warm-up requests left out).
-
-    One definition for every method: token-layers computed = rows computed through a layer (their Q/K/V
-    computed), summed over the layers, plus, for each chunk cache precomputed *for this request* before
-    its clock (a reuse method's ``miss: precompute``), its rows x layers; divided by ``n x L`` (prompt
-    tokens x layers). A dense prefill (no reuse plan: full recompute, the eviction and retrieval methods)
-    computes ``n x L``: exactly 1. A reuse plan's chunks missed and computed in the prefill (CacheBlend's
-    ``miss: prefill``, Cache-Craft's new variants) are rows it computed, so they count; cached rows
-    installed from the store do not. Prefix caching at a full hit computes its uncached rows only.
-    ``None`` when a reuse record lacks the counts (records written before they existed)."""
-    telemetry = record.get("telemetry") or {}
-    if not telemetry:
-        return None
-    plan = telemetry.get("prefill")
-    if not isinstance(plan, dict) or plan.get("recompute_ratio") is None:
-        return 1.0  # a dense prefill
-    n, layers = plan.get("tokens"), plan.get("layers")
-    computed = plan.get("computed_token_layers")
-    precomputed = (telemetry.get("prepared") or {}).get("precomputed_tokens")
-    if not n or not layers or computed is None:
-        return None
-    if precomputed is None:
-        if (telemetry.get("prepared") or {}).get("precomputed_chunks"):
-            return None  # chunks precomputed for it, of unknown size
-        precomputed = 0
-    return (computed + precomputed * layers) / (n * layers)
-
-
 # ---------------------------------------------------------------------- shards (task.shard=i/n)
 def unsharded(config: dict[str, Any]) -> dict[str, Any] | None:
     """The config of the run a shard belongs to (``task.shard`` dropped), or None for an unsharded run.
@@ -636,7 +606,7 @@ def shard_metrics(config: dict[str, Any], records: list[dict[str, Any]]) -> dict
     """``metrics.json`` of the merged run, computed from its samples like the runner computes it."""
     from kvbench.budget import BudgetConfig
     from kvbench.methods import create_method
-    from kvbench.runner import summarise
+    from kvbench.metrics import summarise
     from kvbench.tasks import create_task
 
     # a method without a budget records its budget keys as nulls (the runner's plan): the defaults stand in

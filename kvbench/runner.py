@@ -31,42 +31,16 @@ from typing import Any
 from kvbench.budget import BudgetConfig
 from kvbench.engine.settings import EngineSettings, engine_settings
 from kvbench.errors import BudgetError, ConfigError, Interrupted
+from kvbench.metrics import summarise
 from kvbench.profile import Profile
 from kvbench.results import (
     OutputError,
     RunDir,
     Stopped,
     output_fault,
-    prefill_compute_ratio,
     run_id_for,
     stop_on_sigterm,
     warn,
-)
-
-TELEMETRY_MEANS = (
-    "ttft_s",
-    "tt2t_s",
-    "tpot_s",
-    "tpot_p50_s",
-    "tpot_p90_s",
-    "prefill_s",
-    "decode_s",
-    "recall",
-    "kv_bytes_ratio",
-    "kv_bytes_after_prefill",
-    "kv_bytes_full",
-    "bytes_h2d",
-    "bytes_h2d_fetch",
-    "bytes_h2d_index",
-    "bytes_h2d_cache_fill",
-    "bytes_h2d_index_per_step",
-    "bytes_h2d_kv_per_step",
-    "select_s",
-    "fetch_s",
-    "compute_s",
-    "prompt_tokens",
-    "new_tokens",
-    "prefill_shared",
 )
 
 
@@ -345,71 +319,6 @@ def run_sample(
             continue
         outputs.append(execute(model, method, request, budget, profile, engine))
     return task.result(sample, outputs)
-
-
-def summarise(task: Any, method: Any, budget: BudgetConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """metrics.json: the task's aggregate, telemetry means, and what was compared."""
-    import numpy as np
-
-    metrics = task.aggregate(records)
-    metrics["score_ci95"] = bootstrap_ci([r["score"] for r in records])
-    for key in TELEMETRY_MEANS:
-        values = [r["telemetry"].get(key) for r in records if r.get("telemetry", {}).get(key) is not None]
-        metrics[key] = float(np.mean(values)) if values else None
-    ratios = [prefill_compute_ratio(r) for r in records if not (r.get("meta") or {}).get("warmup")]
-    known = [x for x in ratios if x is not None]
-    metrics["compute_ratio"] = float(np.mean(known)) if known and len(known) == len(ratios) else None
-    hits = sum(r["telemetry"].get("cache_hits", 0) for r in records)
-    lookups = sum(r["telemetry"].get("cache_lookups", 0) for r in records)
-    metrics["hit_rate"] = hits / lookups if lookups else None
-    metrics["chunk_hit_rate"] = chunk_hit_rate(records)
-    attended = [
-        np.mean([a for a in r["telemetry"].get("attended_per_layer", []) if a is not None])
-        for r in records
-        if any(a is not None for a in r["telemetry"].get("attended_per_layer", []))
-    ]
-    metrics["attended_tokens"] = float(np.mean(attended)) if attended else None
-    metrics["method"] = method.describe()
-    metrics["budget"] = {
-        **{k: getattr(budget, k) for k in budget.__dataclass_fields__},
-        "label": method.budget_label(budget),
-    }
-    metrics["protocol"] = task.protocol()
-    return metrics
-
-
-def chunk_hit_rate(records: list[dict[str, Any]]) -> float | None:
-    """The chunk store's hit rate of a reuse method (``chunk_hit_rate`` in metrics.json; not ``hit_rate``,
-    the offloading methods' block-cache hits): chunks found in the store / chunks looked up, summed over
-    the run's requests, a stream's warm-up requests left out (as ``compute_ratio``). Each request's
-    ``telemetry.prepared.chunk_lookups`` / ``chunk_hits`` (``methods/reuse.py``'s ``chunk_lookups``):
-    the prompt's chunk segments, and those whose cache the store held before the request — a chunk's
-    own entry (CacheBlend, full reuse, Random-Recomp, Prefill-H2O), a stored prompt prefix containing
-    it whole (prefix caching, Set-Cache), any variant of it (Cache-Craft, even one it then recomputes
-    in full). ``None`` for methods without a chunk store (no request reports lookups)."""
-    hits = lookups = 0
-    for record in records:
-        if (record.get("meta") or {}).get("warmup"):
-            continue
-        prepared = (record.get("telemetry") or {}).get("prepared") or {}
-        if prepared.get("chunk_lookups") is not None:
-            lookups += int(prepared["chunk_lookups"])
-            hits += int(prepared.get("chunk_hits") or 0)
-    return hits / lookups if lookups else None
-
-
-def bootstrap_ci(scores: list[float], resamples: int = 2000, seed: int = 0) -> list[float] | None:
-    """95% bootstrap interval of the mean sample score (percentile method); None below 2 scored samples
-    (samples scored None, which have no gold answer, are left out)."""
-    import numpy as np
-
-    scores = [s for s in scores if s is not None]
-    if len(scores) < 2:
-        return None
-    rng = np.random.default_rng(seed)
-    values = np.asarray(scores, dtype=float)
-    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
-    return [round(float(np.percentile(means, 2.5)), 2), round(float(np.percentile(means, 97.5)), 2)]
 
 
 def device_name(device: str) -> str:

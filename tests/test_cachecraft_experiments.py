@@ -1,5 +1,5 @@
 """Cache-Craft's experiments (``kvbench reproduce cachecraft/<artifact>``): the prefill computation metric
-``compute_ratio`` (one definition for every method, :func:`kvbench.runner.prefill_compute_ratio`) and the
+``compute_ratio`` (one definition for every method, :func:`kvbench.metrics.prefill_compute_ratio`) and the
 five experiment files."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate
 from kvbench.kv.chunks import ChunkStore, StoreConfig
 from kvbench.methods import create_method
+from kvbench.metrics import prefill_compute_ratio
 from kvbench.requests import Segment, join_segments
-from kvbench.runner import prefill_compute_ratio
 
 NEW = 4
 ARTIFACTS = ("compute", "quality", "scores", "early_stop", "stream")

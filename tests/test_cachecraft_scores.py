@@ -11,10 +11,10 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.generate import generate
 from kvbench.kv.chunks import ChunkStore, StoreConfig
 from kvbench.methods import create_method
+from kvbench.metrics import chunk_hit_rate
 from kvbench.profile import Profile
 from kvbench.render.chunk_scores import chunk_rows, ranks, spearman
 from kvbench.requests import Segment, join_segments
-from kvbench.runner import chunk_hit_rate
 
 NEW = 2
 

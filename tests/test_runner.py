@@ -111,8 +111,8 @@ def test_a_sweep_runs_every_method_and_prints_one_table(tmp_path, essays):
 
 
 def test_report_diff_and_confidence_interval(tmp_path, niah_config):
+    from kvbench.metrics import bootstrap_ci
     from kvbench.report import protocol_diff
-    from kvbench.runner import bootstrap_ci
 
     a = run(niah_config()).run_dir
     b = run(niah_config(task__question_position="start")).run_dir

@@ -254,7 +254,7 @@ def _samples(infos: list[RunInfo]) -> str:
 
 def _score(info: RunInfo) -> tuple[float, float, float] | None:
     """Mean score and its 95 % bootstrap CI (the bounds the runner writes to metrics.json)."""
-    from kvbench.runner import bootstrap_ci
+    from kvbench.metrics import bootstrap_ci
 
     scores = info.scores
     if not scores:
