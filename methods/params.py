@@ -389,6 +389,19 @@ class CacheCraftParams(ReuseParams):
 PARAMS["cachecraft"] = CacheCraftParams
 
 
+# ---------------------------------------------------------------------- random (appended)
+@dataclass(frozen=True)
+class RandomParams(MethodParams):
+    """The random-eviction control (``methods/random_eviction.py``; kvpress's ``RandomPress``)."""
+
+    sink: int = param(0, "no sinks by default (RandomPress); budget.sink adds them", min=0)
+    local_fraction: float = param(0.0, "no recent window by default: the whole budget is drawn", min=0, max=1)
+    seed: int = param(0, "seed of the draw (with the layer index)", min=0)
+
+
+PARAMS["random"] = RandomParams
+
+
 # ---------------------------------------------------------------------- Cache-Craft's baselines (appended)
 @dataclass(frozen=True)
 class ChunkRecomputeParams(ReuseParams):

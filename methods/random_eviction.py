@@ -1,0 +1,42 @@
+"""``random``: keep a uniformly random subset of the prompt within the budget (a control baseline).
+
+After the dense prefill each layer keeps its sinks, its local window and, per KV head, ``B - local``
+middle tokens drawn uniformly at random (the ``select`` part of the budget); nothing is evicted during
+decode. It keeps tokens with no signal at all: what every eviction policy must beat at the same budget,
+as kvpress's ``RandomPress`` is for its presses. Defaults follow ``RandomPress`` (no sinks, no window:
+the whole budget is drawn at random; ``method.sink`` / ``method.local_fraction`` or ``budget.sink`` /
+``budget.local`` add them). The draw is seeded by ``method.seed`` and the layer index on the host, so a
+run is repeatable on any device and every layer draws its own set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.kv.store import LayerKV
+from kvbench.methods import register
+from kvbench.methods.eviction import EvictionMethod
+from kvbench.methods.params import RandomParams
+
+
+@register
+class RandomEviction(EvictionMethod):
+    name = "random"
+    Params = RandomParams
+    params: RandomParams
+
+    def on_prefill(
+        self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
+    ) -> None:
+        budget = self.ctx.budget
+        s, select = kv.n, budget.layer_budget(layer) - budget.local
+        if budget.sink + budget.local + select >= s:
+            return  # the budget covers the prompt: keep everything
+        middle = s - budget.local - budget.sink
+        generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + layer)
+        scores = torch.rand(kv.n_kv_heads, middle, generator=generator)
+        chosen = torch.topk(scores, select, dim=1).indices.to(kv.home) + budget.sink
+        fixed = torch.cat(
+            [torch.arange(budget.sink, device=kv.home), torch.arange(s - budget.local, s, device=kv.home)]
+        )
+        kv.keep(torch.cat([fixed.expand(kv.n_kv_heads, -1), chosen], dim=1))  # (keep sorts each row)
