@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.metrics import bootstrap_ci
 from kvbench.results import RunDir
-from kvbench.runner import bootstrap_ci
 from kvbench.stats import paired
 
 

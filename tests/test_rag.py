@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from kvbench.errors import ConfigError
+from kvbench.metrics import bootstrap_ci
 from kvbench.models.chat import ChatFormat
 from kvbench.requests import GenerateRequest, Output, join_segments
-from kvbench.runner import bootstrap_ci
 from kvbench.tasks import create_task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
 from kvbench.tasks.rag import DATASETS, normalize_question, split_articles, template_frame
