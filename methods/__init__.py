@@ -111,9 +111,9 @@ def validate_method_config(cfg: Mapping[str, Any]) -> Params:
 def __getattr__(attr: str) -> Any:
     """``KVMethod`` and ``Selection`` on first use (they import torch)."""
     if attr in ("KVMethod", "Selection"):
-        from kvbench.methods import base
+        from kvbench.engine import protocol  # (the engine owns the protocol)
 
-        return getattr(base, attr)
+        return getattr(protocol, attr)
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
