@@ -399,7 +399,7 @@ class RandomParams(MethodParams):
     seed: int = param(0, "seed of the draw (with the layer index)", min=0)
 
 
-PARAMS["random"] = RandomParams
+PARAMS["random_eviction"] = RandomParams
 
 
 # ---------------------------------------------------------------------- Cache-Craft's baselines (appended)

@@ -1,4 +1,4 @@
-"""``random``: keep a uniformly random subset of the prompt within the budget (a control baseline).
+"""``random_eviction``: keep a uniformly random subset of the prompt within the budget (a control baseline).
 
 After the dense prefill each layer keeps its sinks, its local window and, per KV head, ``B - local``
 middle tokens drawn uniformly at random (the ``select`` part of the budget); nothing is evicted during
@@ -21,7 +21,7 @@ from kvbench.methods.params import RandomParams
 
 @register
 class RandomEviction(EvictionMethod):
-    name = "random"
+    name = "random_eviction"
     Params = RandomParams
     params: RandomParams
 

@@ -1,4 +1,4 @@
-"""The random-eviction control (``method=random``): the budget kept exactly, drawn per layer and head,
+"""The random-eviction control (``method=random_eviction``): the budget kept exactly, drawn per layer and head,
 repeatable, and a seed that changes the draw. (A covering budget equals full: tests/test_covering_contract.py.)"""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from kvbench.methods import create_method
 
 
 def _kept(loaded, ids, seed=0, **budget):
-    method = create_method({"name": "random", "seed": seed})
+    method = create_method({"name": "random_eviction", "seed": seed})
     seen = []
     start = method.start
 
