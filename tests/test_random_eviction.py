@@ -3,24 +3,15 @@ repeatable, and a seed that changes the draw. (A covering budget equals full: te
 
 from __future__ import annotations
 
-from kvbench.budget import BudgetConfig
-from kvbench.engine.generate import generate
 from kvbench.methods import create_method
+
+from .test_eviction import generate_with_ctx
 
 
 def _kept(loaded, ids, seed=0, **budget):
-    method = create_method({"name": "random_eviction", "seed": seed})
-    seen = []
-    start = method.start
-
-    def spy(ctx):
-        seen.append(ctx)
-        start(ctx)
-
-    method.start = spy
-    out = generate(loaded, method, ids, max_new_tokens=4, min_new_tokens=4, budget=BudgetConfig(**budget))
-    store = seen[0].store
-    return out, [store[layer].positions[:, : out.budget.total].clone() for layer in range(loaded.spec.n_layers)]
+    """The run and, per layer, the positions each KV head kept after the prefill."""
+    out, ctx = generate_with_ctx(loaded, create_method({"name": "random_eviction", "seed": seed}), ids, n=4, **budget)
+    return out, [ctx.store[layer].positions[:, : out.budget.total].clone() for layer in range(loaded.spec.n_layers)]
 
 
 def test_random_keeps_the_budget_drawn_per_layer_and_head_and_repeatably(tiny_llama, random_ids):
