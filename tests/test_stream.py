@@ -26,28 +26,17 @@ def _legend():
     return paper_legend(FIGURES_PAPER)
 
 
-def run_infos(runs):
-    return rag.run_infos(runs, _legend())
+def _with_legend(builder):
+    """``builder`` (a kvbench.figures RAG builder) with the rag task's legend."""
+    return lambda items: builder(items, _legend())
 
 
-def retrieval(infos):
-    return rag_system.retrieval(infos, _legend())
-
-
-def equal_quality_points(infos):
-    return rag_system.equal_quality_points(infos, _legend())
-
-
-def scaling(infos):
-    return rag_system.scaling(infos, _legend())
-
-
-def pipelines(infos):
-    return rag_system.pipelines(infos, _legend())
-
-
-def storage(infos):
-    return rag_system.storage(infos, _legend())
+run_infos = _with_legend(rag.run_infos)
+retrieval = _with_legend(rag_system.retrieval)
+equal_quality_points = _with_legend(rag_system.equal_quality_points)
+scaling = _with_legend(rag_system.scaling)
+pipelines = _with_legend(rag_system.pipelines)
+storage = _with_legend(rag_system.storage)
 
 
 # ---------------------------------------------------------------------- arrivals and the queue
