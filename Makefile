@@ -32,8 +32,11 @@ install: $(STAMP)
 run: $(BASE)
 	$(BIN)/kvbench run $(RUN_ARGS)
 
+# two pytest-xdist workers by default (CI has 2 cores; one intra-op thread each, tests/conftest.py);
+# TEST_WORKERS=0 runs the suite in this process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # mypy runs through tools/typecheck.py, which maps methods/ and tasks/ to kvbench.methods and kvbench.tasks
 lint: $(STAMP)

@@ -21,9 +21,13 @@ from kvbench.methods import method_node
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
-# intra-op threads of this process: 2 where there are 2 cores (CI); KVBENCH_TEST_THREADS sets another count
-# (1 on a machine whose cores are busy with other work: a parallel region waits for its slowest thread)
-torch.set_num_threads(int(os.environ.get("KVBENCH_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1))))
+# intra-op threads of this process: 2 where there are 2 cores and one test process, 1 in each of make test's
+# pytest-xdist workers (the workers share the cores: most tests are small ops, where a second process is
+# worth more than a second thread); KVBENCH_TEST_THREADS sets another count (1 on a machine whose cores are
+# busy with other work: a parallel region waits for its slowest thread). A bit-for-bit digest recorded at
+# some thread count runs at that count (tests/test_reuse_static.py recorded_threads)
+DEFAULT_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("KVBENCH_TEST_THREADS") or DEFAULT_THREADS))
 
 
 class _Output(io.StringIO):
