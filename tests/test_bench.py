@@ -11,6 +11,7 @@ from .conftest import kvbench_in_process as kvbench
 
 def test_quick_benchmarks_run_and_report_ratios():
     names = ["pq_search", "kmeans_faiss", "clusterkv_select", "pqcache_e2e", "clusterkv_e2e", "oracle_e2e"]
+    names.append("quest_clusterkv_e2e")
     out = kvbench("bench", "--quick", "--repeats", "1", "--json", *names)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -22,8 +23,12 @@ def test_quick_benchmarks_run_and_report_ratios():
     for name in ("pqcache_e2e", "clusterkv_e2e", "oracle_e2e"):
         row = by_name[name]["rows"][0]
         assert row["tt2t_s"] > 0 and row["tpot ratio"] > 0
+        assert row["latency_s"] > row["tt2t_s"] and row["full_latency_s"] > row["full_tt2t_s"]  # + the later steps
         assert row["select_ms"] > 0 and row["fetch_ms"] > 0 and row["compute_ms"] > 0  # the step's split
         assert row["select_ms"] + row["fetch_ms"] + row["compute_ms"] >= row["tpot_ms"] * 0.5
+    both = by_name["quest_clusterkv_e2e"]["rows"]  # ClusterKV Fig. 13b: both methods, same prompt, same full
+    assert [r["method"] for r in both] == ["quest", "clusterkv"]
+    assert both[0]["full_latency_s"] == both[1]["full_latency_s"] and both[1]["latency_s"] > both[1]["tt2t_s"]
 
 
 def test_unknown_benchmark_is_one_error_line():

@@ -313,6 +313,13 @@ def test_claim_ops_against_hand_computed_values():
     assert claim_value(
         frame, {"op": "rel_gap", "a": {"method": "pqcache", **avg}, "b": {"method": "full", **avg}}
     ) == pytest.approx(7.6)
+    # ClusterKV Fig. 13b's "latency deviations up to 5%": a above b, in % of b (negative when a is below)
+    assert claim_value(
+        frame, {"op": "rel_diff", "a": {"method": "pqcache", **avg}, "b": {"method": "full", **avg}}
+    ) == pytest.approx(-7.6)
+    assert claim_value(
+        frame, {"op": "rel_diff", "metric": "ttft_s", "a": {"method": "pqcache"}, "b": {"method": "snapkv"}}
+    ) == pytest.approx(20.0)
     assert claim_value(
         frame, {"op": "max_diff", "over": "dataset", "a": {"method": "pqcache"}, "b": {"method": "full"}}
     ) == pytest.approx(0.4)
@@ -703,6 +710,8 @@ def test_a_paired_claim_interval_resamples_shared_ids():
     paired_point = 100 * (1 - 0.42 / 0.82)
     assert low < paired_point < high and high - low < 5  # the pairs move together: a narrow interval
     assert claim_interval(frame, {**spec, "paired": None}) is None
+    low, high = claim_interval(frame, {**spec, "op": "rel_diff"})  # a's deviation above b: the same, negated
+    assert low < -paired_point < high and high - low < 5
     assert claim_value(frame, spec) is not None
 
 

@@ -27,7 +27,8 @@ An experiment's ``reproduce.render`` is a list of items, each one mapping with o
   (a / b), ``diff`` (a − b), ``max_diff`` (largest a − b over rows aligned on ``over``; a side
   without that key, one run, meets every row),
   ``rel_gain_over_best`` (100 · (a / max over the ``among`` rows − 1)), ``rel_gap`` (100 · (b − a) / b,
-  the reduction of a from b), ``gap_ratio`` ((a − max over the ``among`` rows) / (a − b): how many times
+  the reduction of a from b), ``rel_diff`` (100 · (a − b) / b, a's deviation above b),
+  ``gap_ratio`` ((a − max over the ``among`` rows) / (a − b): how many times
   smaller b's gap to a is than the best of the others'; none when b's gap is 0);
   ``scale`` multiplies the result. ``holds`` grades ours against the claim as it is worded (``sided``:
   ``at_least``, ``at_most``, ``up_to``, ``range``, from the paper's row or inferred from its relation;

@@ -81,6 +81,8 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
             result = a / b if b else None
         elif op == "diff":
             result = a - b
+        elif op == "rel_diff":  # how far a is above b, relative to b (a deviation in %)
+            result = 100.0 * (a - b) / b if b else None
         else:  # rel_gap: how far a is below b, relative to b
             result = 100.0 * (b - a) / b if b else None
     return None if result is None else result * scale
@@ -89,13 +91,13 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
 def claim_interval(frame: Any, spec: Mapping[str, Any], resamples: int = 2000, seed: int = 0) -> list[float] | None:
     """95 % paired bootstrap interval of a claim computed from samples (``paired: <key>`` in ``ours``: the
     per-sample key both sides share, e.g. ``id``, so each side's sample of a request is resampled with the
-    other's): the op (``rel_gap``, ``ratio``, ``diff``) recomputed on the means of each resample of the
+    other's): the op (``rel_gap``, ``rel_diff``, ``ratio``, ``diff``) recomputed on the means of each resample of the
     keys both sides have (percentile method). ``None`` without ``paired``, for another op, or below two
     shared keys."""
     import numpy as np
 
     op, key = spec["op"], spec.get("paired")
-    if not key or op not in ("rel_gap", "ratio", "diff"):
+    if not key or op not in ("rel_gap", "rel_diff", "ratio", "diff"):
         return None
     metric = spec.get("metric", "score")
 
@@ -114,7 +116,12 @@ def claim_interval(frame: Any, spec: Mapping[str, Any], resamples: int = 2000, s
     draws = np.random.default_rng(seed).integers(0, len(shared), size=(resamples, len(shared)))
     ma, mb = av[draws].mean(axis=1), bv[draws].mean(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        stats = ma / mb if op == "ratio" else ma - mb if op == "diff" else 100.0 * (mb - ma) / mb
+        if op == "ratio":
+            stats = ma / mb
+        elif op == "diff":
+            stats = ma - mb
+        else:
+            stats = 100.0 * ((ma - mb) if op == "rel_diff" else (mb - ma)) / mb
     stats = stats[np.isfinite(stats)] * float(spec.get("scale", 1.0))
     if not len(stats):
         return None

@@ -33,7 +33,7 @@ _ITEM_KEYS = {
     "bench": {"columns", "title"},
     "chunk_scores": {"by", "deviation", "split", "where", "title", "resamples"},  # kvbench.render.chunk_scores
 }
-OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap", "gap_ratio")
+OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap", "rel_diff", "gap_ratio")
 
 
 def check_render(item: Any) -> None:
