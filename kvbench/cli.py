@@ -196,6 +196,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         check_figure_path(Path(args.figure))
         print(comparison_figure(paths, Path(args.figure), where=where, kind=args.figure_kind))
         return 0
+    if args.paired:
+        from kvbench.report import paired_report
+
+        print(paired_report(paths, args.paired, where=where))
+        return 0
     if args.pivot:
         rows, cols = (part.split(",") if part else [] for part in args.pivot)
         print(pivot_table(paths, rows, cols, value=args.value, where=where, fmt=args.format))

@@ -71,6 +71,13 @@ def _report_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p_report.add_argument("--value", default="score", help="the metric a pivot shows (default score; e.g. recall)")
     p_report.add_argument(
+        "--paired",
+        metavar="COL=VALUE",
+        help="every run against the baseline run this selects (e.g. method=full) among the runs of its model "
+        "and task settings, on the samples both have (unfinished runs too): mean difference, paired 95%% "
+        "interval and test, and agreement of the answers (exact, ROUGE-L F1, Jaccard)",
+    )
+    p_report.add_argument(
         "--figure",
         metavar="FILE.png",
         help="the matching runs in their task's comparison figure (NIAH heatmaps, PG19 curves, "

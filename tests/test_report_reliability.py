@@ -160,3 +160,35 @@ def test_the_notebook_says_no_runs_found(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     namespace = execute(NOTEBOOK)
     assert "no runs found under" in capsys.readouterr().out and namespace["table"] is None
+
+
+def test_paired_report_meets_each_run_with_the_baseline_of_its_data_set(tmp_path):
+    """``kvbench report --paired method=full``: each run against the full run of its own data set, on the
+    ids both have (an unfinished run counts what it has), with the answers' agreement."""
+    import yaml
+
+    from kvbench.report import paired_report
+    from kvbench.results import RunDir
+
+    def write(name, method, dataset, answers, scores, state="finished"):
+        run_dir = RunDir(tmp_path / name)
+        config = {"model": {"name": "m"}, "method": {"name": method}, "task": {"name": "rag", "dataset": dataset}}
+        run_dir.create(yaml.safe_dump(config), {}, total=4)
+        for i, (answer, score) in enumerate(zip(answers, scores)):
+            run_dir.append({"id": f"{dataset}-{i}", "prediction": answer, "reference": "x", "score": score})
+        run_dir.set_status(state)
+
+    write("a", "full", "musique", ["paris", "rome", "oslo", "bern"], [100, 0, 100, 0])
+    write("b", "cacheblend", "musique", ["paris", "madrid", "oslo"], [100, 0, 0], state="running")  # 3 of 4
+    write("c", "full", "wikimqa", ["yes", "no", "yes", "no"], [0, 0, 0, 0])
+    write("d", "cacheblend", "wikimqa", ["yes", "no", "yes", "no"], [100, 100, 0, 0])
+    report = paired_report([tmp_path], "method=full")
+    paired, agreement = report.split("## agreement")
+    rows = {row["config.task.dataset"]: row for row in table_rows(paired.split("\n\n")[1])}
+    assert set(rows) == {"musique", "wikimqa"}  # full is the baseline, never a row
+    assert rows["musique"]["n"] == "3" and rows["musique"]["Δ"] == "-33.33"  # (100+0+0 - 100+0+100) / 3
+    assert rows["wikimqa"]["n"] == "4" and rows["wikimqa"]["Δ"] == "+50.00"
+    agree = {row["config.task.dataset"]: row for row in table_rows(agreement.split("\n\n")[1])}
+    assert agree["musique"]["exact %"].startswith("66.7") and agree["wikimqa"]["exact %"].startswith("100.0")
+    with pytest.raises(ConfigError, match="bad --paired 'method'"):
+        paired_report([tmp_path], "method")
