@@ -282,17 +282,16 @@ class PQCache(RetrievalMethod):
         if keys.is_cuda:  # the copy ran on the current stream; the workers' stream must not overtake it
             torch.cuda.synchronize(keys.device)
         start = time.perf_counter()
-        self.pool.submit(
-            keys,
-            self.m,
-            self.b,
-            iters=iters,
-            metric=self.params.metric,
-            seed=self.params.seed,
-            init=self.params.init,
-            options={},
-        ).result()
+        self._submit_kmeans(keys, iters, {}).result()
         return time.perf_counter() - start
+
+    def _submit_kmeans(self, keys: torch.Tensor, iters: int, options: dict[str, Any], **how: Any) -> LayerJob:
+        """The workers' PQ construction of ``keys`` with this run's ``m``, ``b``, metric, seed and init, the
+        one a layer's prefill runs and its cost model times; ``how``: ``ready``, ``inline``."""
+        p = self.params
+        return self.pool.submit(
+            keys, self.m, self.b, iters=iters, metric=p.metric, seed=p.seed, init=p.init, options=options, **how
+        )
 
     def cache_offset(self, ctx: Any) -> int:
         return ctx.budget.sink  # blocks index the middle tokens, as the reference's offloaded buffer
@@ -350,18 +349,7 @@ class PQCache(RetrievalMethod):
             return
         keys, ready = self._kmeans_keys(key, kv)
         iters = self.kmeans_iterations(keys.shape[1])
-        job = self.pool.submit(
-            keys,
-            self.m,
-            self.b,
-            iters=iters,
-            metric=self.params.metric,
-            seed=self.params.seed,
-            init=self.params.init,
-            options=self.kmeans_options,
-            ready=ready,
-            inline=not self.params.overlap,
-        )
+        job = self._submit_kmeans(keys, iters, self.kmeans_options, ready=ready, inline=not self.params.overlap)
         state = _Layer(job)
         state.coded_end = kv.n
         state.iterations = iters

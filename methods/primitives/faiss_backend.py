@@ -134,36 +134,8 @@ def kmeans(
     return _torch_kmeans.finish(x, centroids, metric=metric, iterations=iters, valid=valid, chunk=chunk)
 
 
-def pq_fit(
-    keys: Tensor,
-    m: int,
-    b: int,
-    *,
-    iters: int,
-    metric: str = "l2",
-    seed: int = 0,
-    init: str = "random",
-    shared_init: bool = True,
-    stop_when_stable: bool = False,
-    tol: float = 0.0,
-    empty: str | None = None,
-    chunk: int | None = None,
-    valid: Tensor | None = None,
-) -> PQCodebook:
-    """``pq.pq_fit`` with every sub-space clustered by faiss."""
-    return fit_with(
-        kmeans,
-        keys,
-        m,
-        b,
-        iters=iters,
-        metric=metric,
-        seed=seed,
-        valid=valid,
-        init=init,
-        shared_init=shared_init,
-        stop_when_stable=stop_when_stable,
-        tol=tol,
-        empty=empty,
-        chunk=chunk,
-    )
+def pq_fit(keys: Tensor, m: int, b: int, *, iters: int, **options: Any) -> PQCodebook:
+    """``pq.pq_fit`` with every sub-space clustered by faiss: its keywords (``metric``, ``seed``, ``init``,
+    ``shared_init``, ``chunk``, ``valid``, ...) go to :func:`kmeans`, whose defaults are ``pq.pq_fit``'s
+    but for ``empty`` (faiss has its own rule, see the module notes)."""
+    return fit_with(kmeans, keys, m, b, iters=iters, **options)
