@@ -124,13 +124,57 @@ def chunk_load(options: BenchOptions) -> BenchResult:
     return BenchResult("chunk_load", "chunk KV load throughput per storage tier", rows, notes)
 
 
+def _pipeline_row(
+    loaded: Any, segments: Any, ids: list[int], runs: dict[bool, list[dict[str, Any]]], mbps: float | None
+) -> dict[str, Any]:
+    """:func:`reuse_pipeline`'s row for one disk speed: medians of the pipelined and serial rounds, and
+    the loading controller's choice from the measured load rate."""
+    from kvbench.methods.cacheblend import Costs, LoadingController
+
+    on = {
+        k: statistics.median(r[k] for r in runs[True])
+        for k in ("ttft_s", "load_s", "load_wait_s", "load_hidden_s", "recompute_s")
+    }
+    off = {k: statistics.median(r[k] for r in runs[False]) for k in ("ttft_s", "load_s", "recompute_s")}
+    per_load = statistics.median(statistics.median(x for x in r["load_per_layer_s"] if x > 0) for r in runs[True])
+    per_recompute = statistics.median(statistics.median(r["recompute_per_layer_s"][2:]) for r in runs[True])
+    spec = loaded.spec
+    element = next(loaded.model.parameters()).element_size()
+    n_cached = sum(len(s) for s in segments if s.role != "query")
+    per_token = 2 * spec.n_kv_heads * spec.head_dim * element
+    costs = Costs(
+        prefill_s=_prefill_s(loaded, ids, 1),
+        tokens=len(ids),
+        n_layers=spec.n_layers,
+        bytes_per_token_layer=per_token,
+        tier_mbps={"disk": per_token * n_cached / per_load / 1e6},
+    )
+    choice = LoadingController(costs, 0.15).choose(len(ids), n_cached, "disk")
+    return {
+        "model": spec.name,
+        "tier": "disk" if mbps is None else f"disk@{mbps:g}MB/s",
+        "prompt": len(ids),
+        "ttft_pipelined_s": on["ttft_s"],
+        "ttft_serial_s": off["ttft_s"],
+        "pipelined/serial": on["ttft_s"] / off["ttft_s"],
+        "load_s": on["load_s"],
+        "load_hidden_s": on["load_hidden_s"],
+        "load_wait_s": on["load_wait_s"],
+        "serial_load_s": off["load_s"],
+        "recompute_s": on["recompute_s"],
+        "load_layer_ms": 1e3 * per_load,
+        "recompute_layer_ms": 1e3 * per_recompute,
+        "predicted_recompute_layer_ms": 1e3 * choice["recompute_layer_s"]["r_star"],
+        "controller_ratio": choice["ratio"],
+    }
+
+
 @benchmark("reuse_pipeline")
 def reuse_pipeline(options: BenchOptions) -> BenchResult:
     from kvbench.budget import BudgetConfig
     from kvbench.engine.generate import generate
     from kvbench.kv.chunks import ChunkStore, StoreConfig
     from kvbench.methods import create_method
-    from kvbench.methods.cacheblend import Costs, LoadingController
     from kvbench.methods.reuse import ReuseMethod
     from kvbench.requests import join_segments
 
@@ -157,46 +201,7 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
                 order = (True, False) if index % 2 == 0 else (False, True)
                 for pipeline in order:
                     runs[pipeline].append(once(pipeline))
-            on = {
-                k: statistics.median(r[k] for r in runs[True])
-                for k in ("ttft_s", "load_s", "load_wait_s", "load_hidden_s", "recompute_s")
-            }
-            off = {k: statistics.median(r[k] for r in runs[False]) for k in ("ttft_s", "load_s", "recompute_s")}
-            per_load = statistics.median(
-                statistics.median(x for x in r["load_per_layer_s"] if x > 0) for r in runs[True]
-            )
-            per_recompute = statistics.median(statistics.median(r["recompute_per_layer_s"][2:]) for r in runs[True])
-            spec = loaded.spec
-            element = next(loaded.model.parameters()).element_size()
-            n_cached = sum(len(s) for s in segments if s.role != "query")
-            per_token = 2 * spec.n_kv_heads * spec.head_dim * element
-            costs = Costs(
-                prefill_s=_prefill_s(loaded, ids, 1),
-                tokens=len(ids),
-                n_layers=spec.n_layers,
-                bytes_per_token_layer=per_token,
-                tier_mbps={"disk": per_token * n_cached / per_load / 1e6},
-            )
-            choice = LoadingController(costs, 0.15).choose(len(ids), n_cached, "disk")
-            rows.append(
-                {
-                    "model": spec.name,
-                    "tier": "disk" if mbps is None else f"disk@{mbps:g}MB/s",
-                    "prompt": len(ids),
-                    "ttft_pipelined_s": on["ttft_s"],
-                    "ttft_serial_s": off["ttft_s"],
-                    "pipelined/serial": on["ttft_s"] / off["ttft_s"],
-                    "load_s": on["load_s"],
-                    "load_hidden_s": on["load_hidden_s"],
-                    "load_wait_s": on["load_wait_s"],
-                    "serial_load_s": off["load_s"],
-                    "recompute_s": on["recompute_s"],
-                    "load_layer_ms": 1e3 * per_load,
-                    "recompute_layer_ms": 1e3 * per_recompute,
-                    "predicted_recompute_layer_ms": 1e3 * choice["recompute_layer_s"]["r_star"],
-                    "controller_ratio": choice["ratio"],
-                }
-            )
+            rows.append(_pipeline_row(loaded, segments, ids, runs, mbps))
     notes.append(
         f"cacheblend r=0.15, chunk caches on disk (cold reads), medians of {rounds} alternated rounds per "
         "setting; TTFT excludes chunk precomputation"

@@ -300,6 +300,32 @@ def _per_step(tele: dict[str, Any], key: str) -> float | None:
     return float(tele[key]) / steps if steps else None
 
 
+def _cost_rows(
+    measured: dict[str, list[dict[str, list[float]]]], family: dict[str, str], prompts: list[int]
+) -> list[dict[str, Any]]:
+    """:func:`cost_vs_length`'s rows: per method and prompt length the medians over the rounds (ms per
+    step) and the growth exponents over the lengths."""
+    rows = []
+    for name in measured:
+        per_length = [{key: statistics.median(values) for key, values in run.items()} for run in measured[name]]
+        tpot = [m["tpot"] for m in per_length]
+        select = [m["select"] for m in per_length]
+        selects = family[name] == "retrieval"  # others' select() is bookkeeping (dense: none; eviction: at prefill)
+        for length, figures in zip(prompts, per_length):
+            rows.append(
+                {
+                    "method": name,
+                    "family": family[name],
+                    "context": length,
+                    "tpot_ms": round(1e3 * figures["tpot"], 3),
+                    **{f"{key}_ms": round(1e3 * figures[key], 3) for key in PHASES},
+                    "tpot exponent": growth_exponent(prompts, tpot),
+                    "select exponent": growth_exponent(prompts, select) if selects else None,
+                }
+            )
+    return rows
+
+
 @benchmark("cost_vs_length")
 def cost_vs_length(options: BenchOptions) -> BenchResult:
     """TPOT and the per-step select/fetch/compute split vs context length, per method, fixed budget."""
@@ -347,24 +373,7 @@ def cost_vs_length(options: BenchOptions) -> BenchResult:
                         runs[name].setdefault(key, []).append(float(value or 0.0))
             for name in methods:
                 measured[name].append(runs[name])
-    rows = []
-    for name in methods:
-        per_length = [{key: statistics.median(values) for key, values in run.items()} for run in measured[name]]
-        tpot = [m["tpot"] for m in per_length]
-        select = [m["select"] for m in per_length]
-        selects = family[name] == "retrieval"  # others' select() is bookkeeping (dense: none; eviction: at prefill)
-        for length, figures in zip(prompts, per_length):
-            rows.append(
-                {
-                    "method": name,
-                    "family": family[name],
-                    "context": length,
-                    "tpot_ms": round(1e3 * figures["tpot"], 3),
-                    **{f"{key}_ms": round(1e3 * figures[key], 3) for key in PHASES},
-                    "tpot exponent": growth_exponent(prompts, tpot),
-                    "select exponent": growth_exponent(prompts, select) if selects else None,
-                }
-            )
+    rows = _cost_rows(measured, family, prompts)
     notes = [
         f"model {loaded.spec.name} ({loaded.spec.device}, {loaded.spec.dtype}); NIAH prompts (depth 0.5); "
         f"{new_tokens} decode steps (stop ids masked); budget.tokens={budget_tokens} for every compressing method "

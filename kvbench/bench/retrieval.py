@@ -192,6 +192,48 @@ def clusterkv_select(options: BenchOptions) -> BenchResult:
 WARM_UP_TOKENS = 1024  # the e2e benches' untimed warm-up prompt (or the shortest length, if shorter)
 
 
+def _e2e_rows(model_name: str, prompt: int, runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per compared method (every key of ``runs`` but ``full``) at one prompt length, from the
+    telemetry of each round: best TTFT, TT2T and latency over the rounds, the step split of the best-TPOT run."""
+    methods = [method for method in runs if method != "full"]
+    rows = []
+    tt2t = {method: min(t["tt2t_s"] for t in tele) for method, tele in runs.items()}
+    ttft = {method: min(t["ttft_s"] for t in tele) for method, tele in runs.items()}
+    # a request's latency: prefill and every decode step (TTFT + the decode time), best of the rounds
+    latency = {method: min(t["ttft_s"] + t["decode_s"] for t in tele) for method, tele in runs.items()}
+    fastest = {method: min(tele, key=lambda t: t["tpot_s"]) for method, tele in runs.items()}
+    tpot = {method: t["tpot_s"] for method, t in fastest.items()}
+    for method in methods:
+        split = fastest[method]
+        steps = max(1, split["decode_steps"])
+        quickest = min(runs[method], key=lambda t: t["tt2t_s"])
+        row = {
+            "model": model_name,
+            "prompt": prompt,
+            "method": method,
+            "ttft_s": ttft[method],
+            "full_ttft_s": ttft["full"],
+            "tt2t_s": tt2t[method],
+            "full_tt2t_s": tt2t["full"],
+            "tt2t ratio": tt2t[method] / tt2t["full"],
+            "tt2t / full ttft": tt2t[method] / ttft["full"],
+            "latency_s": latency[method],
+            "full_latency_s": latency["full"],
+            "tpot_ms": 1e3 * tpot[method],
+            "full_tpot_ms": 1e3 * tpot["full"],
+            "tpot ratio": tpot[method] / tpot["full"],
+            "select_ms": 1e3 * split["select_s"] / steps,
+            "fetch_ms": 1e3 * split["fetch_s"] / steps,
+            "compute_ms": 1e3 * split["compute_s"] / steps,
+            "decode tok/s": 1 / tpot[method],
+            "decode speedup": tpot["full"] / tpot[method],
+        }
+        if "wait_kmeans_s" in quickest.get("method", {}):  # PQCache: the wait for clustering in its TT2T
+            row["wait_kmeans_s"] = quickest["method"]["wait_kmeans_s"]
+        rows.append(row)
+    return rows
+
+
 def _e2e(
     options: BenchOptions,
     methods: list[tuple[str, dict[str, Any]]],
@@ -240,40 +282,7 @@ def _e2e(
         for _ in range(rounds):
             for method, budget in [("full", {})] + methods:
                 runs.setdefault(method, []).append(run(method, budget, ids, new_tokens))
-        tt2t = {method: min(t["tt2t_s"] for t in tele) for method, tele in runs.items()}
-        ttft = {method: min(t["ttft_s"] for t in tele) for method, tele in runs.items()}
-        # a request's latency: prefill and every decode step (TTFT + the decode time), best of the rounds
-        latency = {method: min(t["ttft_s"] + t["decode_s"] for t in tele) for method, tele in runs.items()}
-        fastest = {method: min(tele, key=lambda t: t["tpot_s"]) for method, tele in runs.items()}
-        tpot = {method: t["tpot_s"] for method, t in fastest.items()}
-        for method, _ in methods:
-            split = fastest[method]
-            steps = max(1, split["decode_steps"])
-            quickest = min(runs[method], key=lambda t: t["tt2t_s"])
-            row = {
-                "model": model_name,
-                "prompt": len(ids),
-                "method": method,
-                "ttft_s": ttft[method],
-                "full_ttft_s": ttft["full"],
-                "tt2t_s": tt2t[method],
-                "full_tt2t_s": tt2t["full"],
-                "tt2t ratio": tt2t[method] / tt2t["full"],
-                "tt2t / full ttft": tt2t[method] / ttft["full"],
-                "latency_s": latency[method],
-                "full_latency_s": latency["full"],
-                "tpot_ms": 1e3 * tpot[method],
-                "full_tpot_ms": 1e3 * tpot["full"],
-                "tpot ratio": tpot[method] / tpot["full"],
-                "select_ms": 1e3 * split["select_s"] / steps,
-                "fetch_ms": 1e3 * split["fetch_s"] / steps,
-                "compute_ms": 1e3 * split["compute_s"] / steps,
-                "decode tok/s": 1 / tpot[method],
-                "decode speedup": tpot["full"] / tpot[method],
-            }
-            if "wait_kmeans_s" in quickest.get("method", {}):  # PQCache: the wait for clustering in its TT2T
-                row["wait_kmeans_s"] = quickest["method"]["wait_kmeans_s"]
-            rows.append(row)
+        rows.extend(_e2e_rows(model_name, len(ids), runs))
     notes = [
         f"{new_tokens} new tokens, best of {rounds} round(s) (full, then each method), after one untimed "
         f"warm-up run of each ({min(WARM_UP_TOKENS, min(lengths))} tokens, 2 new); "
