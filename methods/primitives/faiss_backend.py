@@ -58,17 +58,7 @@ def kmeans(
 ) -> KMeansResult:
     """``kmeans.kmeans`` computed by ``faiss.Kmeans``, one problem at a time (see the module notes)."""
     faiss = _faiss()
-    if metric not in METRICS:
-        raise ValueError(f"unknown k-means metric {metric!r}; use one of {METRICS}")
-    if init not in INITS + ("faiss",):
-        raise ValueError(f"unknown k-means init {init!r}; use one of {INITS + ('faiss',)}")
-    if stop_when_stable or tol:
-        raise NotImplementedError("faiss k-means runs a fixed number of iterations; use stop_when_stable=False, tol=0")
-    if empty is not None:
-        raise NotImplementedError(
-            f"faiss splits the largest cluster into an empty one; empty={empty!r} is the "
-            "torch k-means' rule (kmeans.kmeans)"
-        )
+    _check_options(metric, init, stop_when_stable, tol, empty)
     problems, n, d = x.shape
 
     if metric == "ip":
@@ -93,6 +83,42 @@ def kmeans(
         )
         start = torch.gather(train_points, 1, rows[..., None].expand(-1, -1, train_points.shape[-1]))
 
+    found = _train(faiss, train_points, valid, start, k, iters=iters, seed=seed, metric=metric)
+    centroids = torch.from_numpy(np.stack(found)).to(x.device)
+
+    if metric == "cosine":
+        centroids = _cluster_means(x, centroids, k, valid, chunk)
+    return _torch_kmeans.finish(x, centroids, metric=metric, iterations=iters, valid=valid, chunk=chunk)
+
+
+def _check_options(metric: str, init: str, stop_when_stable: bool, tol: float, empty: str | None) -> None:
+    """Refuse an unknown metric or init and the torch-only options faiss cannot honour (see the module notes)."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown k-means metric {metric!r}; use one of {METRICS}")
+    if init not in INITS + ("faiss",):
+        raise ValueError(f"unknown k-means init {init!r}; use one of {INITS + ('faiss',)}")
+    if stop_when_stable or tol:
+        raise NotImplementedError("faiss k-means runs a fixed number of iterations; use stop_when_stable=False, tol=0")
+    if empty is not None:
+        raise NotImplementedError(
+            f"faiss splits the largest cluster into an empty one; empty={empty!r} is the "
+            "torch k-means' rule (kmeans.kmeans)"
+        )
+
+
+def _train(
+    faiss: Any,
+    train_points: Tensor,
+    valid: Tensor | None,
+    start: Tensor | None,
+    k: int,
+    *,
+    iters: int,
+    seed: int,
+    metric: str,
+) -> list[np.ndarray]:
+    """Each problem's centroids from ``faiss.Kmeans`` on its valid points (host arrays; ``start`` itself at 0 iters)."""
+    problems = train_points.shape[0]
     host_points = train_points.detach().cpu().numpy()
     host_valid = None if valid is None else valid.detach().cpu().numpy()
     found = []
@@ -117,21 +143,23 @@ def kmeans(
         )
         km.train(data, init_centroids=None if start is None else np.ascontiguousarray(start[p].cpu().numpy()))
         found.append(km.centroids)
-    centroids = torch.from_numpy(np.stack(found)).to(x.device)
+    return found
 
-    if metric == "cosine":
-        # ClusterKV's centroid: the plain mean of the raw points of each cluster, the clusters being
-        # the points' nearest faiss centroids (an empty cluster keeps faiss's unit centroid).
-        labels = _torch_kmeans.assign(x, centroids, "cosine", chunk)
-        keep = torch.ones_like(labels, dtype=torch.bool) if valid is None else valid
-        index = labels.masked_fill(~keep, k)
-        sums = torch.zeros(problems, k + 1, d, dtype=torch.float32, device=x.device)
-        sums.scatter_add_(1, index[..., None].expand(-1, -1, d), x.float())
-        counts = torch.zeros(problems, k + 1, dtype=torch.float32, device=x.device)
-        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
-        means = sums[:, :k] / counts[:, :k].clamp_min(1)[..., None]
-        centroids = torch.where(counts[:, :k, None] > 0, means, centroids)
-    return _torch_kmeans.finish(x, centroids, metric=metric, iterations=iters, valid=valid, chunk=chunk)
+
+def _cluster_means(x: Tensor, centroids: Tensor, k: int, valid: Tensor | None, chunk: int | None) -> Tensor:
+    """Cosine's returned centroids: each cluster's plain mean of the raw points (faiss's centroid if empty)."""
+    problems, _, d = x.shape
+    # ClusterKV's centroid: the plain mean of the raw points of each cluster, the clusters being
+    # the points' nearest faiss centroids (an empty cluster keeps faiss's unit centroid).
+    labels = _torch_kmeans.assign(x, centroids, "cosine", chunk)
+    keep = torch.ones_like(labels, dtype=torch.bool) if valid is None else valid
+    index = labels.masked_fill(~keep, k)
+    sums = torch.zeros(problems, k + 1, d, dtype=torch.float32, device=x.device)
+    sums.scatter_add_(1, index[..., None].expand(-1, -1, d), x.float())
+    counts = torch.zeros(problems, k + 1, dtype=torch.float32, device=x.device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    means = sums[:, :k] / counts[:, :k].clamp_min(1)[..., None]
+    return torch.where(counts[:, :k, None] > 0, means, centroids)
 
 
 def pq_fit(keys: Tensor, m: int, b: int, *, iters: int, **options: Any) -> PQCodebook:
