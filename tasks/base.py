@@ -11,14 +11,14 @@ subsets lives in :meth:`Task.aggregate`. Every protocol choice a task makes is r
 **Several questions per context.** A task whose samples can carry several questions about one context
 (NIAH with several needles, RULER's needle tasks) gives each :class:`Sample` its ``context`` segments
 and its ``queries`` (:class:`SampleQuery`, first question first) and declares the options of
-:data:`MULTI_QUERY_OPTIONS`: ``task.queries_per_context=N`` asks the first N questions about a context
-compressed once (a :class:`~kvbench.requests.MultiQueryRequest`), ``task.compression=question_aware |
-question_agnostic`` decides whether the first question is in view when the method compresses, and
-``task.keep_answers`` keeps the conversation instead of dropping every answer (question-aware: every
-answer after the first, whose turn is part of the compressed prompt). One question, question
-aware, is exactly today's single prompt (``context + first question``, one generation). Each question
-scores apart; the record keeps them in ``queries`` and :meth:`Task.aggregate` reports ``score_first``,
-``score_followup`` and ``score_by_query``.
+:class:`~kvbench.tasks.params.MultiQueryParams`: ``task.queries_per_context=N`` asks the first N questions
+about a context compressed once (a :class:`~kvbench.requests.MultiQueryRequest`),
+``task.compression=question_aware | question_agnostic`` decides whether the first question is in view
+when the method compresses, and ``task.keep_answers`` keeps the conversation instead of dropping every
+answer (question-aware: every answer after the first, whose turn is part of the compressed prompt).
+One question, question aware, is exactly today's single prompt (``context + first question``, one
+generation). Each question scores apart; the record keeps them in ``queries`` and :meth:`Task.aggregate`
+reports ``score_first``, ``score_followup`` and ``score_by_query``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from kvbench.errors import ConfigError
-from kvbench.params import Params, defaults, parse
+from kvbench.params import Params, defaults, param, parse
 from kvbench.requests import (
-    COMPRESSIONS,
     GenerateRequest,
     MultiQueryRequest,
     Output,
@@ -42,16 +41,25 @@ from kvbench.requests import (
     Segment,
     join_segments,
 )
+from kvbench.tasks.params import MultiQueryParams
 
 if TYPE_CHECKING:
     from kvbench.models.loading import LoadedModel
 
 
-#: the multi-query options and their defaults (one question, the method sees it, answers dropped): a
-#: task that can ask several questions per context adds them to its ``defaults``
 T = TypeVar("T")
 
-MULTI_QUERY_OPTIONS: dict[str, Any] = {"queries_per_context": 1, "compression": "question_aware", "keep_answers": False}
+
+@dataclass(frozen=True)
+class CommonParams(Params):
+    """The common keys of :attr:`Task.common_keys` (all but ``name`` and ``shard``) for a task whose ``Params``
+    leave them out, typed and checked like its own: every shipped task declares ``limit`` and ``data_dir``,
+    and all but rag and rag_stream ``question_position`` (those take it only to refuse any value but
+    ``end``). Whichever declares a key, :class:`Task` gives its value as ``self.<key>``."""
+
+    limit: int | None = param(None, "first n samples (null: all)", min=1)
+    data_dir: str | None = param(None, "the task's data folder (null: none)")
+    question_position: str | None = param(None, "where the question goes (null: unset; the task checks it)")
 
 
 @dataclass
@@ -163,52 +171,56 @@ class Task:
                 f"task {self.name} has no option(s) {', '.join(unknown)}",
                 f"valid task.* keys: {', '.join(sorted(set(self.common_keys) | set(self.defaults)))}",
             )
-        #: the parameters, typed and checked (a wrong type, choice or range is one line naming the key)
-        self.params = parse(
-            self.Params, {k: v for k, v in cfg.items() if k in self.defaults}, owner=f"task {self.name}", prefix="task."
-        )
+        owner = f"task {self.name}"
+        #: the parameters, typed and checked (a wrong type, choice or range is one line naming the key): what
+        #: the task reads its options from (``self.params.<key>``)
+        self.params = parse(self.Params, {k: v for k, v in cfg.items() if k in self.defaults}, owner, prefix="task.")
+        # the common keys the Params leave out, typed and checked the same way (CommonParams)
+        common_fields = set(CommonParams.__dataclass_fields__) - set(self.defaults)
+        common = parse(CommonParams, {k: v for k, v in cfg.items() if k in common_fields}, owner, prefix="task.")
+
+        def common_key(key: str) -> Any:
+            return getattr(common if key in common_fields else self.params, key)
+
+        #: ``task.limit`` (None: every sample); what "limit" means is each task's own (samples, questions,
+        #: samples per grid cell)
+        self.limit: int | None = common_key("limit")
+        #: ``task.data_dir`` as given (None: unset; :func:`~kvbench.tasks.sources.data_folder` checks it)
+        self.data_dir: str | None = common_key("data_dir")
+        #: ``task.question_position`` (None: unset, for a task whose parameters leave it out)
+        self.question_position: str | None = common_key("question_position")
+        self.shard = parse_shard(cfg.get("shard"))
+        #: the raw config node, defaults filled in. The tasks read their options from :attr:`params` (and
+        #: the attributes above), never from here; it is kept for code that wants the mapping itself:
+        #: kvbench.validate.check_data keys its cache of checked data files on it, and tests read it
         self.cfg = {**self.defaults, **cfg}
-        limit = self.cfg.get("limit")
-        if limit is not None and int(limit) < 1:
-            raise ConfigError(f"task.limit={limit} must be positive", "drop task.limit or set it to 1 or more")
-        #: ``task.limit`` as an int (None: every sample); what "limit" means is each task's own (samples,
-        #: questions, samples per grid cell)
-        self.limit: int | None = int(limit) if limit is not None else None
-        self.shard = parse_shard(self.cfg.get("shard"))
-        if "queries_per_context" in self.cfg:
-            self._check_multi_query()
 
     # ------------------------------------------------------------------ several questions per context
-    def _check_multi_query(self) -> None:
-        n, compression, keep = self.cfg["queries_per_context"], self.cfg["compression"], self.cfg["keep_answers"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(
-                f"task.queries_per_context={n!r} must be a positive integer", "e.g. task.queries_per_context=4"
-            )
-        if compression not in COMPRESSIONS:
-            raise ConfigError(
-                f"task.compression={compression!r} is not one of {', '.join(COMPRESSIONS)}",
-                "use task.compression=question_aware or task.compression=question_agnostic",
-            )
-        if not isinstance(keep, bool):
-            raise ConfigError(
-                f"task.keep_answers={keep!r} must be true or false", "use task.keep_answers=true or false"
-            )
-
     @property
     def multi_query(self) -> bool:
         """Whether samples run as :class:`~kvbench.requests.MultiQueryRequest` (several questions, the
         question-agnostic layout or kept answers), rather than as one prompt."""
-        cfg = self.cfg
-        return "queries_per_context" in cfg and (
-            int(cfg["queries_per_context"]) > 1 or cfg["compression"] != "question_aware" or bool(cfg["keep_answers"])
+        p = self.params
+        return isinstance(p, MultiQueryParams) and (
+            p.queries_per_context > 1 or p.compression != "question_aware" or p.keep_answers
         )
+
+    def multi_query_params(self) -> MultiQueryParams:
+        """The multi-query options (:attr:`params`, of a task that declares them: every task in multi-query mode)."""
+        if not isinstance(self.params, MultiQueryParams):
+            raise TypeError(f"task {self.name} takes no multi-query options")
+        return self.params
 
     def multi_query_protocol(self) -> dict[str, Any]:
         """The multi-query choices, for :meth:`protocol` (nothing when the task runs one prompt per sample)."""
         if not self.multi_query:
             return {}
-        return {key: self.cfg[key] for key in MULTI_QUERY_OPTIONS}
+        p = self.multi_query_params()
+        return {
+            "queries_per_context": p.queries_per_context,
+            "compression": p.compression,
+            "keep_answers": p.keep_answers,
+        }
 
     @classmethod
     def recorded_config(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -326,7 +338,8 @@ class Task:
                     f"task {self.name} sample {sample.id} has no separate questions to ask",
                     "drop task.queries_per_context / task.compression / task.keep_answers",
                 )
-            asked = sample.queries[: int(self.cfg["queries_per_context"])]
+            options = self.multi_query_params()
+            asked = sample.queries[: options.queries_per_context]
 
             def query(q: SampleQuery) -> Query:
                 return Query(
@@ -342,8 +355,8 @@ class Task:
                 MultiQueryRequest(
                     join_segments(sample.context),
                     tuple(query(q) for q in asked),
-                    compression=str(self.cfg["compression"]),
-                    keep_answers=bool(self.cfg["keep_answers"]),
+                    compression=options.compression,
+                    keep_answers=options.keep_answers,
                     context_segments=tuple(sample.context),
                 )
             ]
@@ -367,6 +380,7 @@ class Task:
         out = outputs[0]
         if out.turns:
             assert sample.queries is not None
+            options = self.multi_query_params()
             queries = []
             for index, (query, turn) in enumerate(zip(sample.queries, out.turns)):
                 queries.append(
@@ -388,8 +402,8 @@ class Task:
                 subset=sample.subset,
                 meta={
                     **sample.meta,
-                    "compression": self.cfg["compression"],
-                    "keep_answers": self.cfg["keep_answers"],
+                    "compression": options.compression,
+                    "keep_answers": options.keep_answers,
                     "queries": len(queries),
                 },
                 telemetry=out.telemetry,

@@ -33,7 +33,7 @@ from kvbench.errors import ConfigError
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.params import Gsm8kCotParams
-from kvbench.tasks.sources import data_dir, find_file, hub_rows, read_jsonl
+from kvbench.tasks.sources import data_folder, find_file, hub_rows, read_jsonl
 
 # Wei et al. (2022), "Chain-of-thought prompting elicits reasoning in large language models", the
 # eight GSM8k exemplars.
@@ -112,6 +112,7 @@ def extract(text: str, rule: str) -> float | None:
 class GSM8kCoT(Task):
     name = "gsm8k_cot"
     Params = Gsm8kCotParams
+    params: Gsm8kCotParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
@@ -120,36 +121,36 @@ class GSM8kCoT(Task):
     @property
     def extraction(self) -> str:
         """The answer-extraction rule: ``task.extraction``, else the protocol's (PQCache's: the last number)."""
-        return self.cfg["extraction"] or ("last_number" if self.cfg["protocol"] == "pqcache" else "answer_is")
+        return self.params.extraction or ("last_number" if self.params.protocol == "pqcache" else "answer_is")
 
     # ------------------------------------------------------------------ data
     def data_files(self) -> list[Path]:
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         files = [find_file(folder, TEST_FILES, "the GSM8k test set", WHERE)] if folder is not None else []
-        return files + ([self._prompt_file()] if self.cfg["protocol"] != "wei8" else [])
+        return files + ([self._prompt_file()] if self.params.protocol != "wei8" else [])
 
     def row_fields(self, path: Path) -> tuple[str, ...]:
         return ("question", "answer")
 
     def hub_source(self) -> tuple[str, str] | None:
-        return (HUB, WHERE) if data_dir(self.cfg) is None else None
+        return (HUB, WHERE) if data_folder(self.params.data_dir) is None else None
 
     def _prompt_file(self) -> Path:
         """PQCache's few-shot prompt file (``protocol=pqcache``), from ``task.data_dir``."""
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         if folder is None:
             raise ConfigError("protocol=pqcache needs PQCache's prompt file", f"pass task.data_dir=<folder> ({WHERE})")
         return find_file(folder, PROMPT_FILES, "PQCache's GSM8k prompt", WHERE)
 
     def _rows(self) -> Iterable[dict[str, Any]]:
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         if folder is not None:
             return read_jsonl(find_file(folder, TEST_FILES, "the GSM8k test set", WHERE))
-        return hub_rows(HUB, "main", str(self.cfg["split"]), WHERE)
+        return hub_rows(HUB, "main", self.params.split, WHERE)
 
     def exemplars(self) -> str:
         if self._exemplars is None:
-            if self.cfg["protocol"] == "wei8":
+            if self.params.protocol == "wei8":
                 self._exemplars = "".join(f"Q: {q}\nA: {a}\n\n" for q, a in WEI8)
             else:
                 self._exemplars = self._prompt_file().read_text(encoding="utf-8")
@@ -157,8 +158,8 @@ class GSM8kCoT(Task):
 
     def build_prompt(self, question: str) -> str:
         shots = self.exemplars()
-        start = self.cfg["question_position"] == "start"
-        if self.cfg["protocol"] == "wei8":
+        start = self.params.question_position == "start"
+        if self.params.protocol == "wei8":
             if start:
                 return f"Q: {question}\n\n{shots}Answer the first question.\nA:"
             return f"{shots}Q: {question}\nA:"
@@ -167,31 +168,31 @@ class GSM8kCoT(Task):
         return f"{shots}\nQuestion: {question}\n"
 
     def samples(self, model: Any) -> Iterable[Sample]:
-        stop = ("\nQuestion: ",) if self.cfg["protocol"] == "pqcache" else ("\nQ:", "\n\nQ:")
+        stop = ("\nQuestion: ",) if self.params.protocol == "pqcache" else ("\nQ:", "\n\nQ:")
         for index, row in enumerate(self.limited(self._rows())):
             yield Sample(
-                id=f"{self.cfg['split']}-{index}",
+                id=f"{self.params.split}-{index}",
                 reference=gold_number(row["answer"]),
                 prompt=self.build_prompt(row["question"]),
-                use_template=bool(self.cfg["use_template"]),
-                max_new_tokens=int(self.cfg["max_new_tokens"]),
+                use_template=self.params.use_template,
+                max_new_tokens=self.params.max_new_tokens,
                 stop_texts=stop,
                 meta={"question": row["question"]},
             )
 
     def sample_ids(self) -> list[str] | None:
-        return [f"{self.cfg['split']}-{i}" for i in range(self.limit)] if self.limit is not None else None
+        return [f"{self.params.split}-{i}" for i in range(self.limit)] if self.limit is not None else None
 
     def protocol(self) -> dict[str, Any]:
         shots = self.exemplars()
         return {
             "task": self.name,
-            "protocol": self.cfg["protocol"],
+            "protocol": self.params.protocol,
             "exemplars_sha256": hashlib.sha256(shots.encode()).hexdigest()[:16],
-            "chat_template": bool(self.cfg["use_template"]),
-            "max_new_tokens": int(self.cfg["max_new_tokens"]),
+            "chat_template": self.params.use_template,
+            "max_new_tokens": self.params.max_new_tokens,
             "extraction": self.extraction,
-            "question_position": self.cfg["question_position"],
+            "question_position": self.params.question_position,
         }
 
     # ------------------------------------------------------------------ scoring

@@ -65,7 +65,7 @@ from kvbench.tasks.infinitebench_protocol import (
     infllm_conv,
 )
 from kvbench.tasks.params import InfiniteBenchParams
-from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
+from kvbench.tasks.sources import data_folder, hub_rows, read_jsonl
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 NEEDLES = {
@@ -171,18 +171,21 @@ class InfiniteBench(Task):
     name = "infinitebench"
     average = "subsets"
     Params = InfiniteBenchParams
+    params: InfiniteBenchParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        subsets = self.cfg["subsets"]
+        subsets = self.params.subsets
         self.names = [subsets] if isinstance(subsets, str) else list(subsets)
         if "all" in self.names:
             self.names = list(TASKS)
         unknown = [n for n in self.names if n not in TASKS]
         if unknown:
             raise ConfigError(f"unknown InfiniteBench task(s) {', '.join(unknown)}", f"use {', '.join(TASKS)}")
-        self.protocol_cfg = PROTOCOLS[self.cfg["protocol"]]
-        self.generating = self.cfg["generate"] if self.cfg["generate"] is not None else not self.cfg.get("data_dir")
+        #: the protocol's templates, chat use, truncation and generation lengths
+        self.protocol_spec = PROTOCOLS[self.params.protocol]
+        generate = self.params.generate
+        self.generating = generate if generate is not None else not self.params.data_dir
         if self.generating:
             real = [n for n in self.names if n not in SYNTHETIC]
             if real:
@@ -194,10 +197,10 @@ class InfiniteBench(Task):
     # ------------------------------------------------------------------ protocol
     def template(self, task: str) -> str:
         table = {"open": OPEN_TEMPLATES, "chat": CHAT_TEMPLATES, "infllm": INFLLM_TEMPLATES}[
-            self.protocol_cfg["templates"]
+            self.protocol_spec["templates"]
         ]
         text = table[task]
-        if self.cfg["question_position"] == "start":
+        if self.params.question_position == "start":
             for slot in ("{input}", "{question}"):
                 at = text.find(slot)
                 if at > text.find("{context}"):
@@ -206,16 +209,16 @@ class InfiniteBench(Task):
         return text
 
     def max_new_tokens(self, task: str) -> int:
-        if self.cfg["max_new_tokens"]:
-            return int(self.cfg["max_new_tokens"])
-        return MAX_NEW_TOKENS[self.protocol_cfg["max_new_tokens"]][task]
+        if self.params.max_new_tokens:
+            return self.params.max_new_tokens
+        return MAX_NEW_TOKENS[self.protocol_spec["max_new_tokens"]][task]
 
     @property
     def infllm(self) -> bool:
-        return self.cfg["protocol"] == "infllm"
+        return self.params.protocol == "infllm"
 
     def max_length(self) -> int:
-        return int(self.cfg["max_length"] or self.protocol_cfg["max_length"])
+        return int(self.params.max_length or self.protocol_spec["max_length"])
 
     def length_limit(self, model: Any, task: str) -> int | None:
         """Truncation limit of one task's prompts (``None``: not truncated). ``open`` / ``chat``:
@@ -223,15 +226,15 @@ class InfiniteBench(Task):
         generation length. ``infllm``: ``max_len - max_new_tokens`` with InfLLM's ``max_len``."""
         if self.infllm:
             conv = INFLLM_CONV[infllm_conv(model.spec.name)]
-            if self.cfg["max_length"]:
-                max_len = int(self.cfg["max_length"])
+            if self.params.max_length:
+                max_len = self.params.max_length
             elif conv["truncation"] is None:
                 return None
             else:
                 max_len = conv["max_len"] or model.spec.max_length
             return max_len - self.max_new_tokens(task)
-        if self.cfg["max_length"]:
-            return int(self.cfg["max_length"])
+        if self.params.max_length:
+            return self.params.max_length
         return min(self.max_length(), model.spec.max_length - self.max_new_tokens(task))
 
     def truncate(self, model: Any, task: str, ids: list[int]) -> list[int]:
@@ -246,37 +249,37 @@ class InfiniteBench(Task):
     def protocol(self) -> dict[str, Any]:
         return {
             "task": self.name,
-            "protocol": self.cfg["protocol"],
-            "templates": self.protocol_cfg["templates"],
-            "chat_template": self.protocol_cfg["chat"],
+            "protocol": self.params.protocol,
+            "templates": self.protocol_spec["templates"],
+            "chat_template": self.protocol_spec["chat"],
             "truncation": (
                 "InfLLM's suffix rule after the template (first 128 tokens + the tail) to "
                 + (
-                    f"{self.cfg['max_length']} tokens"
-                    if self.cfg["max_length"]
+                    f"{self.params.max_length} tokens"
+                    if self.params.max_length
                     else "InfLLM's max_len (Mistral 32000, Llama-3 none, other models their context)"
                 )
                 + " minus the generation"
                 if self.infllm
                 else f"middle to {self.max_length()} tokens"
-                + ("" if self.cfg["max_length"] else " or the model's context minus the generation, if smaller")
+                + ("" if self.params.max_length else " or the model's context minus the generation, if smaller")
             ),
             "max_new_tokens": {n: self.max_new_tokens(n) for n in self.names},
-            "scorer_version": self.cfg["scorer_version"],
-            "question_position": self.cfg["question_position"],
+            "scorer_version": self.params.scorer_version,
+            "question_position": self.params.question_position,
             "generated": bool(self.generating),
-            "length_unit": self.cfg["length_unit"] if self.generating else None,
+            "length_unit": self.params.length_unit if self.generating else None,
         }
 
     # ------------------------------------------------------------------ data
     def _local_file(self, folder: Path, task: str) -> Path:
-        path = folder / (self.cfg["file"] or f"{task}.jsonl")
+        path = folder / (self.params.file or f"{task}.jsonl")
         if not path.exists():
             raise ConfigError(f"{task}.jsonl not found in {folder}", f"get it from {WHERE}")
         return path
 
     def data_files(self) -> list[Path]:
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         if folder is None or self.generating:
             return []
         return [self._local_file(folder, task) for task in self.names]
@@ -285,10 +288,10 @@ class InfiniteBench(Task):
         return ("answer",)
 
     def hub_source(self) -> tuple[str, str] | None:
-        return (HUB, WHERE) if data_dir(self.cfg) is None and not self.generating else None
+        return (HUB, WHERE) if data_folder(self.params.data_dir) is None and not self.generating else None
 
     def _rows(self, task: str) -> Iterable[dict[str, Any]]:
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         if folder is not None:
             return read_jsonl(self._local_file(folder, task))
         return hub_rows(HUB, None, task, WHERE)
@@ -322,7 +325,7 @@ class InfiniteBench(Task):
 
     def _units(self, task: str, length: int, model: Any) -> int:
         """How many noise lines / records / numbers make a prompt of ``length``."""
-        if self.cfg["length_unit"] == "infinitebench":
+        if self.params.length_unit == "infinitebench":
             per_unit = {
                 "passkey": 32768 / 1305,
                 "number_string": 32768 / 1305,
@@ -354,7 +357,7 @@ class InfiniteBench(Task):
             )
             special = INFLLM_CONV[infllm_conv(model.spec.name)]["special_tokens"]
             return model.tokenizer(text, add_special_tokens=special).input_ids
-        return model.chat.encode(prompt, use_template=self.protocol_cfg["chat"] and model.chat.available)
+        return model.chat.encode(prompt, use_template=self.protocol_spec["chat"] and model.chat.available)
 
     def sample_ids(self) -> list[str] | None:
         if not self.generating:
@@ -362,8 +365,8 @@ class InfiniteBench(Task):
         ids = [
             f"{task}-len{int(length)}_depth{float(depth):g}"
             for task in self.names
-            for length in self.cfg["lengths"]
-            for depth in self.cfg["depths"]
+            for length in self.params.lengths
+            for depth in self.params.depths
         ]
         if self.limit is None:
             return ids
@@ -392,12 +395,12 @@ class InfiniteBench(Task):
 
     def _generated(self, task: str, model: Any) -> Iterable[tuple[str, dict[str, Any], dict[str, Any]]]:
         count = 0
-        for length in (int(x) for x in self.cfg["lengths"]):
+        for length in self.params.lengths:
             units = self._units(task, length, model)
-            for depth in (float(x) for x in self.cfg["depths"]):
+            for depth in self.params.depths:
                 if self.limit is not None and count >= self.limit:
                     return
-                row = Generator(sample_seed(int(self.cfg["seed"]), task, length, depth)).make(task, units, depth)
+                row = Generator(sample_seed(self.params.seed, task, length, depth)).make(task, units, depth)
                 count += 1
                 yield f"len{length}_depth{depth:g}", row, {"length": length, "depth": depth, "units": units}
 
@@ -407,7 +410,7 @@ class InfiniteBench(Task):
 
         assert sample.subset is not None  # (every sample names its InfiniteBench task)
         return 100.0 * score_sample(
-            sample.subset, prediction, sample.reference, scorer_version=str(self.cfg["scorer_version"])
+            sample.subset, prediction, sample.reference, scorer_version=self.params.scorer_version
         )
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:

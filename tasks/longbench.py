@@ -54,7 +54,7 @@ from kvbench.tasks.longbench_protocol import (
     pqcache_chat_style,
 )
 from kvbench.tasks.params import LongBenchParams
-from kvbench.tasks.sources import data_dir, hub_rows, read_jsonl
+from kvbench.tasks.sources import data_folder, hub_rows, read_jsonl
 
 HUB = "THUDM/LongBench"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"
@@ -111,11 +111,12 @@ class LongBench(Task):
     name = "longbench"
     average = "subsets"
     Params = LongBenchParams
+    params: LongBenchParams
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        subsets = self.cfg["subsets"]
-        subsets = [subsets] if isinstance(subsets, str) else list(subsets)
+        given = self.params.subsets
+        subsets = [given] if isinstance(given, str) else list(given)
         names: list[str] = []
         for item in subsets:
             names += GROUPS[item] if item in GROUPS else [item]
@@ -125,11 +126,11 @@ class LongBench(Task):
                 f"unknown LongBench subset(s) {', '.join(unknown)}",
                 f"use dataset names ({', '.join(DATASETS)}) or groups ({', '.join(GROUPS)})",
             )
-        if self.cfg["e"]:
+        if self.params.e:
             missing = [n for n in names if not DATASETS[n].in_e]
             if missing:
                 raise ConfigError(f"LongBench-E has no {', '.join(missing)}", "use task.subsets=[e] or drop those")
-        if self.cfg["question_position"] == "start":
+        if self.params.question_position == "start":
             others = [n for n in names if n not in QA]
             if others:
                 raise ConfigError(
@@ -142,7 +143,7 @@ class LongBench(Task):
     # ------------------------------------------------------------------ protocol
     def _datasets(self) -> dict[str, Dataset]:
         """The protocol constants, from the official JSON files when ``config_dir`` is given."""
-        folder = self.cfg.get("config_dir")
+        folder = self.params.config_dir
         if not folder:
             return {n: DATASETS[n] for n in self.names}
         prompts = json.loads((Path(folder) / "dataset2prompt.json").read_text(encoding="utf-8"))
@@ -150,38 +151,38 @@ class LongBench(Task):
         return {n: DATASETS[n]._replace(prompt=prompts[n], max_new_tokens=int(maxlen[n])) for n in self.names}
 
     def limit_for(self, model: Any) -> tuple[int, str]:
-        if self.cfg["max_length"]:
-            return int(self.cfg["max_length"]), "task.max_length"
-        table = LENGTH_LIMITS[self.cfg["protocol"]]
+        if self.params.max_length:
+            return self.params.max_length, "task.max_length"
+        table = LENGTH_LIMITS[self.params.protocol]
         if model.spec.name in table:
-            return table[model.spec.name], f"{self.cfg['protocol']} limit for {model.spec.name}"
+            return table[model.spec.name], f"{self.params.protocol} limit for {model.spec.name}"
         longest = max(d.max_new_tokens for d in self.datasets.values())
         return model.spec.max_length - longest, "model context minus the longest generation"
 
     def template(self, dataset: Dataset) -> str:
-        return move_question_first(dataset.prompt) if self.cfg["question_position"] == "start" else dataset.prompt
+        return move_question_first(dataset.prompt) if self.params.question_position == "start" else dataset.prompt
 
     def protocol(self) -> dict[str, Any]:
         return {
             "task": self.name,
-            "protocol": self.cfg["protocol"],
+            "protocol": self.params.protocol,
             "truncation": "middle, before the chat template",
-            "max_length": self.cfg["max_length"],
+            "max_length": self.params.max_length,
             "chat_template": f"all but {', '.join(NO_CHAT)}"
             + (
                 "; PQCache's vq_pred.py format where it has one (meta.prompt_format)"
-                if self.cfg["protocol"] == "pqcache"
+                if self.params.protocol == "pqcache"
                 else ""
             ),
-            "question_position": self.cfg["question_position"],
+            "question_position": self.params.question_position,
             "max_new_tokens": {n: d.max_new_tokens for n, d in self.datasets.items()},
-            "longbench_e": bool(self.cfg["e"]),
+            "longbench_e": self.params.e,
             "scorer": "LongBench v1 metrics.py semantics",
         }
 
     # ------------------------------------------------------------------ data
     def _file(self, name: str) -> str:
-        return f"{name}_e" if self.cfg["e"] else name
+        return f"{name}_e" if self.params.e else name
 
     def _local_file(self, folder: Path, name: str) -> Path:
         file = self._file(name)
@@ -194,20 +195,20 @@ class LongBench(Task):
         return path
 
     def data_files(self) -> list[Path]:
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         return [self._local_file(folder, name) for name in self.names] if folder is not None else []
 
     def row_fields(self, path: Path) -> tuple[str, ...]:
         """A row's keys the prompt template names (``context``, ``input``) and ``answers``."""
-        name = path.stem.removesuffix("_e") if self.cfg["e"] else path.stem
+        name = path.stem.removesuffix("_e") if self.params.e else path.stem
         dataset = self.datasets.get(name)
         return ("answers", *prompt_fields(self.template(dataset))) if dataset is not None else ("answers",)
 
     def hub_source(self) -> tuple[str, str] | None:
-        return (HUB, WHERE) if data_dir(self.cfg) is None else None
+        return (HUB, WHERE) if data_folder(self.params.data_dir) is None else None
 
     def _rows(self, name: str) -> Iterable[dict[str, Any]]:
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         if folder is not None:
             return read_jsonl(self._local_file(folder, name))
         return hub_rows(HUB, self._file(name), "test", WHERE)
@@ -228,7 +229,7 @@ class LongBench(Task):
                 prompt, truncated = middle_truncate(model.tokenizer, prompt, limit)
                 use_chat = name not in NO_CHAT and model.chat.available
                 built = (
-                    pqcache_ids(model, prompt) if self.cfg["protocol"] == "pqcache" and name not in NO_CHAT else None
+                    pqcache_ids(model, prompt) if self.params.protocol == "pqcache" and name not in NO_CHAT else None
                 )
                 fmt = built[1] if built else ("model_template" if use_chat else "raw")
                 yield Sample(
@@ -261,7 +262,7 @@ class LongBench(Task):
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = super().aggregate(records)  # average: subsets (the papers' "Average" over datasets)
-        if self.cfg["e"]:
+        if self.params.e:
             buckets: dict[str, dict[str, list[float]]] = {}
             for record in records:
                 length = record["meta"].get("length") or 0

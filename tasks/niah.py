@@ -74,29 +74,29 @@ class Needle:
 class NeedleInAHaystack(Task):
     name = "niah"
     Params = NiahParams
+    params: NiahParams
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg)
-        lengths = [int(x) for x in self.cfg["lengths"]]
-        depths = [float(x) for x in self.cfg["depths"]]
+        super().__init__(cfg)  # (types, depths in [0, 1], needles >= 1: NiahParams)
+        lengths = list(self.params.lengths)
+        depths = list(self.params.depths)
         if not lengths or min(lengths) < 64:
             raise ConfigError(
                 f"task.lengths={lengths} must be token counts of at least 64", "e.g. task.lengths=[1024,2048]"
             )
-        if not depths or min(depths) < 0 or max(depths) > 1:
+        if not depths:
             raise ConfigError(f"task.depths={depths} must lie in [0, 1]", "e.g. task.depths=[0,0.5,1]")
-        count = self.cfg["needles"]
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1 + len(EXTRA_NEEDLES):
+        count, asked = self.params.needles, self.params.queries_per_context
+        if count > 1 + len(EXTRA_NEEDLES):
             raise ConfigError(
                 f"task.needles={count!r} must be an integer from 1 to {1 + len(EXTRA_NEEDLES)}", "e.g. task.needles=4"
             )
-        if int(self.cfg["queries_per_context"]) > count:
+        if asked > count:
             raise ConfigError(
-                f"task.queries_per_context={self.cfg['queries_per_context']} asks more questions than "
-                f"the {count} needle(s) answer",
-                f"set task.needles={self.cfg['queries_per_context']} or more",
+                f"task.queries_per_context={asked} asks more questions than the {count} needle(s) answer",
+                f"set task.needles={asked} or more",
             )
-        if self.multi_query and self.cfg["question_position"] != "end":
+        if self.multi_query and self.params.question_position != "end":
             raise ConfigError(
                 "several questions per context, or a question-agnostic context, need the question after the document",
                 "drop task.question_position=start",
@@ -108,10 +108,10 @@ class NeedleInAHaystack(Task):
 
     def needle_set(self) -> list[Needle]:
         """The configured needle, then ``needles - 1`` of :data:`EXTRA_NEEDLES`."""
-        answer = str(self.cfg["answer"])
+        answer = self.params.answer
         first = Needle(
-            str(self.cfg["needle"]),
-            str(self.cfg["question"]),
+            self.params.needle,
+            self.params.question,
             answer,
             "dolores park" if answer == ANSWER else answer.lower(),
         )
@@ -124,7 +124,7 @@ class NeedleInAHaystack(Task):
             )
             for city, answer, key in EXTRA_NEEDLES
         ]
-        return [first, *extra][: int(self.cfg["needles"])]
+        return [first, *extra][: self.params.needles]
 
     def order(self, depth: float) -> list[int]:
         """The order the needles are asked in for a sample at ``depth``: rotated by the depth's index."""
@@ -155,29 +155,29 @@ class NeedleInAHaystack(Task):
         )
         return {
             "task": self.name,
-            "question_position": self.cfg["question_position"],
+            "question_position": self.params.question_position,
             "chat_template": True,
-            "system_prompt": self.cfg["system_prompt"],
-            "max_new_tokens": self.cfg["max_new_tokens"],
-            "scorer": self.cfg["scorer"],
+            "system_prompt": self.params.system_prompt,
+            "max_new_tokens": self.params.max_new_tokens,
+            "scorer": self.params.scorer,
             "length_unit": "tokens of the whole prompt (template included)",
             **extra,
             **self.multi_query_protocol(),
         }
 
     def _ask(self, needle: Needle) -> str:
-        return f"{needle.question} {self.cfg['instruction']}".strip()
+        return f"{needle.question} {self.params.instruction}".strip()
 
     def _user_message(self, context: str, needle: Needle) -> str:
         ask = self._ask(needle)
-        if self.cfg["question_position"] == "start":
+        if self.params.question_position == "start":
             return f"{ask}\n\n{context}"
         return f"{context}\n\n{ask}"
 
     def samples(self, model: Any) -> Iterable[Sample]:
         tokenizer = model.tokenizer
         chat = model.chat
-        system = self.cfg["system_prompt"]
+        system = self.params.system_prompt
         chat = type(chat)(chat.tokenizer, system_prompt=system, template=chat.template) if system else chat
 
         def encode(text: str) -> list[int]:
@@ -225,13 +225,13 @@ class NeedleInAHaystack(Task):
                 id=self.sample_id(length, depth),
                 reference=self.needles[order[0]].answer,
                 input_ids=head + context + tail,
-                max_new_tokens=int(self.cfg["max_new_tokens"]),
+                max_new_tokens=self.params.max_new_tokens,
                 subset=f"len{length}",
                 meta=meta,
                 context=[Segment(tuple(head), "prefix"), Segment(tuple(context), "chunk")]
-                if self.cfg["question_position"] == "end"
+                if self.params.question_position == "end"
                 else None,
-                queries=queries if self.cfg["question_position"] == "end" else None,
+                queries=queries if self.params.question_position == "end" else None,
             )
 
     def limited_grid(self) -> list[tuple[int, float]]:
@@ -249,24 +249,24 @@ class NeedleInAHaystack(Task):
     def data_files(self) -> list[Path]:
         """The essays of ``task.data_dir`` (each checked to be text before the model loads); none for the
         packaged haystack."""
-        return sorted(self._haystack_dir().glob("*.txt")) if self.cfg.get("data_dir") else []
+        return sorted(self._haystack_dir().glob("*.txt")) if self.params.data_dir else []
 
     def _haystack_dir(self) -> Path:
-        if self.cfg.get("data_dir"):
-            path = Path(str(self.cfg["data_dir"])).expanduser()
+        if self.params.data_dir:
+            path = Path(self.params.data_dir).expanduser()
             if not path.is_dir() or not list(path.glob("*.txt")):
                 raise ConfigError(f"task.data_dir={path} holds no .txt files", "point it at a folder of essays")
             return path
         from kvbench.assets import fetch_asset
 
-        return fetch_asset(str(self.cfg["haystack"]))
+        return fetch_asset(self.params.haystack)
 
     # ------------------------------------------------------------------ scoring
     def score(self, sample: Sample, prediction: str) -> float:
-        scorer = self.cfg["scorer"]
+        scorer = self.params.scorer
         if scorer == "substring":
             return 100.0 if self._keys.get(str(sample.reference), "dolores park") in prediction.lower() else 0.0
-        needle = next((n.text for n in self.needles if n.answer == sample.reference), self.cfg["needle"])
+        needle = next((n.text for n in self.needles if n.answer == sample.reference), self.params.needle)
         target = str(sample.reference) if scorer == "rouge1_recall" else needle.strip()
         result = _rouge1().score(target, prediction)["rouge1"]
         return 100.0 * (result.recall if scorer == "rouge1_recall" else result.fmeasure)

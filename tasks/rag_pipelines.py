@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from kvbench.tasks.base import Sample, SampleResult
     from kvbench.tasks.rag import Rag
 
+#: the pipelines and who writes maprerank's score line: the choices RagParams declares (and checks;
+#: tests/test_task_params.py checks they agree)
 PIPELINES = ("stuff", "mapreduce", "maprerank")
 RERANK_SCORES = ("free", "cued")
 MAP_TOKENS = {"mapreduce": 64, "maprerank": 32}
@@ -79,18 +81,9 @@ SCORE_TOKENS = 4
 RERANK_PATTERN = re.compile(r"(?s)^\s*(?:Answer:\s*)?(.*?)\s*\n\s*Score:\s*(\d+)")
 
 
-def check(cfg: dict[str, Any], dataset: str) -> None:
-    """Refuse a pipeline the data set cannot run (one line, before any model loads)."""
-    pipeline = cfg.get("pipeline", "stuff")
-    if pipeline not in PIPELINES:
-        raise ConfigError(f"unknown task.pipeline {pipeline!r}", f"use one of {', '.join(PIPELINES)}")
-    tokens = cfg.get("map_tokens")
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ConfigError(f"task.map_tokens={tokens!r} must be a positive integer or null", "e.g. task.map_tokens=64")
-    if rerank_score(cfg) not in RERANK_SCORES:
-        raise ConfigError(
-            f"unknown task.rerank_score {cfg.get('rerank_score')!r}", f"use one of {', '.join(RERANK_SCORES)}"
-        )
+def check(pipeline: str, dataset: str) -> None:
+    """Refuse a pipeline the data set cannot run (one line, before any model loads). The pipeline's name,
+    ``map_tokens`` and ``rerank_score`` are checked by their declarations (:class:`~kvbench.tasks.params.RagParams`)."""
     if pipeline != "stuff" and dataset == "multi_news":
         raise ConfigError(
             f"task.pipeline={pipeline} asks a question of every chunk, and multi_news has none",
@@ -98,13 +91,13 @@ def check(cfg: dict[str, Any], dataset: str) -> None:
         )
 
 
-def protocol(cfg: dict[str, Any]) -> dict[str, Any]:
-    pipeline = cfg.get("pipeline", "stuff")
+def protocol(task: Rag) -> dict[str, Any]:
+    pipeline = task.params.pipeline
     if pipeline == "stuff":
         return {"pipeline": "stuff"}
     out: dict[str, Any] = {
         "pipeline": pipeline,
-        "map_tokens": map_tokens(cfg),
+        "map_tokens": map_tokens(task),
         "ttft": "sum of the map steps (prefill + decode), run one at a time"
         + (", + the reduce prefill" if pipeline == "mapreduce" else ""),
     }
@@ -121,38 +114,34 @@ def protocol(cfg: dict[str, Any]) -> dict[str, Any]:
             parser=RERANK_PATTERN.pattern,
             ranking="highest score, ties to the earliest chunk; unparsed outputs rank last",
             score_line="written by the model"
-            if rerank_score(cfg) == "free"
+            if task.rerank_score == "free"
             else f"cued: the answer's first line, then {SCORE_CUE!r} fed, then <= {SCORE_TOKENS} tokens",
         )
     return out
 
 
-def map_tokens(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("map_tokens") or MAP_TOKENS[cfg["pipeline"]])
-
-
-def rerank_score(cfg: dict[str, Any]) -> str:
-    """``task.rerank_score``: who writes maprerank's score line (``free``: the model; ``cued``: prompted)."""
-    return str(cfg.get("rerank_score", "free"))
+def map_tokens(task: Rag) -> int:
+    """New tokens per map step: ``task.map_tokens``, else the pipeline's (:data:`MAP_TOKENS`)."""
+    return task.params.map_tokens or MAP_TOKENS[task.params.pipeline]
 
 
 def requests(task: Rag, sample: Sample, model: Any) -> list[Any]:
     """The sample's map requests (one per chunk), then for mapreduce the reduce step as a FollowUp."""
     from kvbench.tasks.rag import _piece_encoder, template_frame
 
-    pipeline = task.cfg["pipeline"]
+    pipeline = task.params.pipeline
     encode = _piece_encoder(model.tokenizer)
     head, tail = template_frame(model.tokenizer, model.chat)
     segments = sample.segments or []
     chunks = [s for s in segments if s.role == "chunk"]
     question = str(sample.meta["question"])
-    new_tokens = map_tokens(task.cfg)
+    new_tokens = map_tokens(task)
     if pipeline == "mapreduce":
         prefix, query = head + encode(MAP_SUMMARY), encode(MAP_SUMMARY_QUERY.format(question=question)) + tail
     else:
         prefix = head + encode(MAP_RERANK)
         query = encode(MAP_RERANK_QUERY.format(question=question)) + tail + encode(RERANK_CUE)
-    if pipeline == "maprerank" and rerank_score(task.cfg) == "cued":
+    if pipeline == "maprerank" and task.rerank_score == "cued":
         return [_cued(Segment(prefix, "prefix"), chunk, query, new_tokens, encode(SCORE_CUE)) for chunk in chunks]
     maps: list[Any] = [
         _generate([Segment(prefix, "prefix"), chunk, Segment(query, "query")], new_tokens) for chunk in chunks
@@ -259,7 +248,7 @@ def result(task: Rag, sample: Sample, outputs: list[Output]) -> SampleResult:
     """The final answer scored by the rag task's scorer, with the pipeline's TTFT and its steps."""
     from kvbench.tasks.base import SampleResult
 
-    pipeline = task.cfg["pipeline"]
+    pipeline = task.params.pipeline
     n_maps = len([s for s in sample.segments or [] if s.role == "chunk"])
     maps = outputs[:n_maps]
     map_s = sum(_step_s(out) for out in maps)

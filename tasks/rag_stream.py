@@ -227,43 +227,43 @@ def popularity_ranks(chunk_sets: list[list[str]]) -> dict[str, int]:
 class RagStream(Rag):
     name = "rag_stream"
     Params = RagStreamParams
+    params: RagStreamParams
     figure_kinds = ()
     shares_chunk_store = False  # every run starts on an empty store, also inside a sweep
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)  # (types, choices and ranges: RagStreamParams)
-        if self.cfg["pipeline"] != "stuff":
+        if self.params.pipeline != "stuff":
             raise ConfigError("task rag_stream serves single prompts", "drop task.pipeline (or use task=rag)")
         self._check_popularity()
 
     def _check_popularity(self) -> None:
-        cfg, popularity = self.cfg, self.cfg["popularity"]
-        if not math.isfinite(cfg["zipf_s"]):
-            raise ConfigError(
-                f"task.zipf_s={cfg['zipf_s']!r} must be finite", f"e.g. task.zipf_s={STREAM_KEYS['zipf_s']}"
-            )
-        if popularity == "repeat":
-            moved = [key for key in ("zipf_s", "requests", "candidates") if cfg[key] != STREAM_KEYS[key]]
+        p = self.params
+        if not math.isfinite(p.zipf_s):
+            raise ConfigError(f"task.zipf_s={p.zipf_s!r} must be finite", f"e.g. task.zipf_s={STREAM_KEYS['zipf_s']}")
+        if p.popularity == "repeat":
+            given = {"zipf_s": p.zipf_s, "requests": p.requests, "candidates": p.candidates}
+            moved = [key for key, value in given.items() if value != STREAM_KEYS[key]]
             if moved:
                 raise ConfigError(
                     f"task.{moved[0]} shapes the zipf stream, not task.popularity=repeat",
                     f"set task.popularity=zipf, or drop task.{moved[0]}",
                 )
             return
-        if cfg["repeats"] != self.defaults["repeats"]:
+        if p.repeats != self.defaults["repeats"]:
             raise ConfigError(
                 "task.repeats counts the repeat stream's requests, not task.popularity=zipf's",
                 "drop task.repeats and set task.requests",
             )
-        if cfg["top_k"] is None:
+        if p.top_k is None:
             raise ConfigError("task.popularity=zipf retrieves task.top_k chunks per request", "set e.g. task.top_k=5")
-        if cfg["candidates"] < cfg["top_k"]:
+        if p.candidates < p.top_k:
             raise ConfigError(
-                f"task.candidates={cfg['candidates']} is fewer than task.top_k={cfg['top_k']} (a request draws "
+                f"task.candidates={p.candidates} is fewer than task.top_k={p.top_k} (a request draws "
                 "top_k of its question's candidates)",
-                f"set task.candidates={cfg['top_k']} or more",
+                f"set task.candidates={p.top_k} or more",
             )
-        if cfg["chunk_tokens"] is not None:
+        if p.chunk_tokens is not None:
             raise ConfigError(
                 "task.popularity=zipf keeps each passage one chunk (re-cut chunks would depend on their companions)",
                 "set task.chunk_tokens=null",
@@ -271,7 +271,7 @@ class RagStream(Rag):
 
     @property
     def zipf(self) -> bool:
-        return self.cfg["popularity"] == "zipf"
+        return self.params.popularity == "zipf"
 
     # ------------------------------------------------------------------ the stream
     def limited(self, samples: Iterable[T]) -> Iterator[T]:
@@ -283,8 +283,8 @@ class RagStream(Rag):
             yield from self._zipf_records()
             return
         questions = list(islice(super()._records(), self.limit))
-        asked = [(raw, k) for raw in questions for k in range(int(self.cfg["repeats"]))]
-        for index in np.random.default_rng(int(self.cfg["seed"])).permutation(len(asked)):
+        asked = [(raw, k) for raw in questions for k in range(self.params.repeats)]
+        for index in np.random.default_rng(self.params.seed).permutation(len(asked)):
             raw, k = asked[int(index)]
             yield dataclasses.replace(raw, id=f"{raw.id}~{k}")
 
@@ -297,12 +297,12 @@ class RagStream(Rag):
         if self.zipf:
             yield from self._zipf_samples(model)
             return
-        warmup, seed = int(self.cfg["warmup"]), int(self.cfg["seed"])
+        warmup, seed = self.params.warmup, self.params.seed
         for position, sample in enumerate(super().samples(model)):
             segments = list(sample.segments or [])
             where = [i for i, s in enumerate(segments) if s.role == "chunk"]
             order = list(range(len(where)))
-            if self.cfg["shuffle_chunks"] and len(where) > 1:
+            if self.params.shuffle_chunks and len(where) > 1:
                 order = [int(i) for i in np.random.default_rng([seed, position]).permutation(len(where))]
                 chunks = [segments[i] for i in where]
                 for slot, pick in zip(where, order):
@@ -328,25 +328,26 @@ class RagStream(Rag):
         for raw in islice(Rag._records(self), self.limit):
             chunk_ids = tuple(ids.setdefault(p, f"{self.dataset.name}-p{len(ids)}") for p in raw.passages)
             records.append((raw, chunk_ids))
-        ranks = np.random.default_rng([int(self.cfg["seed"]), 43, 1]).permutation(len(records))
+        ranks = np.random.default_rng([self.params.seed, 43, 1]).permutation(len(records))
         return [Question(raw, chunk_ids, int(rank)) for (raw, chunk_ids), rank in zip(records, ranks)]
 
     @cached_property
     def _draws(self) -> list[Draw]:
         """Every request of the zipf stream, before retrieval (seeded; no model, no retriever)."""
-        questions, seed = self._questions, int(self.cfg["seed"])
+        questions, seed, top_k = self._questions, self.params.seed, self.params.top_k
+        assert top_k is not None  # (popularity=zipf needs it: _check_popularity)
         by_rank = sorted(range(len(questions)), key=lambda q: questions[q].rank)
-        p = zipf_probabilities(len(questions), float(self.cfg["zipf_s"]))
-        picks = np.random.default_rng([seed, 43, 2]).choice(len(questions), size=int(self.cfg["requests"]), p=p)
+        p = zipf_probabilities(len(questions), self.params.zipf_s)
+        picks = np.random.default_rng([seed, 43, 2]).choice(len(questions), size=self.params.requests, p=p)
         asked: dict[int, int] = {}
         draws = []
         for position, rank in enumerate(picks):
             q = by_rank[int(rank)]
-            n = min(int(self.cfg["candidates"]), len(questions[q].raw.passages))
-            k = min(int(self.cfg["top_k"]), n)
+            n = min(self.params.candidates, len(questions[q].raw.passages))
+            k = min(top_k, n)
             drawn = rank_weighted_draw(np.random.default_rng([seed, 43, 3, position]), n, k)
             order = list(range(k))
-            if self.cfg["shuffle_chunks"] and k > 1:
+            if self.params.shuffle_chunks and k > 1:
                 order = [int(i) for i in np.random.default_rng([seed, position]).permutation(k)]
             draws.append(Draw(position, q, asked.get(q, 0), tuple(drawn[i] for i in order), tuple(order)))
             asked[q] = asked.get(q, 0) + 1
@@ -355,7 +356,7 @@ class RagStream(Rag):
     def _ranking(self, question: Question) -> list[int]:
         """The question's passages, best first, as ``task=rag`` ranks them (ties to the earlier passage)."""
         raw = question.raw
-        distances = retriever(str(self.cfg["retriever"])).distances(str(raw.question), raw.passages)
+        distances = retriever(self.params.retriever).distances(str(raw.question), raw.passages)
         return sorted(range(len(raw.passages)), key=lambda i: (float(distances[i]), i))
 
     @cached_property
@@ -369,7 +370,7 @@ class RagStream(Rag):
                 rankings[draw.question] = self._ranking(self._questions[draw.question])
             passages.append([rankings[draw.question][r] for r in draw.ranks])
         chunk_sets = [self._chunk_ids(d, p) for d, p in zip(self._draws, passages)]
-        stats = {**stream_stats(chunk_sets), "after_warmup": stream_stats(chunk_sets[int(self.cfg["warmup"]) :])}
+        stats = {**stream_stats(chunk_sets), "after_warmup": stream_stats(chunk_sets[self.params.warmup :])}
         return passages, stats, popularity_ranks(chunk_sets)
 
     def _chunk_ids(self, draw: Draw, passages: list[int]) -> list[str]:
@@ -383,7 +384,7 @@ class RagStream(Rag):
             yield dataclasses.replace(raw, id=f"{raw.id}~{draw.ask}", passages=[raw.passages[i] for i in picked])
 
     def _zipf_samples(self, model: Any) -> Iterator[Sample]:
-        warmup, seed = int(self.cfg["warmup"]), int(self.cfg["seed"])
+        warmup, seed = self.params.warmup, self.params.seed
         passages, _, popularity = self._stream
         seen: set[str] = set()
         for draw, picked, sample in zip(self._draws, passages, super().samples(model)):
@@ -414,10 +415,10 @@ class RagStream(Rag):
         protocol = {
             **super().protocol(),
             "task": self.name,
-            "repeats": self.cfg["repeats"],
-            "seed": self.cfg["seed"],
-            "warmup": self.cfg["warmup"],
-            "shuffle_chunks": self.cfg["shuffle_chunks"],
+            "repeats": self.params.repeats,
+            "seed": self.params.seed,
+            "warmup": self.params.warmup,
+            "shuffle_chunks": self.params.shuffle_chunks,
             "stream": "limit questions x repeats, seeded random order; served one at a time in that order",
         }
         if not self.zipf:
@@ -426,10 +427,10 @@ class RagStream(Rag):
         return {
             **protocol,
             "popularity": "zipf",
-            "zipf_s": self.cfg["zipf_s"],
-            "requests": self.cfg["requests"],
-            "candidates": self.cfg["candidates"],
-            "retrieved_order": "uniformly shuffled" if self.cfg["shuffle_chunks"] else "as drawn",
+            "zipf_s": self.params.zipf_s,
+            "requests": self.params.requests,
+            "candidates": self.params.candidates,
+            "retrieved_order": "uniformly shuffled" if self.params.shuffle_chunks else "as drawn",
             "stream": "requests questions drawn by Zipf rank (P ~ 1/(rank+1)^zipf_s, ranks a seeded permutation); "
             "each takes top_k of its question's candidates best passages, drawn weighted 1/(retrieval rank+1); "
             "served one at a time in that order",

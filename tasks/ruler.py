@@ -160,10 +160,11 @@ class Ruler(Task):
     # with different sample counts (a draw depends only on seed, task, length and index)
     figure_joins = ("lengths", "num_samples")
     Params = RulerParams
+    params: RulerParams
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg)
-        subsets = self.cfg["subsets"]
+        super().__init__(cfg)  # (types, ranges, num_samples >= 1: RulerParams)
+        subsets = self.params.subsets
         names = [subsets] if isinstance(subsets, str) else list(subsets)
         names = list(TASKS) if names == ["all"] else names
         unknown = [n for n in names if n not in TASKS]
@@ -172,23 +173,22 @@ class Ruler(Task):
                 f"unknown RULER task(s) {', '.join(unknown) or '(none given)'}",
                 f"task.subsets takes [all] or names from {', '.join(TASKS)}",
             )
-        self.lengths = [int(x) for x in self.cfg["lengths"]]
+        self.lengths = list(self.params.lengths)
         if not self.lengths or min(self.lengths) < 256:
             raise ConfigError(
                 f"task.lengths={self.lengths} must be token counts of at least 256", "e.g. task.lengths=[4096,8192]"
             )
-        self.num_samples = int(self.cfg["num_samples"])
-        if self.num_samples < 1:
-            raise ConfigError(f"task.num_samples={self.num_samples} must be positive", "e.g. task.num_samples=20")
-        if int(self.cfg["generator_version"]) != GENERATOR_VERSION:
+        self.num_samples = self.params.num_samples
+        version = self.params.generator_version
+        if version != GENERATOR_VERSION:
             raise ConfigError(
-                f"task.generator_version={self.cfg['generator_version']} names other RULER samples than this "
+                f"task.generator_version={version} names other RULER samples than this "
                 f"kvbench generates (version {GENERATOR_VERSION})",
-                f"drop the override, or use the kvbench release that generated version {self.cfg['generator_version']}",
+                f"drop the override, or use the kvbench release that generated version {version}",
             )
-        if self.cfg["question_position"] not in ("end", None):
+        if self.params.question_position != "end":
             raise ConfigError(
-                f"task.question_position={self.cfg['question_position']!r}: RULER asks after the context",
+                f"task.question_position={self.params.question_position!r}: RULER asks after the context",
                 "drop task.question_position",
             )
         self.qa_paths = {task: self._qa_file(task) for task in names if task in QA_TASKS}
@@ -203,11 +203,11 @@ class Ruler(Task):
         self._vt_units: dict[int, int] = {}  # per tokenizer
 
     def _qa_file(self, task: str) -> Path | None:
-        if not self.cfg.get("data_dir"):
+        if not self.params.data_dir:
             return None
-        from kvbench.tasks.sources import data_dir
+        from kvbench.tasks.sources import data_folder
 
-        folder = data_dir(self.cfg)
+        folder = data_folder(self.params.data_dir)
         assert folder is not None  # (task.data_dir is set)
         found = [p for name in QA_FILES[task] for p in [folder / name, *sorted(folder.rglob(name))] if p.is_file()]
         return found[0] if found else None
@@ -236,7 +236,7 @@ class Ruler(Task):
             "generate <= length (RULER's max_seq_length)",
             "max_new_tokens": {t: FAMILIES[TASKS[t][0]].max_new_tokens for t in self.names},
             "metric": {t: "string_match_" + FAMILIES[TASKS[t][0]].metric for t in self.names},
-            "chat_template": bool(self.cfg["chat_template"]),
+            "chat_template": self.params.chat_template,
             "answer_prefix": "opens the assistant turn",
             "wonderwords": WONDERWORDS_VERSION,
             "sentence_split": "regex (RULER: nltk punkt)",
@@ -301,7 +301,7 @@ class Ruler(Task):
         if not self.multi_query:
             return [ruler_question(draw)]
         order = list(draw.asked) + [i for i in range(len(draw.questions)) if i not in draw.asked]
-        return [draw.questions[i] for i in order][: int(self.cfg["queries_per_context"])]
+        return [draw.questions[i] for i in order][: self.params.queries_per_context]
 
     def build(self, task: str, length: int, index: int, model: Any) -> tuple[Draw, int, list[Segment]]:
         """The sample's draw (context and every question it answers), its haystack size, and the
@@ -357,7 +357,7 @@ class Ruler(Task):
     def drawer(self, task: str, length: int, index: int, model: Any) -> Callable[[int], Draw]:
         """``units -> Draw`` for one sample: every call replays the sample's own random generator."""
         family, args = TASKS[task]
-        seed = sample_seed(int(self.cfg["seed"]), task, length, index)
+        seed = sample_seed(self.params.seed, task, length, index)
         if family == "niah":
             essay = self._essay() if args["haystack"] == "essay" else ()
             return lambda units: niah(Random(seed), units, essay=essay, **args)
@@ -410,7 +410,7 @@ class Ruler(Task):
             raise ValueError("the questions of one RULER context must share its instruction and context")
         before = first.before.rstrip(" ")
         context = first.before[len(before) :] + first.context
-        base = not self.cfg["chat_template"]
+        base = not self.params.chat_template
         prefix = Segment(tokenizer(head + before, add_special_tokens=base).input_ids, "prefix")
         chunk = Segment(tokenizer(context, add_special_tokens=False).input_ids, "chunk")
         return [
@@ -426,7 +426,7 @@ class Ruler(Task):
         """Each question as a new user turn (the question sentence, the template's turn frame and the
         answer prefix); without a chat template, its plain-text form."""
         texts = [render(task, draw, q) for q in questions]
-        if not self.cfg["chat_template"]:
+        if not self.params.chat_template:
             return [model.tokenizer(t.after + t.answer_prefix, add_special_tokens=False).input_ids for t in texts]
         before, after = followup_frame(model.chat)
         return [
@@ -436,7 +436,7 @@ class Ruler(Task):
 
     def _chat_frame(self, model: Any) -> tuple[str, str]:
         """The chat template's text before and after the user message ("", "" for RULER's base template)."""
-        if not self.cfg["chat_template"]:
+        if not self.params.chat_template:
             return "", ""
         head, tail = model.chat.render(PLACEHOLDER).split(PLACEHOLDER)
         return head, tail
@@ -447,7 +447,7 @@ class Ruler(Task):
         if id(model.tokenizer) in self._vt_units:
             return self._vt_units[id(model.tokenizer)]
         _, args = TASKS["vt"]
-        probe = sample_seed(int(self.cfg["seed"]), "vt-example", 0, 0)
+        probe = sample_seed(self.params.seed, "vt-example", 0, 0)
 
         def measure(units: int) -> int:
             draw = variable_tracking(
@@ -461,7 +461,7 @@ class Ruler(Task):
         return units
 
     def _essay(self) -> tuple[str, ...]:
-        haystack = str(self.cfg["haystack"])
+        haystack = self.params.haystack
         folder = Path(haystack).expanduser()
         if not folder.is_dir():
             from kvbench.assets import fetch_asset

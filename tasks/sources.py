@@ -17,7 +17,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -29,10 +29,15 @@ DATA_VARIABLE = "KVBENCH_DATA"
 STAGED_DATA = "../shared/data"
 
 
-def data_dir(cfg: dict[str, Any], where: str | None = None) -> Path | None:
-    """``task.data_dir`` as a folder (None when unset); a missing folder is one error that names the
-    setting behind it (``where``: what the folder should hold)."""
-    value = cfg.get("data_dir")
+def data_dir(cfg: Mapping[str, Any], where: str | None = None) -> Path | None:
+    """:func:`data_folder` of a task's raw config node (``cfg["data_dir"]``): for code that checks the folder
+    before any task is built (:func:`kvbench.validate.check_data`); a task passes its typed value instead."""
+    return data_folder(cfg.get("data_dir"), where)
+
+
+def data_folder(value: str | None, where: str | None = None) -> Path | None:
+    """``task.data_dir`` (``value``) as a folder (None when unset); a missing folder is one error that names
+    the setting behind it (``where``: what the folder should hold)."""
     if not value:
         return None
     path = Path(str(value)).expanduser()

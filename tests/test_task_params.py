@@ -84,6 +84,19 @@ def test_the_choices_agree_with_the_task_modules():
         ({"name": "ruler", "keep_answers": "yes"}, "task.keep_answers=yes is not true or false"),
         ({"name": "longbench", "protocol": "loose"}, "task.protocol=loose is not one of"),
         ({"name": "gsm8k_cot", "limit": 0}, "task.limit=0 is out of range"),
+        # the checks the task code left to the declarations
+        ({"name": "niah", "queries_per_context": 0}, "task.queries_per_context=0 is out of range"),
+        ({"name": "niah", "queries_per_context": True}, "task.queries_per_context=true is not an integer"),
+        ({"name": "niah", "compression": "late"}, "task.compression=late is not one of"),
+        ({"name": "niah", "needles": 0}, "task.needles=0 is out of range"),
+        ({"name": "niah", "depths": [-0.5]}, "task.depths=-0.5 is out of range"),
+        ({"name": "ruler", "num_samples": 0}, "task.num_samples=0 is out of range"),
+        ({"name": "pg19", "prefix": 0}, "task.prefix=0 is out of range"),
+        ({"name": "pg19", "eval_every": 0}, "task.eval_every=0 is out of range"),
+        ({"name": "rag", "pipeline": "refine"}, "task.pipeline=refine is not one of"),
+        ({"name": "rag", "map_tokens": 0}, "task.map_tokens=0 is out of range"),
+        ({"name": "rag", "rerank_score": "given"}, "task.rerank_score=given is not one of"),
+        ({"name": "rag", "question_position": 5}, "task.question_position=5 is not a string or null"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_key(cfg, message):
@@ -91,6 +104,21 @@ def test_a_bad_value_is_one_line_naming_the_key(cfg, message):
         create_task(cfg)
     assert message in caught.value.message and "\n" not in caught.value.message
     assert caught.value.fix
+
+
+def test_the_common_keys_are_typed_also_where_the_params_leave_them_out(tmp_path):
+    """``task.limit`` / ``data_dir`` / ``question_position`` are attributes of every task: its parameter's
+    value where it declares the key (niah), else the value given, checked (rag has no question_position)."""
+    niah = create_task({"name": "niah", "limit": 2, "question_position": "start"})
+    assert (niah.limit, niah.data_dir, niah.question_position) == (2, None, "start")
+    assert (niah.params.limit, niah.params.data_dir, niah.params.question_position) == (2, None, "start")
+    (tmp_path / "musique_s.json").write_text("[]")
+    rag = {"name": "rag", "dataset": "musique", "data_dir": str(tmp_path)}
+    task = create_task(rag)
+    assert (task.limit, task.data_dir, task.question_position) == (None, str(tmp_path), None)
+    assert create_task({**rag, "question_position": "end"}).question_position == "end"
+    with pytest.raises(ConfigError, match="always asks the question after the passages"):
+        create_task({**rag, "question_position": "start"})
 
 
 def _recorded_configs() -> list[Path]:
