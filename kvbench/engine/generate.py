@@ -7,7 +7,7 @@ This is the only code that drives a model. It computes logits for the last posit
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -99,9 +99,7 @@ def generate(
             logits[:, stop_index] = float("-inf")
         return int(torch.argmax(logits, dim=-1))
 
-    clock, tele = ctx.clock, ctx.telemetry
-    tokens: list[int] = []
-    stop_reason = "length"
+    tele = ctx.telemetry
     ids = torch.tensor(list(input_ids), dtype=torch.long)
     try:
         with torch.inference_mode():
@@ -115,35 +113,57 @@ def generate(
                 )
                 method.after_request(ctx, tuple(segments) if segments is not None else None)
                 return _generation(ctx, method, loaded, tokens, stop_reason, stop_texts, prompt_len)
-            picked_at = clock.now()
-            token = pick(logits, 0)
-            assert tele.prefill_s is not None  # (measured by the prefill)
-            tele.prefill_s += clock.now() - picked_at
-            ctx.check_after_prefill()
-            tokens.append(token)
-            while True:
-                if token in stops:
-                    stop_reason = "stop"
-                    break
-                if len(tokens) >= max_new_tokens:
-                    break
-                tele.excluded_s = 0.0
-                step_start = clock.now()
-                with record_function("kvbench.decode_step"):
-                    logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
-                token = pick(logits, len(tokens))
-                tele.step_s.append(clock.now() - step_start - tele.excluded_s)
-                if len(tele.step_s) == 1:
-                    ctx.check_after_first_step()
-                tokens.append(token)
-                so_far = loaded.tokenizer.decode(tokens, skip_special_tokens=True) if stop_texts else ""
-                if stop_texts and _find_stop(so_far, stop_texts) >= 0:
-                    stop_reason = "stop_text"
-                    break
+            tokens, stop_reason = _dynamic_generation(
+                ctx, logits, pick, max_new_tokens, stops, stop_texts, loaded.tokenizer, device, prompt_len
+            )
             method.after_request(ctx, tuple(segments) if segments is not None else None)
     finally:
         method.release()  # (threads and pools, also when the request failed)
     return _generation(ctx, method, loaded, tokens, stop_reason, stop_texts, prompt_len)
+
+
+def _dynamic_generation(
+    ctx: GenerationContext,
+    logits: torch.Tensor,
+    pick: Callable[[torch.Tensor, int], int],
+    max_new_tokens: int,
+    stops: set[int],
+    stop_texts: Sequence[str],
+    tokenizer: Any,
+    device: torch.device,
+    prompt_len: int,
+) -> tuple[list[int], str]:
+    """The eager decode loop: the first token picked from the prefill's logits (inside TTFT), then one
+    forward per token until a stop id, a stop text or ``max_new_tokens``; (tokens, stop reason)."""
+    clock, tele = ctx.clock, ctx.telemetry
+    tokens: list[int] = []
+    stop_reason = "length"
+    picked_at = clock.now()
+    token = pick(logits, 0)
+    assert tele.prefill_s is not None  # (measured by the prefill)
+    tele.prefill_s += clock.now() - picked_at
+    ctx.check_after_prefill()
+    tokens.append(token)
+    while True:
+        if token in stops:
+            stop_reason = "stop"
+            break
+        if len(tokens) >= max_new_tokens:
+            break
+        tele.excluded_s = 0.0
+        step_start = clock.now()
+        with record_function("kvbench.decode_step"):
+            logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
+        token = pick(logits, len(tokens))
+        tele.step_s.append(clock.now() - step_start - tele.excluded_s)
+        if len(tele.step_s) == 1:
+            ctx.check_after_first_step()
+        tokens.append(token)
+        so_far = tokenizer.decode(tokens, skip_special_tokens=True) if stop_texts else ""
+        if stop_texts and _find_stop(so_far, stop_texts) >= 0:
+            stop_reason = "stop_text"
+            break
+    return tokens, stop_reason
 
 
 def _static_generation(
