@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.budget import BudgetConfig
-from kvbench.engine.settings import EngineSettings, engine_settings
+from kvbench.config import RunConfig
+from kvbench.engine.settings import EngineSettings
 from kvbench.errors import BudgetError, ConfigError, Interrupted
 from kvbench.metrics import summarise
 from kvbench.profile import Profile
@@ -54,15 +55,14 @@ class RunSummary:
 
 @dataclass
 class Plan:
-    """A validated run, before anything is loaded: its parts and its run directory."""
+    """A validated run, before anything is loaded: its typed configuration, the task and method built
+    from it, and its run directory."""
 
     resolved: dict[str, Any]  # as recorded in config.yaml (a dense method's budget nulled)
+    config: RunConfig  # the typed groups, parsed once (kvbench.config)
     task: Any
     method: Any
-    budget: BudgetConfig
-    profile: Profile
     run_dir: RunDir
-    engine: EngineSettings
 
 
 def plan(resolved: dict[str, Any]) -> Plan:
@@ -74,9 +74,8 @@ def plan(resolved: dict[str, Any]) -> Plan:
     validate(resolved)
     task = create_task(resolved["task"])
     method = create_method(resolved["method"])
-    budget = BudgetConfig.from_mapping(resolved.get("budget"))
-    profile = Profile(**(resolved.get("profile") or {}))
-    if method.needs_budget and not budget.is_set:
+    config = RunConfig.parse(resolved, method=method, task=task)
+    if method.needs_budget and not config.budget.is_set:
         raise BudgetError(
             f"method {method.name} compresses the KV cache and needs a budget",
             "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
@@ -89,9 +88,7 @@ def plan(resolved: dict[str, Any]) -> Plan:
     if not getattr(method, "uses_chunk_store", False):
         # only reuse methods read store.*: other methods' run ids do not depend on it
         resolved = {key: value for key, value in resolved.items() if key != "store"}
-    output_dir = Path(str(resolved.get("output_dir") or "results/runs")).expanduser()
-    engine = engine_settings(resolved.get("engine"))
-    return Plan(resolved, task, method, budget, profile, RunDir(output_dir / run_id_for(resolved)), engine)
+    return Plan(resolved, config, task, method, RunDir(config.output_dir / run_id_for(resolved)))
 
 
 def check_sources(configs: Sequence[dict[str, Any]]) -> None:
@@ -157,16 +154,16 @@ def _run_locked(p: Plan, known: list[str] | None, command: str | None) -> tuple[
             + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
             + (f"; command: {command}" if command else "")
         )
-        ran = _run_samples(p.resolved, task, p.method, p.budget, p.profile, run_dir, done, p.engine)
+        ran = _run_samples(p, done)
     records = run_dir.records()
     if known is not None:
         wanted = set(known)
         records = [r for r in records if str(r["id"]) in wanted]
     if not records:
         raise ConfigError("the task produced no samples", "check task.limit, task.lengths or the data set")
-    metrics = summarise(task, p.method, p.budget, records)
+    metrics = summarise(task, p.method, p.config.budget, records)
     run_dir.write_metrics(metrics)
-    title = f"{p.resolved['model']['name']} · {p.method.name} · {p.method.budget_label(p.budget)}"
+    title = f"{p.config.model.name} · {p.method.name} · {p.method.budget_label(p.config.budget)}"
     metrics["artifacts"] = [path.name for path in task.artifacts(records, run_dir.path, title)]
     run_dir.write_metrics(metrics)
     run_dir.set_status("finished", total=len(records) if known is None else len(known))
@@ -243,16 +240,8 @@ def _record_log(run_dir: RunDir, message: str) -> None:
         pass
 
 
-def _run_samples(
-    resolved: dict[str, Any],
-    task: Any,
-    method: Any,
-    budget: BudgetConfig,
-    profile: Profile,
-    run_dir: RunDir,
-    done: set[str],
-    engine: EngineSettings | None = None,
-) -> int:
+def _run_samples(p: Plan, done: set[str]) -> int:
+    """Load the model and run the samples of ``p`` not in ``done``, appending each as it finishes."""
     import yaml
 
     from kvbench.engine import prefill_cache
@@ -260,29 +249,30 @@ def _run_samples(
     from kvbench.models.loading import load_model
     from kvbench.progress import Progress
 
+    config, task, method, run_dir = p.config, p.task, p.method, p.run_dir
     clock = time.perf_counter()
-    model = load_model(resolved["model"])
-    if getattr(method, "uses_chunk_store", False):
-        from kvbench.kv.chunks import StoreConfig, run_store
+    model = load_model(config.model.node)
+    if config.store is not None:
+        from kvbench.kv.chunks import run_store
 
         # the runs of a sweep share chunk caches as they share dense prefills, unless the task needs
         # every run to start on an empty store (a request stream)
-        shared = prefill_cache.enabled(resolved) and task.shares_chunk_store
-        method.attach_store(run_store(StoreConfig.from_mapping(resolved.get("store")), shared=shared))
-    run_dir.log(f"model {resolved['model']['name']} loaded in {time.perf_counter() - clock:.1f} s")
-    config_yaml = yaml.safe_dump(resolved, sort_keys=True)
+        shared = prefill_cache.enabled(config.prefill_cache) and task.shares_chunk_store
+        method.attach_store(run_store(config.store, shared=shared))
+    run_dir.log(f"model {config.model.name} loaded in {time.perf_counter() - clock:.1f} s")
+    config_yaml = yaml.safe_dump(p.resolved, sort_keys=True)
     ids = task.shard_sample_ids()
     total = len(ids) - len(done & set(ids)) if ids is not None else None
     ran = 0
-    progress = Progress(run_dir, total=total, enabled=bool(resolved.get("progress", True)))
+    progress = Progress(run_dir, total=total, enabled=config.progress)
     try:
         # sweeps share dense prefills (the registry builds the sweep's methods to anticipate their statistics)
-        with prefill_cache.scope(prefill_cache.enabled(resolved), build=create_method):
+        with prefill_cache.scope(prefill_cache.enabled(config.prefill_cache), build=create_method):
             for sample in task.shard_samples(model):
                 if sample.id in done:
                     continue
                 clock = time.perf_counter()
-                result = run_sample(task, sample, model, method, budget, profile, engine)
+                result = run_sample(task, sample, model, method, config.budget, config.profile, config.engine)
                 record = result.to_record()
                 record["protocol"] = task.protocol()
                 if ran == 0:

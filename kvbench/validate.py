@@ -529,7 +529,7 @@ def check_data(resolved: dict[str, Any]) -> None:
     task = create_task(task_cfg)
     for path in task.data_files():
         stat = path.stat()
-        key = (task.name, str(path.resolve()), stat.st_size, stat.st_mtime_ns, repr(sorted(task.cfg.items())))
+        key = (task.name, str(path.resolve()), stat.st_size, stat.st_mtime_ns, repr(task.params))
         if key not in _CHECKED_FILES:  # sweep points share their data files
             task.check_data(path)
             _CHECKED_FILES.add(key)

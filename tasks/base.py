@@ -190,10 +190,6 @@ class Task:
         #: ``task.question_position`` (None: unset, for a task whose parameters leave it out)
         self.question_position: str | None = common_key("question_position")
         self.shard = parse_shard(cfg.get("shard"))
-        #: the raw config node, defaults filled in. The tasks read their options from :attr:`params` (and
-        #: the attributes above), never from here; it is kept for code that wants the mapping itself:
-        #: kvbench.validate.check_data keys its cache of checked data files on it, and tests read it
-        self.cfg = {**self.defaults, **cfg}
 
     # ------------------------------------------------------------------ several questions per context
     @property

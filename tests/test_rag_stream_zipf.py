@@ -169,8 +169,8 @@ def test_samples_carry_the_stream_and_the_warmup(tiny_llama):
 def legacy_stream(task: RagStream, model) -> list:
     """The repeat stream as tasks/rag_stream.py built it before the zipf stream (commit 7db8b42d)."""
     questions = list(islice(Rag._records(task), task.limit))
-    asked = [(raw, k) for raw in questions for k in range(int(task.cfg["repeats"]))]
-    order = np.random.default_rng(int(task.cfg["seed"])).permutation(len(asked))
+    asked = [(raw, k) for raw in questions for k in range(task.params.repeats)]
+    order = np.random.default_rng(task.params.seed).permutation(len(asked))
     records = [dataclasses.replace(asked[int(i)][0], id=f"{asked[int(i)][0].id}~{asked[int(i)][1]}") for i in order]
     out = []
     task_records = task._records
@@ -179,11 +179,11 @@ def legacy_stream(task: RagStream, model) -> list:
         built = list(Rag.samples(task, model))
     finally:
         task._records = task_records  # type: ignore[method-assign]
-    seed = int(task.cfg["seed"])
+    seed = task.params.seed
     for position, sample in enumerate(built):
         where = [i for i, s in enumerate(sample.segments) if s.role == "chunk"]
         perm = list(range(len(where)))
-        if task.cfg["shuffle_chunks"] and len(where) > 1:
+        if task.params.shuffle_chunks and len(where) > 1:
             perm = [int(i) for i in np.random.default_rng([seed, position]).permutation(len(where))]
             chunks = [sample.segments[i] for i in where]
             for slot, pick in zip(where, perm):

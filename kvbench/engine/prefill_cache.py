@@ -156,10 +156,10 @@ def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic
     return tuple(wanted)
 
 
-def enabled(resolved: dict[str, Any]) -> bool:
-    """Whether the run ``resolved`` uses the shared prefill (its ``prefill_cache`` key, see the module docs)."""
-    value = resolved.get("prefill_cache")
-    return _SWEEPS[0] > 0 if value is None else bool(value)
+def enabled(setting: bool | None) -> bool:
+    """Whether a run whose ``prefill_cache`` key is ``setting`` uses the shared prefill (null: while a sweep
+    runs; see the module docs)."""
+    return _SWEEPS[0] > 0 if setting is None else bool(setting)
 
 
 def shared_cache() -> PrefillCache:
