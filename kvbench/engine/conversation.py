@@ -120,20 +120,12 @@ def converse(
     if request.context_segments is not None:
         segments = request.context_segments + ((Segment(queries[0].ids, "query"),) if aware else ())
     forms = question_forms(request)
-    # the most the cache ever holds beyond the prompt: one question and its answer (+ a carried token),
-    # or every question and answer when the conversation is kept
-    extents = [len(form) + query.max_new_tokens + 1 for form, query in zip(forms, queries)]
     kept_first = aware and not request.keep_answers and len(queries) > 1  # the first turn stays (module docs)
-    if request.keep_answers:
-        extra = sum(extents)
-    else:
-        extra = extents[0] + max(extents[1:]) if kept_first else max(extents)
+    extra = _extra_tokens(request, forms, kept_first)
     ctx = _new_context(loaded, method, budget, len(prompt), extra, profile, engine)
     clock, tele = ctx.clock, ctx.telemetry
     device = torch.device(loaded.spec.device)
     ids = torch.tensor(prompt, dtype=torch.long)
-    turns: list[Turn] = []
-    rollback_s = 0.0
     try:
         with torch.inference_mode():
             tele.prepared = method.prepare(ctx, ids, segments)
@@ -151,50 +143,94 @@ def converse(
             assert tele.prefill_s is not None  # (measured by the prefill)
             start = clock.now() - tele.prefill_s  # when the prefill would have started (a shared one ran earlier)
             ctx.check_after_prefill()
-            rollback = len(queries) > 1 and not request.keep_answers
-            # after the context, or (kept_first) after the first answer
-            saved = (ctx.store.snapshot(), method.snapshot()) if rollback and not kept_first else None
-            position = len(prompt)
-            carry: list[int] = []  # a kept answer's last token, generated but not yet in the cache
-            saved_at, saved_carry = position, carry
-            first_token_at: float | None = None
-            checked = [False]
-            for index, (query, form) in enumerate(zip(queries, forms)):
-                asked_at = clock.now()
-                steps_before = len(tele.step_s)
-                bytes_before = ctx.store.stats().bytes_h2d
-                feed = carry + list(form)
-                if feed:
-                    logits = _feed(ctx, feed, position, device, checked)
-                    position += len(feed)
-                question_s = clock.now() - asked_at
-                answer = _Answer(ctx, query, device)
-                token = answer.pick(logits)
-                ttft = (tele.prefill_s if not feed else 0.0) + clock.now() - asked_at
-                if first_token_at is None:
-                    first_token_at = clock.now() - start
-                tokens, stop_reason = answer.run(token, position, checked)
-                turn = _turn(
-                    ctx, query, tokens, stop_reason, len(feed), ttft, asked_at, steps_before, bytes_before, position
-                )
-                turn.telemetry["question_s"] = question_s
-                turns.append(turn)
-                if request.keep_answers or (kept_first and index == 0):
-                    fed = len(tokens) - 1  # every generated token but the last went through the model
-                    position += fed
-                    carry = [] if stop_reason == "stop" else tokens[-1:]
-                    if kept_first:
-                        saved = (ctx.store.snapshot(), method.snapshot())
-                        saved_at, saved_carry = position, carry
-                elif saved is not None and index < len(queries) - 1:
-                    restore_at = clock.now()
-                    ctx.store.restore(saved[0])
-                    method.restore(saved[1])
-                    rollback_s += clock.now() - restore_at
-                    position, carry = saved_at, saved_carry
+            turns, first_token_at, rollback_s = _ask_all(
+                ctx, method, request, forms, kept_first, logits, len(prompt), start, device
+            )
             method.after_request(ctx, segments)
     finally:
         method.release()  # (threads and pools, also when the request failed)
+    summary = _summary(ctx, method, request, turns, first_token_at, rollback_s)
+    return Conversation(turns=turns, prompt_tokens=len(prompt), budget=ctx.budget, telemetry=summary)
+
+
+def _extra_tokens(request: MultiQueryRequest, forms: list[tuple[int, ...]], kept_first: bool) -> int:
+    """The cache capacity the conversation needs beyond the prompt."""
+    # the most the cache ever holds beyond the prompt: one question and its answer (+ a carried token),
+    # or every question and answer when the conversation is kept
+    extents = [len(form) + query.max_new_tokens + 1 for form, query in zip(forms, request.queries)]
+    if request.keep_answers:
+        return sum(extents)
+    return extents[0] + max(extents[1:]) if kept_first else max(extents)
+
+
+def _ask_all(
+    ctx: GenerationContext,
+    method: KVMethod,
+    request: MultiQueryRequest,
+    forms: list[tuple[int, ...]],
+    kept_first: bool,
+    logits: torch.Tensor,
+    position: int,
+    start: float,
+    device: torch.device,
+) -> tuple[list[Turn], float, float]:
+    """Feed and answer each question in turn after the prefill: (turns, first answer token's time since
+    ``start``, seconds spent restoring the snapshot)."""
+    clock, tele, queries = ctx.clock, ctx.telemetry, request.queries
+    assert tele.prefill_s is not None  # (measured by the prefill)
+    turns: list[Turn] = []
+    rollback_s = 0.0
+    rollback = len(queries) > 1 and not request.keep_answers
+    # after the context, or (kept_first) after the first answer
+    saved = (ctx.store.snapshot(), method.snapshot()) if rollback and not kept_first else None
+    carry: list[int] = []  # a kept answer's last token, generated but not yet in the cache
+    saved_at, saved_carry = position, carry
+    first_token_at: float | None = None
+    checked = [False]
+    for index, (query, form) in enumerate(zip(queries, forms)):
+        asked_at = clock.now()
+        steps_before = len(tele.step_s)
+        bytes_before = ctx.store.stats().bytes_h2d
+        feed = carry + list(form)
+        if feed:
+            logits = _feed(ctx, feed, position, device, checked)
+            position += len(feed)
+        question_s = clock.now() - asked_at
+        answer = _Answer(ctx, query, device)
+        token = answer.pick(logits)
+        ttft = (tele.prefill_s if not feed else 0.0) + clock.now() - asked_at
+        if first_token_at is None:
+            first_token_at = clock.now() - start
+        tokens, stop_reason = answer.run(token, position, checked)
+        turn = _turn(ctx, query, tokens, stop_reason, len(feed), ttft, asked_at, steps_before, bytes_before, position)
+        turn.telemetry["question_s"] = question_s
+        turns.append(turn)
+        if request.keep_answers or (kept_first and index == 0):
+            fed = len(tokens) - 1  # every generated token but the last went through the model
+            position += fed
+            carry = [] if stop_reason == "stop" else tokens[-1:]
+            if kept_first:
+                saved = (ctx.store.snapshot(), method.snapshot())
+                saved_at, saved_carry = position, carry
+        elif saved is not None and index < len(queries) - 1:
+            restore_at = clock.now()
+            ctx.store.restore(saved[0])
+            method.restore(saved[1])
+            rollback_s += clock.now() - restore_at
+            position, carry = saved_at, saved_carry
+    assert first_token_at is not None  # (a request has at least one question)
+    return turns, first_token_at, rollback_s
+
+
+def _summary(
+    ctx: GenerationContext,
+    method: KVMethod,
+    request: MultiQueryRequest,
+    turns: list[Turn],
+    first_token_at: float,
+    rollback_s: float,
+) -> dict[str, Any]:
+    """The conversation's telemetry (the per-sample summary plus the per-question lists); drops the turns' step_s."""
     summary = _telemetry(ctx, method, sum(len(t.tokens) for t in turns))
     first_steps = turns[0].telemetry.get("step_s") or []
     summary.update(
@@ -204,7 +240,7 @@ def converse(
             "context_tokens": len(request.context_ids),
             "compression": request.compression,
             "keep_answers": request.keep_answers,
-            "queries": len(queries),
+            "queries": len(request.queries),
             "query_ttft_s": [t.telemetry["ttft_s"] for t in turns],
             "question_tokens": [t.question_tokens for t in turns],
             "rollback_s": rollback_s,
@@ -212,7 +248,7 @@ def converse(
     )
     for turn in turns:
         turn.telemetry.pop("step_s", None)
-    return Conversation(turns=turns, prompt_tokens=len(prompt), budget=ctx.budget, telemetry=summary)
+    return summary
 
 
 def _feed(
