@@ -75,7 +75,7 @@ class RunConfig:
         from kvbench.budget import BudgetConfig
         from kvbench.engine.settings import engine_settings
         from kvbench.kv.chunks import StoreConfig
-        from kvbench.profile import Profile
+        from kvbench.profile import profile_settings
 
         if method is None:
             from kvbench.methods import create_method
@@ -92,7 +92,7 @@ class RunConfig:
             task=task.params,
             budget=BudgetConfig.from_mapping(resolved.get("budget")),
             store=StoreConfig.from_mapping(store) if getattr(method, "uses_chunk_store", False) else None,
-            profile=Profile(**(resolved.get("profile") or {})),
+            profile=profile_settings(resolved.get("profile")),
             engine=engine_settings(resolved.get("engine")),
             output_dir=Path(str(resolved.get("output_dir") or DEFAULT_OUTPUT_DIR)).expanduser(),
             progress=bool(resolved.get("progress", True)),

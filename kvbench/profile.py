@@ -25,22 +25,39 @@ even when the few generated tokens of a smoke-scale prompt happen to stay the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, param
 
 RECALL_RULES = ("attended", "softmax_sum", "logit_sum", "max")
 
 
 @dataclass(frozen=True)
-class Profile:
-    recall: bool = False  # recall of the exact top-B (an exact scoring pass per decode step)
-    recall_rule: str = "attended"  # one of RECALL_RULES
-    deviation: bool = False  # reuse methods: KV and attention deviation from a full prefill (costs one, untimed)
-    selection_digest: bool = False  # a digest of the positions kept after prefill and attended per step
+class Profile(Params):
+    """The ``profile.*`` config keys (their defaults in ``conf/config.yaml``; ``selection_digest`` is not
+    there, so that it names no run)."""
 
-    def __post_init__(self) -> None:
+    recall: bool = param(False, "recall of the exact top-B per decode step (costs an exact scoring pass)")
+    recall_rule: Literal["attended", "softmax_sum", "logit_sum", "max"] = param(
+        "attended", "attended: ClusterKV Fig. 11 | softmax_sum | logit_sum | max: the earlier chosen-part rule"
+    )
+    deviation: bool = param(False, "reuse methods: KV and attention deviation from a full prefill (one untimed)")
+    selection_digest: bool = param(False, "a digest of the positions kept after prefill and attended per step")
+
+    def __post_init__(self) -> None:  # (also when built directly, not through parse)
+        self.validate()
+
+    def validate(self) -> None:
         if self.recall_rule not in RECALL_RULES:
             raise ConfigError(
                 f"unknown profile.recall_rule={self.recall_rule!r}",
                 f"use one of {', '.join(RECALL_RULES)} (attended: the ClusterKV Fig. 11 recall)",
             )
+
+
+def profile_settings(node: Any) -> Profile:
+    """The ``profile`` node, parsed and checked (an unknown key, a wrong type or choice: one line)."""
+    from kvbench.params import parse
+
+    return parse(Profile, dict(node or {}), owner="profile", prefix="profile.")  # type: ignore[return-value]

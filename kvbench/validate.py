@@ -193,20 +193,10 @@ def check_engine(resolved: dict[str, Any]) -> None:
 
 
 def check_profile(resolved: dict[str, Any]) -> None:
-    from dataclasses import fields
+    """``profile.*`` (:class:`~kvbench.profile.Profile`): known keys, types and choices."""
+    from kvbench.profile import profile_settings
 
-    from kvbench.profile import Profile
-
-    profile = resolved.get("profile") or {}
-    known = {f.name: f for f in fields(Profile)}
-    unknown = sorted(set(profile) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"unknown profile key(s): {', '.join(unknown)}", f"use only profile.{{{', '.join(sorted(known))}}}"
-        )
-    for key, value in profile.items():
-        default = known[key].default
-        _typed(f"profile.{key}", value, (type(default),), False, None, f"profile.{key}={_show(default)}")
+    profile_settings(resolved.get("profile"))
 
 
 def _show(value: Any) -> str:

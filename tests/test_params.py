@@ -134,6 +134,25 @@ def test_hydra_nodes_are_the_dataclass_defaults():
         assert validate_method_config(node) == cls()
 
 
+def test_the_shared_groups_in_config_yaml_are_their_declarations():
+    """``profile``, ``store`` and ``engine`` are declared once (Params); conf/config.yaml's nodes hold the same
+    defaults, and leave out only the keys added later so that they name no run (kvbench.profile, kvbench.kv)."""
+    from kvbench.engine.settings import EngineSettings
+    from kvbench.kv.chunks import StoreConfig
+    from kvbench.profile import Profile
+
+    composed = compose([])
+    unrecorded = {"profile": {"selection_digest"}, "store": {"pipeline"}, "engine": set()}
+    for group, cls in {"profile": Profile, "store": StoreConfig, "engine": EngineSettings}.items():
+        declared = describe(cls())
+        assert set(declared) - set(composed[group]) == unrecorded[group], group
+        assert composed[group] == {key: declared[key] for key in composed[group]}, group
+    assert parse(StoreConfig, {"tier": "disk", "ram_gb": 1}, "store", "store.") == StoreConfig("disk", 1.0)
+    for group, cls, bad in [("profile", Profile, {"recall_rule": "sum"}), ("store", StoreConfig, {"ram_gb": -1})]:
+        with pytest.raises(ConfigError, match=f"{group}\\.{next(iter(bad))}"):
+            parse(cls, bad, group, f"{group}.")
+
+
 def test_overrides_reach_the_method():
     node = compose(
         ["method=pqcache", "method.m=2", "method.b=4", "method.kmeans_iters=adaptive", "method.dense_layers=[0,3]"]

@@ -1,6 +1,7 @@
 """CacheBlend's system side: pipelined chunk loading, tier throughput, the loading controller, dependent
 requests and the RAG pipelines (MapReduce / MapRerank)."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -90,7 +91,7 @@ def test_pipelined_loading_reads_the_next_layer_while_this_one_computes(tiny_lla
 
     runs = {}
     for pipeline in (True, False):
-        store.config.pipeline = pipeline
+        store.config = dataclasses.replace(store.config, pipeline=pipeline)
         events.clear()
         events.hold_until_next_read = layers if pipeline else 0
         out = blend(tiny_llama, segments, store)
@@ -124,7 +125,7 @@ def test_a_prefill_from_ram_pipelined_or_not_is_the_same(tiny_qwen2, random_ids)
     segments = segmented(random_ids, seed=22)
     store = ChunkStore(StoreConfig(tier="ram"))
     first = blend(tiny_qwen2, segments, store, recompute_ratio=0.3)
-    store.config.pipeline = False
+    store.config = dataclasses.replace(store.config, pipeline=False)
     second = blend(tiny_qwen2, segments, store, recompute_ratio=0.3)
     assert first.tokens == second.tokens
     assert first.telemetry["prefill"]["recompute_per_layer"] == second.telemetry["prefill"]["recompute_per_layer"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -189,7 +190,7 @@ def reuse_pipeline(options: BenchOptions) -> BenchResult:
             runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
 
             def once(pipeline: bool) -> dict[str, Any]:
-                store.config.pipeline = pipeline
+                store.config = replace(store.config, pipeline=pipeline)
                 method = create_method({"name": "cacheblend", "recompute_ratio": 0.15})
                 assert isinstance(method, ReuseMethod)
                 method.attach_store(store)

@@ -61,9 +61,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, param
 
 if TYPE_CHECKING:  # the module itself needs no torch: the CLI checks store.* before importing it
     import torch
@@ -142,19 +143,23 @@ class TierStats:
         return dict(self.__dict__)
 
 
-@dataclass
-class StoreConfig:
-    """The ``store.*`` config keys (see ``conf/config.yaml``)."""
+@dataclass(frozen=True)
+class StoreConfig(Params):
+    """The ``store.*`` config keys (their defaults in ``conf/config.yaml``; ``pipeline`` is not there, so
+    that it names no run)."""
 
-    tier: str = "ram"
-    ram_gb: float = 2.0
-    disk_gb: float = 10.0
-    dir: str | None = None
-    read_mbps: float | None = None
-    cold_reads: bool = True
-    pipeline: bool = True
+    tier: Literal["ram", "disk"] = param("ram", "where chunk caches are served from: ram | disk")
+    ram_gb: float = param(2.0, "RAM tier capacity in GB (least recently used entries are evicted)", min=0)
+    disk_gb: float = param(10.0, "disk tier capacity in GB", min=0)
+    dir: str | None = param(None, "disk tier folder (null: $KVBENCH_HOME/chunk_kv)")
+    read_mbps: float | None = param(None, "throttle disk reads to this many MB/s (null: no throttle)")
+    cold_reads: bool = param(True, "drop a file from the OS page cache before reading it (real disk reads)")
+    pipeline: bool = param(True, "load layer i+1's chunk caches on a worker while layer i computes")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # (also when built directly, not through parse)
+        self.validate()
+
+    def validate(self) -> None:
         if self.tier not in TIERS:
             raise ConfigError(
                 f"store.tier={self.tier!r} is not one of {', '.join(TIERS)}", "use store.tier=ram or store.tier=disk"
@@ -167,7 +172,7 @@ class StoreConfig:
                 f"store.read_mbps={self.read_mbps} must be positive",
                 "e.g. store.read_mbps=500, or null for no throttle",
             )
-        for key in ("cold_reads", "pipeline"):
+        for key in ("cold_reads", "pipeline"):  # (parse checks types; a direct construction does not)
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"store.{key}={getattr(self, key)!r} must be true or false", f"use store.{key}=true or false"
@@ -175,14 +180,10 @@ class StoreConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Any) -> StoreConfig:
-        data = dict(cfg or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown store key(s): {', '.join(unknown)}", f"use only store.{{{', '.join(sorted(known))}}}"
-            )
-        return cls(**data)
+        """The ``store`` node, parsed and checked (an unknown key, a wrong type or range: one line)."""
+        from kvbench.params import parse
+
+        return parse(cls, dict(cfg or {}), owner="store", prefix="store.")  # type: ignore[return-value]
 
 
 class ChunkStore:
