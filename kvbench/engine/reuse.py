@@ -326,37 +326,8 @@ class ReusePrefill(PrefillPlan):
             "select_s": 0.0,
             "recompute_s": 0.0,
         }
-        started = time.perf_counter()
-        fills = bool(getattr(method, "fills_store", False))
-        #: spans the store lacked, computed in this prefill (``fills_store``) and stored by :meth:`fill_store`
-        self.missed: list[CachedSpan] = []
-        for span in self.spans:
-            span.reader = store.open(span.key)
-            if span.reader is None:
-                if not fills:
-                    raise RuntimeError(
-                        f"chunk cache {span.key.digest} vanished from the store between prepare and prefill"
-                    )
-                self.missed.append(span)
-        if self.missed:
-            self.spans = [span for span in self.spans if span.reader is not None]
-        self._store = store
-        opened = time.perf_counter() - started
-        self.timing["load_s"] += opened
-        self.timing["load_wait_s"] += opened
-        # the request's layout, on the host (numpy: planning reads no tensor)
-        self.cached_flags, self.query_flags = cached_flags, query_flags = self._flags(n, segments)
-        self.cached_mask = torch.from_numpy(cached_flags)
-        self.query_mask = torch.from_numpy(query_flags)
-        spans = [(span.begin, span.end) for span in self.spans]
-        empty = np.zeros(0, dtype=np.int64)
-        self.cached_slots = self._host_ints(np.concatenate([np.arange(b, e) for b, e in spans] or [empty]))
-        self._deltas = np.concatenate(
-            [np.full(span.end - span.begin, span.delta, dtype=np.int64) for span in self.spans] or [empty]
-        )
-        self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
-        self.uncached = np.flatnonzero(~cached_flags)
-        self.n_context = n - int(query_flags.sum())  # the non-query rows
+        self._open_spans(method, store)
+        self._plan_layout(n, segments)
         initial = method.initial_rows(self)
         initial = initial.tolist() if isinstance(initial, torch.Tensor) else initial
         self.rows = ActiveRows(self, np.asarray(initial, dtype=np.int64))
@@ -388,6 +359,43 @@ class ReusePrefill(PrefillPlan):
         self.loader = LayerLoader(self.spans, self.device, n_layers, pipelined=bool(store.config.pipeline))
         if self.cache_layers:
             self.loader.prefetch(self.cache_layers[0])
+
+    def _open_spans(self, method: ReusePolicy, store: ChunkStore) -> None:
+        """Open every cached span's reader in ``store``, setting aside the spans it lacks (timed as loading)."""
+        started = time.perf_counter()
+        fills = bool(getattr(method, "fills_store", False))
+        #: spans the store lacked, computed in this prefill (``fills_store``) and stored by :meth:`fill_store`
+        self.missed: list[CachedSpan] = []
+        for span in self.spans:
+            span.reader = store.open(span.key)
+            if span.reader is None:
+                if not fills:
+                    raise RuntimeError(
+                        f"chunk cache {span.key.digest} vanished from the store between prepare and prefill"
+                    )
+                self.missed.append(span)
+        if self.missed:
+            self.spans = [span for span in self.spans if span.reader is not None]
+        self._store = store
+        opened = time.perf_counter() - started
+        self.timing["load_s"] += opened
+        self.timing["load_wait_s"] += opened
+
+    def _plan_layout(self, n: int, segments: tuple[Segment, ...]) -> None:
+        """Plan the request's layout on the host: cached and query rows, cached slots, re-rotation deltas."""
+        # the request's layout, on the host (numpy: planning reads no tensor)
+        self.cached_flags, self.query_flags = cached_flags, query_flags = self._flags(n, segments)
+        self.cached_mask = torch.from_numpy(cached_flags)
+        self.query_mask = torch.from_numpy(query_flags)
+        spans = [(span.begin, span.end) for span in self.spans]
+        empty = np.zeros(0, dtype=np.int64)
+        self.cached_slots = self._host_ints(np.concatenate([np.arange(b, e) for b, e in spans] or [empty]))
+        self._deltas = np.concatenate(
+            [np.full(span.end - span.begin, span.delta, dtype=np.int64) for span in self.spans] or [empty]
+        )
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
+        self.uncached = np.flatnonzero(~cached_flags)
+        self.n_context = n - int(query_flags.sum())  # the non-query rows
 
     # ------------------------------------------------------------------ host → device
     def _flags(self, n: int, segments: tuple[Segment, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -675,27 +683,13 @@ class ReusePrefill(PrefillPlan):
         positions = torch.arange(self.n, device=device)
         query_positions = positions[self.query_mask.to(device)]
         for layer in range(len(keys_f)):
-            dev = torch.zeros(self.n, device=device)
-            for span in self.spans:
-                assert span.reader is not None
-                _, v = span.reader.layer(layer)
-                v = v[:, span.rows].to(device).float()
-                dev[span.begin : span.end] = (
-                    (v - values_f[layer][:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
-                )
-            host = dev.cpu()
+            host = self._reused_deviation(layer, values_f[layer], device).cpu()
             tokens = host[cached]
             per_layer.append(tokens)
-            ordered = torch.sort(tokens).values
-            curves.append(
-                [round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))]
-                if tokens.numel()
-                else []
-            )
-            means.append(float(tokens.mean()) if tokens.numel() else 0.0)
-            k = max(1, int(0.15 * tokens.numel()))
-            total = float(tokens.sum())
-            top15.append(float(ordered[-k:].sum()) / total if total > 0 else 0.0)
+            curve, mean, share = _curve(tokens)
+            curves.append(curve)
+            means.append(mean)
+            top15.append(share)
             kv = self.ctx.store[layer]
             blend_k, blend_v = kv.keys[:, : self.n].to(device).float(), kv.values[:, : self.n].to(device).float()
             blend_v_dev = (blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
@@ -710,17 +704,7 @@ class ReusePrefill(PrefillPlan):
                 a_f = _attention(q_f.float(), keys_f[layer].float(), query_positions, positions, scale)
                 attention_dev.append(float((a_b - a_f).flatten(1).norm(dim=1).mean()))
         spearman = [_spearman(a, b) for a, b in zip(per_layer, per_layer[1:])]
-        layers = max(1, len(keys_f))
-        chunks = [
-            {
-                "begin": span.begin,
-                "end": span.end,
-                "mode": span.key.mode,
-                "reused_v": float(span_reused[i]) / layers,
-                "blended_v": float(span_blended[i]) / layers,
-            }
-            for i, span in enumerate(self.spans)
-        ]
+        chunks = self._chunk_deviations(span_reused, span_blended, max(1, len(keys_f)))
         return {
             "metric": "V squared L2 summed over heads and dims (reused_kv); K+V (blended_kv)",
             "reused_kv_quantiles": curves,
@@ -732,6 +716,41 @@ class ReusePrefill(PrefillPlan):
             "attention_mean": float(sum(attention_dev) / len(attention_dev)) if attention_dev else None,
             "chunks": chunks,
         }
+
+    def _reused_deviation(self, layer: int, values_f: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Per token at ``layer``, the V deviation of the cached rows as reused from the full prefill's (else 0)."""
+        dev = torch.zeros(self.n, device=device)
+        for span in self.spans:
+            assert span.reader is not None
+            _, v = span.reader.layer(layer)
+            v = v[:, span.rows].to(device).float()
+            dev[span.begin : span.end] = (v - values_f[:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
+        return dev
+
+    def _chunk_deviations(
+        self, span_reused: torch.Tensor, span_blended: torch.Tensor, layers: int
+    ) -> list[dict[str, Any]]:
+        """One entry per cached span: its place, mode and mean V deviation over ``layers``, reused and blended."""
+        return [
+            {
+                "begin": span.begin,
+                "end": span.end,
+                "mode": span.key.mode,
+                "reused_v": float(span_reused[i]) / layers,
+                "blended_v": float(span_blended[i]) / layers,
+            }
+            for i, span in enumerate(self.spans)
+        ]
+
+
+def _curve(tokens: torch.Tensor) -> tuple[list[float], float, float]:
+    """Per-token deviations' 101-point quantile curve, mean, and share of the total held by the top 15 %."""
+    ordered = torch.sort(tokens).values
+    curve = [round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))] if tokens.numel() else []
+    mean = float(tokens.mean()) if tokens.numel() else 0.0
+    k = max(1, int(0.15 * tokens.numel()))
+    total = float(tokens.sum())
+    return curve, mean, float(ordered[-k:].sum()) / total if total > 0 else 0.0
 
 
 def _attention(
