@@ -38,20 +38,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvbench.errors import BudgetError
+from kvbench.params import Params, param
 
 
 @dataclass(frozen=True)
-class BudgetConfig:
-    """The user's ``budget.*`` keys, validated but not yet applied to a prompt."""
+class BudgetConfig(Params):
+    """The user's ``budget.*`` keys, validated but not yet applied to a prompt (their defaults in
+    ``conf/config.yaml``)."""
 
-    token_ratio: float | None = None
-    tokens: int | None = None
-    comm_ratio: float = 0.0
-    sink: int | None = None
-    local: int | None = None
-    compensate: bool = False
+    token_ratio: float | None = param(
+        None, "fraction of the prompt's non-sink tokens attended/kept, e.g. 0.1", min=0, max=1, example=0.1
+    )
+    tokens: int | None = param(None, "absolute non-sink token budget; wins over token_ratio", min=1, example=1024)
+    comm_ratio: float = param(
+        0.0, "extra communication as a fraction of the keys' bytes, e.g. 0.0078125", min=0, example=0.0078125
+    )
+    sink: int | None = param(None, "attention-sink tokens (null: the method's default)", min=0, example=32)
+    local: int | None = param(None, "recent-window tokens (null: the method's share of the budget)", min=0, example=64)
+    compensate: bool = param(False, "'(C)': dropping methods get comm_ratio/2 of the context extra")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # (the ranges a declaration cannot say; also for a direct construction)
         if self.token_ratio is not None and not (0.0 < float(self.token_ratio) <= 1.0):
             raise BudgetError(
                 f"budget.token_ratio={self.token_ratio} is outside (0, 1]",
@@ -70,15 +76,17 @@ class BudgetConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Any) -> BudgetConfig:
-        """Build from a dict-like ``budget`` config node (unknown keys are an error)."""
-        data = dict(cfg or {})
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise BudgetError(
-                f"unknown budget key(s): {', '.join(unknown)}", f"use only budget.{{{', '.join(sorted(known))}}}"
-            )
-        return cls(**data)
+        """The ``budget`` node, parsed and checked: an unknown key, a wrong type or a value out of range is
+        one :class:`BudgetError` line naming ``budget.<key>``."""
+        from kvbench.errors import ConfigError
+        from kvbench.params import parse
+
+        try:
+            return parse(cls, dict(cfg or {}), owner="budget", prefix="budget.")  # type: ignore[return-value]
+        except BudgetError:
+            raise
+        except ConfigError as error:
+            raise BudgetError(error.message, error.fix) from None
 
     @property
     def is_set(self) -> bool:

@@ -65,9 +65,17 @@ _NO_LEGACY = object()
 
 
 def param(
-    default: Any, help: str, *, min: float | None = None, max: float | None = None, legacy: Any = _NO_LEGACY
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    legacy: Any = _NO_LEGACY,
+    example: Any = None,
 ) -> Any:
     """A field with its help text and an optional inclusive range (checked by :func:`parse`).
+
+    ``example``: the valid value an error shows for this key (else the default, or one from the type).
 
     ``legacy``: for a key added after runs were recorded, the value that reproduces what those runs did
     without it. A run whose value is the legacy one is the same run as before the key existed, so the
@@ -80,6 +88,8 @@ def param(
         metadata["max"] = max
     if legacy is not _NO_LEGACY:
         metadata["legacy"] = legacy
+    if example is not None:
+        metadata["example"] = example
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -188,7 +198,10 @@ def _override_text(value: Any) -> str:
 
 
 def _example(tp: Any, default: Any, metadata: Mapping[str, Any]) -> Any:
-    """A valid value to show in an error: the default when it says something, else a typical one."""
+    """A valid value to show in an error: the declared example, the default when it says something, else
+    a typical one."""
+    if metadata.get("example") is not None:
+        return metadata["example"]
     if default is not None and default != ():
         return default
     if _is_union(tp):

@@ -36,17 +36,8 @@ from kvbench.models import check_device, check_dtype
 
 Check = Callable[[dict[str, Any]], None]
 
+
 #: ``budget.*`` keys: (accepted types, may it be null, lowest value, example)
-BUDGET_TYPES: dict[str, tuple[tuple[type, ...], bool, float | None, str]] = {
-    "token_ratio": ((int, float), True, None, "budget.token_ratio=0.1"),
-    "tokens": ((int,), True, 1, "budget.tokens=1024"),
-    "comm_ratio": ((int, float), False, 0, "budget.comm_ratio=0.0078125"),
-    "sink": ((int,), True, 0, "budget.sink=32"),
-    "local": ((int,), True, 0, "budget.local=64"),
-    "compensate": ((bool,), False, None, "budget.compensate=true"),
-}
-
-
 def exact_length_extra(task: dict[str, Any]) -> Callable[[dict[str, Any]], int] | None:
     """For a task whose prompts are exactly ``task.lengths`` tokens (its parameters say so:
     ``exact_lengths``), the tokens a sample needs beyond its length: its generation, ``max_new_tokens``
@@ -160,10 +151,7 @@ def check_budget(resolved: dict[str, Any]) -> None:
         raise BudgetError(
             f"budget={budget!r} is not a group of keys", "set budget.token_ratio=... or budget.tokens=..."
         )
-    for key, value in budget.items():
-        if key in BUDGET_TYPES:
-            _typed(f"budget.{key}", value, *BUDGET_TYPES[key])
-    config = BudgetConfig.from_mapping(budget)  # unknown keys and ranges
+    config = BudgetConfig.from_mapping(budget)  # unknown keys, types and ranges (the declaration)
     if config.tokens is not None and config.token_ratio is not None:
         raise BudgetError(
             f"budget.tokens={config.tokens} and budget.token_ratio={config.token_ratio} both set the budget "

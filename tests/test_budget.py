@@ -71,7 +71,8 @@ def test_missing_budget_names_the_fix():
 
 
 def test_unknown_budget_key():
-    with pytest.raises(BudgetError, match="unknown budget key"):
+    unknown = r"budget has no parameter budget\.ratio \(did you mean budget\.comm_ratio\?\)"
+    with pytest.raises(BudgetError, match=unknown):
         BudgetConfig.from_mapping({"ratio": 0.1})
 
 

@@ -55,11 +55,14 @@ def bad_jsonl(tmp_path):
 
 
 CASES = {
-    "ratio not a number": (["method=oracle", "budget.token_ratio=abc"], "budget.token_ratio='abc' is not a number"),
+    "ratio not a number": (
+        ["method=oracle", "budget.token_ratio=abc"],
+        "budget.token_ratio=abc is not a number or null (budget)",
+    ),
     "negative tokens": (["method=oracle", "budget.tokens=-3"], "budget.tokens=-3"),
     "fractional sink": (
         ["method=oracle", "budget.token_ratio=0.1", "budget.sink=1.5"],
-        "budget.sink=1.5 is not a whole number",
+        "budget.sink=1.5 is not an integer or null (budget)",
     ),
     "lengths not a list": (["task.lengths=abc"], "task.lengths='abc' is not a list"),
     "negative generation": (["task.max_new_tokens=-4"], "task.max_new_tokens=-4 is negative"),
@@ -135,7 +138,7 @@ def test_validation_needs_no_torch(tmp_path, essays):
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2 and "budget.token_ratio='abc'" in out.stderr
+    assert out.returncode == 2 and "budget.token_ratio=abc" in out.stderr
     assert out.stdout.split() == ["False", "False"], "validation imported torch or transformers"
     print(f"fresh-process validation error after {time.perf_counter() - started:.2f} s")
 

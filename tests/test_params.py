@@ -135,15 +135,17 @@ def test_hydra_nodes_are_the_dataclass_defaults():
 
 
 def test_the_shared_groups_in_config_yaml_are_their_declarations():
-    """``profile``, ``store`` and ``engine`` are declared once (Params); conf/config.yaml's nodes hold the same
-    defaults, and leave out only the keys added later so that they name no run (kvbench.profile, kvbench.kv)."""
+    """``budget``, ``profile``, ``store`` and ``engine`` are declared once (Params); conf/config.yaml's nodes
+    hold the same defaults, and leave out only the keys added later so that they name no run."""
+    from kvbench.budget import BudgetConfig
     from kvbench.engine.settings import EngineSettings
     from kvbench.kv.chunks import StoreConfig
     from kvbench.profile import Profile
 
     composed = compose([])
-    unrecorded = {"profile": {"selection_digest"}, "store": {"pipeline"}, "engine": set()}
-    for group, cls in {"profile": Profile, "store": StoreConfig, "engine": EngineSettings}.items():
+    unrecorded = {"profile": {"selection_digest"}, "store": {"pipeline"}, "engine": set(), "budget": set()}
+    groups = {"profile": Profile, "store": StoreConfig, "engine": EngineSettings, "budget": BudgetConfig}
+    for group, cls in groups.items():
         declared = describe(cls())
         assert set(declared) - set(composed[group]) == unrecorded[group], group
         assert composed[group] == {key: declared[key] for key in composed[group]}, group
