@@ -126,14 +126,9 @@ def longbook_choice_eng(prediction: str, labels: Any, version: str) -> bool:
     if version == "2024-08" and prediction in labels:
         return True
     prediction = _squash(prediction, ["\n", '"', "'", ".", ",", "?", "!", "{", "}"])
-    for prefix in ("answer is:", "answer:", "answer is", "option is"):
-        at = prediction.find(prefix)
-        if at == -1:
-            continue
-        if len(prediction) < at + len(prefix) + 1:
-            return False
-        after = prediction[at + len(prefix) + 1 :]
-        return any(after.startswith(label) for label in labels)
+    found, after = _after_prefix(prediction, ("answer is:", "answer:", "answer is", "option is"))
+    if found:
+        return after is not None and any(after.startswith(label) for label in labels)
     for word in prediction.split():
         if word in "ABCD":
             return word in labels
@@ -153,15 +148,21 @@ def code_debug(prediction: str, labels: Any, version: str) -> bool:
     prediction = _squash(prediction.strip(), ["\n", "`", "'", '"', "-", "*", "Option", "option"])
     if version == "2024-08" and (prediction.startswith(letter) or prediction.startswith(function)):
         return True
+    found, after = _after_prefix(prediction, prefixes)
+    return found and after is not None and (after.startswith(letter) or after.startswith(function))
+
+
+def _after_prefix(prediction: str, prefixes: Any) -> tuple[bool, str | None]:
+    """The official scorers' prefix rule: whether one of ``prefixes`` occurs in ``prediction`` (the first
+    of them, in order, that does) and what follows it after one separator character (None: nothing)."""
     for prefix in prefixes:
         at = prediction.find(prefix)
         if at == -1:
             continue
         if len(prediction) < at + len(prefix) + 1:
-            return False
-        after = prediction[at + len(prefix) + 1 :]
-        return after.startswith(letter) or after.startswith(function)
-    return False
+            return True, None
+        return True, prediction[at + len(prefix) + 1 :]
+    return False, None
 
 
 def longbook_qa_eng(prediction: str, labels: Any) -> float:
