@@ -315,18 +315,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ) from None
     import yaml
 
-    params = {}
-    for item in args.param:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--param {item!r} is not KEY=VALUE", "e.g. --param kmeans_device=model")
-        params[key] = yaml.safe_load(value)
-    engine = {}
-    for item in args.engine:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--engine {item!r} is not KEY=VALUE", "e.g. --engine decode=dynamic")
-        engine[key] = yaml.safe_load(value)
+    def key_values(items: list[str], flag: str, example: str) -> dict[str, Any]:
+        """``--flag KEY=VALUE`` options as a mapping (each VALUE read as YAML)."""
+        out = {}
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"{flag} {item!r} is not KEY=VALUE", f"e.g. {flag} {example}")
+            out[key] = yaml.safe_load(value)
+        return out
+
+    params = key_values(args.param, "--param", "kmeans_device=model")
+    engine = key_values(args.engine, "--engine", "decode=dynamic")
     from kvbench.engine.settings import engine_settings
 
     engine_settings(engine)  # a bad key or value: one line, before anything runs
