@@ -113,11 +113,26 @@ def test_unknown_artifact_is_one_line_with_a_suggestion():
 def test_every_experiment_validates(scale, tmp_path, capsys):
     """Every point of every experiment composes and passes `kvbench run`'s checks (paper scale: on
     hub ids and the hub's data, validated only)."""
+    import json
+    import os
+
     from kvbench.reproduce import reproduce
 
+    runs = {}
     for name in experiment_names():
         reproduce(name, scale, [f"output_dir={tmp_path}"], dry_run=True)
-    assert "missing" in capsys.readouterr().out
+        # "   missing  <output_dir>/<run id>  <label>": the run ids each experiment plans
+        lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+        runs[name] = sorted(Path(p[1]).name for p in lines if len(p) > 1 and p[1].startswith(str(tmp_path)))
+    assert any(runs.values())
+    # an experiment plans the same runs as when the golden was recorded (a new key that renamed them fails;
+    # a deliberate change of an experiment: KVBENCH_UPDATE_GOLDEN=1 rewrites the file, say why in the commit)
+    golden = REPO / "results" / "golden" / f"experiment_runs-{scale}.json"
+    if os.environ.get("KVBENCH_UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+    expected = json.loads(golden.read_text())
+    changed = {name: (expected.get(name), ids) for name, ids in runs.items() if expected.get(name) != ids}
+    assert not changed, f"experiments plan other runs than {golden.name} records: {changed}"
 
 
 def test_run_with_an_experiment_sweeps_its_params(tmp_path):
