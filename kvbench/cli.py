@@ -197,7 +197,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(comparison_figure(paths, Path(args.figure), where=where, kind=args.figure_kind))
         return 0
     if args.paired:
-        from kvbench.report import paired_report
+        from kvbench.compare import paired_report
 
         print(paired_report(paths, args.paired, where=where))
         return 0

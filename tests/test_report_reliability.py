@@ -167,7 +167,7 @@ def test_paired_report_meets_each_run_with_the_baseline_of_its_data_set(tmp_path
     ids both have (an unfinished run counts what it has), with the answers' agreement."""
     import yaml
 
-    from kvbench.report import paired_report
+    from kvbench.compare import paired_report
     from kvbench.results import RunDir
 
     def write(name, method, dataset, answers, scores, state="finished"):
