@@ -730,6 +730,31 @@ def test_a_paired_claim_interval_resamples_shared_ids():
     assert claim_value(frame, spec) is not None
 
 
+def test_a_paired_max_diff_resamples_the_ids_every_ratio_shares():
+    """CacheBlend Fig. 16's "quality drop at most ...": the largest drop of CacheBlend below full over the
+    recompute ratios, from samples; full (no ratio) meets every ratio; the interval resamples shared ids."""
+    import pandas as pd
+
+    from kvbench.render.claims import claim_interval, claim_value
+
+    ids = [f"q{i}" for i in range(30)]
+    rows = [{"id": i, "config.method.name": "full", "score": 50.0 + (k % 3)} for k, i in enumerate(ids)]
+    for ratio, drop in ((0.05, 4.0), (0.15, 1.0)):
+        rows += [
+            {"id": i, "config.method.name": "cacheblend", "config.method.recompute_ratio": ratio, "score": s - drop}
+            for i, s in ((r["id"], r["score"]) for r in rows[:30])
+        ]
+    frame = pd.DataFrame(rows)
+    spec = {"op": "max_diff", "over": "recompute_ratio", "paired": "id", "a": {"method": "full"}}
+    spec["b"] = {"method": "cacheblend"}
+    assert claim_value(frame, spec) == pytest.approx(4.0)  # the 0.05 row's drop, not the last row's value
+    low, high = claim_interval(frame, spec)
+    assert low == pytest.approx(4.0) and high == pytest.approx(4.0)  # every pair moves alike: no spread
+    noisy = frame.assign(score=frame["score"] + [(-1) ** k * (k % 7) for k in range(len(frame))])
+    low, high = claim_interval(noisy, spec)
+    assert low < claim_value(noisy, spec) < high
+
+
 def test_what_reproduce_writes_is_not_tracked():
     """`kvbench reproduce` writes its reports under results/reproduce/<scale>/: running the README's
     commands leaves the working tree clean at every scale."""

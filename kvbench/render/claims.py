@@ -59,18 +59,11 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
         name_l, name_r = column(left, metric), column(right, metric)
         if name_l is None or name_r is None:
             return None
-        a_map = dict(zip(values(left, over), left[name_l]))
-        b_map = dict(zip(values(right, over), right[name_r]))
-        # a side without the key (full recompute has no recompute ratio; `values` gives "–") is one
-        # run: it meets every row of the other side
-        if list(a_map) == [norm(None)]:
-            a_map = dict.fromkeys(b_map, a_map[norm(None)])
-        elif list(b_map) == [norm(None)]:
-            b_map = dict.fromkeys(a_map, b_map[norm(None)])
+        a_map, b_map = _aligned(_by_key(left, over, name_l), _by_key(right, over, name_r))
         diffs = [
-            float(a_map[k]) - float(b_map[k])
+            float(np.mean(list(a_map[k].values()))) - float(np.mean(list(b_map[k].values())))
             for k in a_map
-            if k in b_map and not is_missing(a_map[k]) and not is_missing(b_map[k])
+            if k in b_map and a_map[k] and b_map[k]
         ]
         result = max(diffs) if diffs else None
     else:
@@ -88,18 +81,71 @@ def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
     return None if result is None else result * scale
 
 
+def _by_key(rows: Any, over: str, name: str, key: str | None = None) -> dict[str, dict[Any, float]]:
+    """``over`` value -> {row key: value} of column ``name`` (the row's index without ``key``: one run per
+    ``over`` value at run level; the sample ids with ``key``), missing values left out."""
+    out: dict[str, dict[Any, float]] = {}
+    keys = rows[key] if key else rows.index
+    for where, k, value in zip(values(rows, over), keys, rows[name]):
+        if not is_missing(value):
+            out.setdefault(where, {})[k] = float(value)
+    return out
+
+
+def _aligned(a_map: dict[str, Any], b_map: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A side without the ``over`` key (full recompute has no recompute ratio; ``values`` gives "–") is
+    one run: it meets every row of the other side."""
+    if list(a_map) == [norm(None)]:
+        a_map = dict.fromkeys(b_map, a_map[norm(None)])
+    elif list(b_map) == [norm(None)]:
+        b_map = dict.fromkeys(a_map, b_map[norm(None)])
+    return a_map, b_map
+
+
+def _max_diff_draws(frame: Any, spec: Mapping[str, Any], key: str, draws_of: Any) -> Any:
+    """``max_diff`` recomputed on resamples of the sample ids every aligned ``over`` row shares: per
+    resample, the largest difference of means a − b over the rows (``draws_of(n)``: the index draws)."""
+    import numpy as np
+
+    metric, over = spec.get("metric", "score"), spec.get("over", "dataset")
+    left, right = select(frame, spec.get("a")), select(frame, spec.get("b"))
+    name_l, name_r, key_l, key_r = column(left, metric), column(right, metric), column(left, key), column(right, key)
+    if name_l is None or name_r is None or key_l is None or key_r is None:
+        return None
+    a_map, b_map = _aligned(_by_key(left, over, name_l, key_l), _by_key(right, over, name_r, key_r))
+    rows = [k for k in a_map if k in b_map]
+    shared = sorted(set.intersection(*(set(a_map[k]) & set(b_map[k]) for k in rows)), key=str) if rows else []
+    if len(shared) < 2:
+        return None
+    draws = draws_of(len(shared))
+    diffs = [
+        np.array([a_map[k][i] for i in shared])[draws].mean(axis=1)
+        - np.array([b_map[k][i] for i in shared])[draws].mean(axis=1)
+        for k in rows
+    ]
+    return np.max(np.stack(diffs), axis=0)
+
+
 def claim_interval(frame: Any, spec: Mapping[str, Any], resamples: int = 2000, seed: int = 0) -> list[float] | None:
     """95 % paired bootstrap interval of a claim computed from samples (``paired: <key>`` in ``ours``: the
     per-sample key both sides share, e.g. ``id``, so each side's sample of a request is resampled with the
-    other's): the op (``rel_gap``, ``rel_diff``, ``ratio``, ``diff``) recomputed on the means of each resample of the
+    other's): the op (``rel_gap``, ``rel_diff``, ``ratio``, ``diff``; ``max_diff``: the largest difference over the
+    aligned ``over`` rows, on the ids they all share) recomputed on the means of each resample of the
     keys both sides have (percentile method). ``None`` without ``paired``, for another op, or below two
     shared keys."""
     import numpy as np
 
     op, key = spec["op"], spec.get("paired")
-    if not key or op not in ("rel_gap", "rel_diff", "ratio", "diff"):
+    if not key or op not in ("rel_gap", "rel_diff", "ratio", "diff", "max_diff"):
         return None
     metric = spec.get("metric", "score")
+    if op == "max_diff":
+        rng = np.random.default_rng(seed)
+        stats = _max_diff_draws(frame, spec, key, lambda n: rng.integers(0, n, size=(resamples, n)))
+        if stats is None:
+            return None
+        low, high = np.percentile(stats * float(spec.get("scale", 1.0)), [2.5, 97.5])
+        return [float(low), float(high)]
 
     def by_key(selector: Any) -> dict[Any, float]:
         rows = select(frame, selector)
