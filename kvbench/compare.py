@@ -46,7 +46,15 @@ def paired_report(paths: Sequence[Path], baseline: str, *, where: dict[str, str]
     settings = [c for c in differing("config.method.") if c != "config.method.name"]
     spec = {"baseline": selector, "split": [], "match": match, "by": ["method", *settings, *match]}
     sections = render_paired(None, spec, runs, samples) + render_agreement(None, spec, runs, samples)
-    return "\n\n".join(
+    text = "\n\n".join(
         f"## {section.title}\n\n{section.markdown}" + (f"\n\n{section.note}" if section.note else "")
         for section in sections
     )
+    unfinished = runs[runs["state"] != "finished"] if "state" in runs.columns else runs.iloc[0:0]
+    if not unfinished.empty:  # their rows count the samples they have so far
+        shown = ", ".join(
+            f"{row.run_id} ({row.state}, {row.done}" + (f" of {int(row.total)})" if row.total == row.total else ")")
+            for row in unfinished.itertuples()
+        )
+        text += f"\n\nNot finished (compared on the samples they have): {shown}"
+    return text
