@@ -264,15 +264,21 @@ def _run_samples(p: Plan, done: set[str]) -> int:
     ids = task.shard_sample_ids()
     total = len(ids) - len(done & set(ids)) if ids is not None else None
     ran = 0
+    settings = (config.budget, config.profile, config.engine)
+    replay = Replay(run_dir, done) if task.order_dependent and done else None
     progress = Progress(run_dir, total=total, enabled=config.progress)
     try:
         # sweeps share dense prefills (the registry builds the sweep's methods to anticipate their statistics)
         with prefill_cache.scope(prefill_cache.enabled(config.prefill_cache), build=create_method):
             for sample in task.shard_samples(model):
                 if sample.id in done:
+                    if replay is not None:  # rebuild the state the later samples depend on
+                        replay.check(sample.id, run_sample(task, sample, model, method, *settings))
                     continue
+                if replay is not None:
+                    replay.close()
                 clock = time.perf_counter()
-                result = run_sample(task, sample, model, method, config.budget, config.profile, config.engine)
+                result = run_sample(task, sample, model, method, *settings)
                 record = result.to_record()
                 record["protocol"] = task.protocol()
                 if ran == 0:
@@ -283,6 +289,31 @@ def _run_samples(p: Plan, done: set[str]) -> int:
     finally:
         progress.close()
     return ran
+
+
+class Replay:
+    """The finished samples of an order-dependent task (:attr:`Task.order_dependent`) served again on a
+    resume, unrecorded, before the first new one; logs how many answers came out as recorded (all of them
+    when the run is deterministic, as on CPU at the recorded thread count)."""
+
+    def __init__(self, run_dir: RunDir, done: set[str]) -> None:
+        self.run_dir, self.recorded = run_dir, {str(r["id"]): r.get("prediction") for r in run_dir.records()}
+        self.served = self.same = 0
+        self.open = True
+        run_dir.log(f"replay: serving the {len(done)} finished samples again, unrecorded, to rebuild the state")
+
+    def check(self, sample_id: str, result: Any) -> None:
+        self.served += 1
+        self.same += result.prediction == self.recorded.get(sample_id)
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        line = f"replay: {self.served} samples served again, {self.same} answers as recorded"
+        self.run_dir.log(line)
+        if self.same < self.served:
+            print(f"kvbench: warning: {line} (the state the next samples see may differ)", file=sys.stderr)
 
 
 def run_sample(

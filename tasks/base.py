@@ -156,6 +156,10 @@ class Task:
     #: whether the runs of a sweep may share one chunk store (:func:`kvbench.kv.chunks.run_store`);
     #: false for a task whose runs must each start on an empty store (a request stream)
     shares_chunk_store: ClassVar[bool] = True
+    #: whether a sample's result depends on the samples served before it in the same run (a request
+    #: stream over one chunk store): a resumed run then serves its finished samples again, unrecorded,
+    #: to rebuild that state before it goes on (:func:`kvbench.runner.run`)
+    order_dependent: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -85,9 +85,10 @@ start) and only left out of the figure.
 
 A run executes the requests in that order, one at a time, with one chunk store for the whole run:
 start it on an empty store — ``store.tier=ram store.disk_gb=0`` (a disk folder keeps entries between
-runs, and a RAM store would promote them) — and run it to the end in one go (a resumed run restarts with an
-empty store; every record keeps what its request really had to compute, so the figures stay true to what
-happened). For prefix caching
+runs, and a RAM store would promote them). A resumed run first serves its finished requests again, in
+order and unrecorded, so that the store and the method's state are what they were when it stopped (the
+run's log says how many of the replayed answers equal their records); a resume therefore costs the time of
+the requests already done. For prefix caching
 use ``method.warm=none method.store_prompts=true`` (it then stores every prompt after answering it).
 
 Deviation (CacheBlend): GPT-4 paraphrases cannot be made offline; a repeat asks the identical question, so it
@@ -230,6 +231,7 @@ class RagStream(Rag):
     params: RagStreamParams
     figure_kinds = ()
     shares_chunk_store = False  # every run starts on an empty store, also inside a sweep
+    order_dependent = True  # a resumed run replays its finished requests to rebuild the store
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)  # (types, choices and ranges: RagStreamParams)

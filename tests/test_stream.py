@@ -311,3 +311,46 @@ def test_storage_figure_has_a_panel_per_device_with_full_in_each():
         "CacheBlend r=0.15": [1.5],
         "Full KV reuse": [1.2],
     }
+
+
+def test_a_resumed_stream_replays_its_finished_requests_and_continues_as_one_run(tmp_path, qa_dir):  # noqa: F811
+    """A request stream's later requests depend on the store the earlier ones left: a run stopped after its
+    first request and resumed records what an uninterrupted run records (not an empty store's misses)."""
+    from kvbench.compose import compose
+    from kvbench.results import RunDir
+    from kvbench.runner import run as run_config
+
+    overrides = [
+        "model=tiny_llama",
+        "method=cachecraft",
+        "task=rag_stream",
+        "task.dataset=musique",
+        f"task.data_dir={qa_dir}",
+        "task.limit=1",
+        "task.repeats=3",
+        "task.warmup=0",
+        "task.top_k=null",
+        "task.chunk_tokens=48",
+        "store.disk_gb=0",
+        f"output_dir={tmp_path}",
+        "progress=false",
+    ]
+    run_dir = RunDir(run_config(compose(overrides)).run_dir)
+    whole = run_dir.records()
+    reused = [r["telemetry"]["prefill"]["reused_tokens"] for r in whole]
+
+    def plan(r):
+        return [(c["action"], c["recomputed_tokens"]) for c in r["telemetry"]["method"]["cachecraft"]["chunks"]]
+
+    assert len(whole) == 3 and {a for a, _ in plan(whole[0])} == {"miss"}
+    assert all("miss" not in {a for a, _ in plan(r)} for r in whole[1:])  # the repeats find the first's chunks
+    samples = run_dir.path / "samples.jsonl"
+    samples.write_text(samples.read_text().splitlines(keepends=True)[0])
+    assert run_config(compose(overrides)).ran == 2
+    resumed = run_dir.records()
+    assert [r["id"] for r in resumed] == [r["id"] for r in whole]
+    assert [r["telemetry"]["prefill"]["reused_tokens"] for r in resumed] == reused
+    assert [plan(r) for r in resumed] == [plan(r) for r in whole]
+    assert [r["prediction"] for r in resumed] == [r["prediction"] for r in whole]
+    log = (run_dir.path / "run.log").read_text()
+    assert "replay: 1 samples served again, 1 answers as recorded" in log
