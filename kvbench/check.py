@@ -196,9 +196,9 @@ def run_checks(
     """Run the checks ``names`` (default: all) of ``golden``; print one line per check and a total.
     Returns 1 when any check failed (with ``update``: never; the file is rewritten instead)."""
     from kvbench.compose import compose
-    from kvbench.engine.prefill_cache import sweep
     from kvbench.results import RunDir
     from kvbench.runner import run
+    from kvbench.shared import Sweep
 
     path = Path(golden) if golden else DEFAULT_GOLDEN
     checks = load_checks(path)
@@ -219,14 +219,14 @@ def run_checks(
     scratch = None if output_dir else Path(tempfile.mkdtemp(prefix="kvbench-check-"))
     out = str(output_dir or scratch)
     failed = skipped = updated = 0
-    with sweep(points=configs):
+    with Sweep.of(configs) as sweep:
         for check, resolved in zip(selected, configs):
             need = [p for p in check.get("needs", []) if not Path(p).exists()]
             if need:
                 print(f"skip {check['name']}  (needs {', '.join(need)})")
                 skipped += 1
                 continue
-            summary = run({**resolved, "output_dir": out})
+            summary = run({**resolved, "output_dir": out}, sweep=sweep)
             got = observed(summary.metrics, RunDir(summary.run_dir).records())
             if update:
                 diff = changes(check.get("expect", {}), got)

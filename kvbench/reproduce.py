@@ -131,13 +131,13 @@ def run_points(exp: Experiment, scale: str, extra: Sequence[str], todo: list[Poi
             if code:
                 raise SystemExit(code)
         return
-    from kvbench.engine.prefill_cache import sweep
+    from kvbench.shared import Sweep
 
-    with sweep(points=[point.config for point in todo]):  # the points share dense prefills (prefill_cache: null)
+    with Sweep.of([point.config for point in todo]) as sweep:  # the points share dense prefills (prefill_cache: null)
         for index, point in enumerate(todo, 1):
             command = f"kvbench reproduce {exp.ref} scale={scale} {shlex.join(extra)}".strip()
             print(f"[{index}/{len(todo)}] {point.label or point.run_dir.name}", flush=True)
-            summary = run(point.config, wait=wait, command=command)
+            summary = run(point.config, wait=wait, command=command, sweep=sweep)
             print(format_summary(summary), flush=True)
 
 

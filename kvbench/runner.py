@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbench.budget import BudgetConfig
 from kvbench.config import RunConfig
@@ -43,6 +43,10 @@ from kvbench.results import (
     stop_on_sigterm,
     warn,
 )
+
+if TYPE_CHECKING:
+    from kvbench.engine.prefill_cache import PrefillSharing
+    from kvbench.shared import Sweep
 
 
 @dataclass
@@ -119,11 +123,15 @@ def _check_hub(task: Any, run_dir: RunDir) -> bool:
     return True
 
 
-def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = None) -> RunSummary:
+def run(
+    resolved: dict[str, Any], *, wait: bool = False, command: str | None = None, sweep: Sweep | None = None
+) -> RunSummary:
     """Run the config ``resolved`` (a plain dict: model, method, task, budget, profile, output_dir).
 
     ``wait``: when another process writes the same run directory, wait for it instead of failing.
     ``command``: how this run was started (recorded in the lock and ``run.log``).
+    ``sweep``: the sweep this run is a point of, whose dense prefills and chunk stores it may share
+    (:mod:`kvbench.shared`; :func:`sharing` says what it takes); ``None``: a run on its own.
     """
     started = time.perf_counter()
     p = plan(resolved)
@@ -133,7 +141,7 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
     known = task.shard_sample_ids()
     with run_dir.lock(wait=wait, command=command), stop_on_sigterm():
         try:
-            metrics, ran = _run_locked(p, known, command)
+            metrics, ran = _run_locked(p, known, command, sweep)
         except BaseException as exc:
             error = _record_end(exc, run_dir, known, command)
             if error is exc:
@@ -142,7 +150,9 @@ def run(resolved: dict[str, Any], *, wait: bool = False, command: str | None = N
     return RunSummary(run_dir=run_dir.path, metrics=metrics, ran=ran, seconds=time.perf_counter() - started)
 
 
-def _run_locked(p: Plan, known: list[str] | None, command: str | None) -> tuple[dict[str, Any], int]:
+def _run_locked(
+    p: Plan, known: list[str] | None, command: str | None, sweep: Sweep | None
+) -> tuple[dict[str, Any], int]:
     """The body of :func:`run`, holding the lock: the samples left, then metrics, artifacts and status."""
     run_dir, task = p.run_dir, p.task
     run_dir.repair_tail()
@@ -154,7 +164,7 @@ def _run_locked(p: Plan, known: list[str] | None, command: str | None) -> tuple[
             + (f", {len(done & set(known))} of {len(known)} samples done" if known is not None else "")
             + (f"; command: {command}" if command else "")
         )
-        ran = _run_samples(p, done)
+        ran = _run_samples(p, done, sweep)
     records = run_dir.records()
     if known is not None:
         wanted = set(known)
@@ -240,52 +250,65 @@ def _record_log(run_dir: RunDir, message: str) -> None:
         pass
 
 
-def _run_samples(p: Plan, done: set[str]) -> int:
+def sharing(p: Plan, sweep: Sweep | None) -> tuple[PrefillSharing | None, bool]:
+    """What a run takes from its sweep: (the shared dense prefills or None, whether it takes the sweep's
+    chunk store). ``prefill_cache: null`` shares inside a sweep and not alone; ``true`` shares (a run
+    alone gets a cache of its own); ``false`` never. The chunk store is shared with the prefills, unless
+    the task starts every run on an empty store (a request stream) or the method fills the store from its
+    own prompts (its entries are this run's, and sharing saves it no precomputation)."""
+    from kvbench.engine.prefill_cache import PrefillSharing, environment_cache
+    from kvbench.methods import create_method
+
+    setting = p.config.prefill_cache
+    if not (sweep is not None if setting is None else setting):
+        return None, False
+    cache = sweep.prefill_cache() if sweep is not None else environment_cache()
+    cache.begin_run()  # (the earlier runs' entries may now be evicted, this run's are kept)
+    points = sweep.points if sweep is not None else ()
+    fills = bool(getattr(p.method, "fills_store", False))  # (a reuse method's; others have no store)
+    shared_store = sweep is not None and p.task.shares_chunk_store and not fills
+    return PrefillSharing(cache, points, build=create_method), shared_store
+
+
+def _run_samples(p: Plan, done: set[str], sweep: Sweep | None) -> int:
     """Load the model and run the samples of ``p`` not in ``done``, appending each as it finishes."""
     import yaml
 
-    from kvbench.engine import prefill_cache
-    from kvbench.methods import create_method
+    from kvbench.kv.chunks import ChunkStore
     from kvbench.models.loading import load_model
     from kvbench.progress import Progress
 
     config, task, method, run_dir = p.config, p.task, p.method, p.run_dir
     clock = time.perf_counter()
     model = load_model(config.model.node)
+    prefills, shared_store = sharing(p, sweep)
     if config.store is not None:
-        from kvbench.kv.chunks import run_store
-
-        # the runs of a sweep share chunk caches as they share dense prefills, unless the task needs
-        # every run to start on an empty store (a request stream)
-        shared = prefill_cache.enabled(config.prefill_cache) and task.shares_chunk_store
-        method.attach_store(run_store(config.store, shared=shared))
+        method.attach_store(sweep.chunk_store(config.store) if sweep and shared_store else ChunkStore(config.store))
     run_dir.log(f"model {config.model.name} loaded in {time.perf_counter() - clock:.1f} s")
     config_yaml = yaml.safe_dump(p.resolved, sort_keys=True)
     ids = task.shard_sample_ids()
     total = len(ids) - len(done & set(ids)) if ids is not None else None
     ran = 0
-    settings = (config.budget, config.profile, config.engine)
+    settings = (config.budget, config.profile, config.engine, prefills)
     replay = Replay(run_dir, done) if task.order_dependent and done else None
     progress = Progress(run_dir, total=total, enabled=config.progress)
     try:
-        # sweeps share dense prefills (the registry builds the sweep's methods to anticipate their statistics)
-        with prefill_cache.scope(prefill_cache.enabled(config.prefill_cache), build=create_method):
-            for sample in task.shard_samples(model):
-                if sample.id in done:
-                    if replay is not None:  # rebuild the state the later samples depend on
-                        replay.check(sample.id, run_sample(task, sample, model, method, *settings))
-                    continue
-                if replay is not None:
-                    replay.close()
-                clock = time.perf_counter()
-                result = run_sample(task, sample, model, method, *settings)
-                record = result.to_record()
-                record["protocol"] = task.protocol()
-                if ran == 0:
-                    run_dir.create(config_yaml, environment(model.spec), total=len(ids) if ids is not None else None)
-                run_dir.append(record)
-                ran += 1
-                progress.sample(sample.id, result.score, time.perf_counter() - clock)
+        for sample in task.shard_samples(model):
+            if sample.id in done:
+                if replay is not None:  # rebuild the state the later samples depend on
+                    replay.check(sample.id, run_sample(task, sample, model, method, *settings))
+                continue
+            if replay is not None:
+                replay.close()
+            clock = time.perf_counter()
+            result = run_sample(task, sample, model, method, *settings)
+            record = result.to_record()
+            record["protocol"] = task.protocol()
+            if ran == 0:
+                run_dir.create(config_yaml, environment(model.spec), total=len(ids) if ids is not None else None)
+            run_dir.append(record)
+            ran += 1
+            progress.sample(sample.id, result.score, time.perf_counter() - clock)
     finally:
         progress.close()
     return ran
@@ -324,6 +347,7 @@ def run_sample(
     budget: BudgetConfig,
     profile: Profile,
     engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> Any:
     """Execute the sample's requests with the engine, in order, and let the task score the outputs; a
     :class:`~kvbench.requests.FollowUp` is expanded, when reached, into the requests it builds from the
@@ -338,7 +362,7 @@ def run_sample(
         if isinstance(request, FollowUp):
             pending = list(request.build(list(outputs))) + pending
             continue
-        outputs.append(execute(model, method, request, budget, profile, engine))
+        outputs.append(execute(model, method, request, budget, profile, engine, sharing))
     return task.result(sample, outputs)
 
 

@@ -22,7 +22,7 @@ from kvbench.listing import group_options
 
 GROUPS = ("model", "method", "task", "experiment")
 # What the Hydra job function reads (it takes only the job's config): set by launch() for its jobs.
-_JOB: dict[str, Any] = {"wait": False, "command": None}
+_JOB: dict[str, Any] = {"wait": False, "command": None, "sweep": None}
 _SWEEP_RUNS: list[Any] = []
 
 
@@ -178,22 +178,26 @@ def launch(
     finished and the ``command`` that resumes; a multirun ends with its runs table."""
     import hydra
 
-    from kvbench.engine.prefill_cache import sweep as shared_prefills
+    from kvbench.shared import Sweep
 
     register_method_configs()
-    _JOB.update(wait=wait, command=command)
+    # the sweep's methods share dense prefills and chunk stores (prefill_cache: null); one run shares nothing
+    sweep = Sweep.of(configs) if multirun else None
+    _JOB.update(wait=wait, command=command, sweep=sweep)
     main = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base=None)(run_job)
     saved = sys.argv
     sys.argv = ["kvbench"] + (["--multirun"] if multirun else []) + overrides
     _SWEEP_RUNS.clear()
     try:
-        with shared_prefills(multirun, configs):  # the sweep's methods share dense prefills (prefill_cache: null)
-            main()
+        main()
     except KeyboardInterrupt:  # between runs of a sweep, or inside Hydra: every finished sample is saved
         done = f"{len(_SWEEP_RUNS)} of {len(points)} runs finished" if len(points) > 1 else "nothing was lost"
         return fail(Interrupted(f"interrupted ({done})"), command)
     finally:
         sys.argv = saved
+        _JOB["sweep"] = None
+        if sweep is not None:
+            sweep.close()
     if multirun and len(points) > 1:
         print("\n" + sweep_table(configs), flush=True)
     return 0
@@ -211,7 +215,7 @@ def run_job(cfg: Any) -> None:
         resolved.pop(key, None)
     pin_device(resolved)
     try:
-        summary = run(resolved, wait=_JOB["wait"], command=_JOB["command"])
+        summary = run(resolved, wait=_JOB["wait"], command=_JOB["command"], sweep=_JOB["sweep"])
     except KvbenchError as error:
         raise SystemExit(fail(error, _JOB["command"])) from None
     _SWEEP_RUNS.append(summary)

@@ -55,7 +55,6 @@ from kvbench.engine.protocol import KVMethod
 from kvbench.engine.reuse import CachedSpan, ReusePrefill, query_rows
 from kvbench.engine.rope import check_rerotatable
 from kvbench.errors import CompressionNotApplied, ConfigError
-from kvbench.kv import chunks
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkStore, model_fingerprint
 from kvbench.methods.params import ReuseParams
 from kvbench.requests import Segment, segment_spans
@@ -137,12 +136,10 @@ class ReuseMethod(KVMethod):
 
     # ------------------------------------------------------------------ chunk caches
     def attach_store(self, store: ChunkStore) -> None:
-        """Use ``store`` for chunk caches (the runner attaches one per run; tests may pass their own). A
-        method that fills the store from its prompts takes a new store of the same configuration instead
-        of a sweep's shared one (:func:`kvbench.kv.chunks.run_store`): sharing saves precomputation, which
-        it does not do, and would let this run read entries computed in another run's prompts."""
-        if self.fills_store and any(store is shared for shared in chunks._SWEEP_STORES.values()):
-            store = ChunkStore(store.config)
+        """Use ``store`` for chunk caches (the runner attaches one per run; tests may pass their own). The
+        runner gives a method that :attr:`fills_store` a store of its own, never a sweep's shared one
+        (:func:`kvbench.runner.sharing`): sharing saves precomputation, which it does not do, and would let
+        this run read entries computed in another run's prompts."""
         self.store = store
 
     def chunk_store(self) -> ChunkStore:

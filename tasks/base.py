@@ -153,7 +153,7 @@ class Task:
     #: ``kvbench report`` columns that :meth:`comparison_figure` draws as one run: runs that differ
     #: only in them have their samples joined (RULER's runs, one per length, become one curve)
     figure_joins: ClassVar[tuple[str, ...]] = ()
-    #: whether the runs of a sweep may share one chunk store (:func:`kvbench.kv.chunks.run_store`);
+    #: whether the runs of a sweep may share one chunk store (:meth:`kvbench.shared.Sweep.chunk_store`);
     #: false for a task whose runs must each start on an empty store (a request stream)
     shares_chunk_store: ClassVar[bool] = True
     #: whether a sample's result depends on the samples served before it in the same run (a request

@@ -45,7 +45,6 @@ def kvbench_in_process(*args: str, cwd: Path | None = None) -> subprocess.Comple
     error propagates and fails the test (a child would print a traceback and exit 1). Tests of what only a
     real process shows (the console script, exit on a signal, imports at start-up) keep using a subprocess."""
     from kvbench import cli, errors
-    from kvbench.engine import prefill_cache
 
     out, err = _Output(), _Output()
     # logging handlers writing to this process's stdout or stderr write to the call's, as a child's would
@@ -55,8 +54,7 @@ def kvbench_in_process(*args: str, cwd: Path | None = None) -> subprocess.Comple
     handlers = [h for h in alive if h is not None and id(vars(h).get("stream")) in to]
     streams = [h.stream for h in handlers]
     previous = Path.cwd()
-    errors._NOTED.clear()  # as in a new process: its notes print, no dense prefill is shared with earlier runs
-    prefill_cache.shared_cache().clear()
+    errors._NOTED.clear()  # as in a new process: its notes print
     try:
         for handler in handlers:
             handler.stream = to[id(handler.stream)]
@@ -74,7 +72,6 @@ def kvbench_in_process(*args: str, cwd: Path | None = None) -> subprocess.Comple
         os.chdir(previous)
         for handler, stream in zip(handlers, streams):
             handler.stream = stream
-        prefill_cache.shared_cache().clear()  # (nor with later ones)
     return subprocess.CompletedProcess(["kvbench", *args], int(code or 0), out.getvalue(), err.getvalue())
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from kvbench.budget import BudgetConfig
 from kvbench.engine.attention import activate
 from kvbench.engine.generate import _new_context, generate
 from kvbench.engine.rope import rerotate
-from kvbench.kv.chunks import ChunkStore, StoreConfig, run_store
+from kvbench.kv.chunks import ChunkStore, StoreConfig
 from kvbench.methods import create_method, method_node
 from kvbench.profile import Profile
 from kvbench.requests import Segment, join_segments, segment_spans
@@ -238,14 +239,19 @@ def test_recorded_cacheblend_runs_keep_their_ids():
 
 
 # ---------------------------------------------------------------------- the store's scope
-def test_prompt_entries_are_one_runs_and_a_sweeps_store_is_not_shared():
-    shared = run_store(StoreConfig(tier="ram", disk_gb=0), shared=True)
-    blend = create_method({"name": "cacheblend"})
-    blend.attach_store(shared)
-    assert blend.store is not shared and blend.store.config == shared.config
-    old = create_method({"name": "cacheblend", "miss": "precompute"})
-    old.attach_store(shared)
-    assert old.store is shared  # (precomputed entries are a pure function of their key: shared in a sweep)
+def test_prompt_entries_are_one_runs_and_a_sweeps_store_is_not_shared(tmp_path):
+    from kvbench.compose import compose
+    from kvbench.runner import plan, sharing
+    from kvbench.shared import Sweep
+
+    def takes_sweeps_store(method):
+        record = {"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": "x"}]}
+        (tmp_path / "musique_s.json").write_text(json.dumps([record]))
+        overrides = ["task=rag", f"task.data_dir={tmp_path}", f"method={method}", "model=tiny_llama"]
+        return sharing(plan(compose(overrides)), Sweep())[1]
+
+    assert not takes_sweeps_store("cacheblend")  # (miss: prefill: its entries are this run's prompts')
+    assert takes_sweeps_store("cacheblend_allrows")  # (precomputed entries are a pure function of their key)
     store = ram()
     one, two = create_method({"name": "cacheblend"}), create_method({"name": "cacheblend"})
     one.attach_store(store)

@@ -18,12 +18,13 @@ from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
 from kvbench.engine.generate import _new_context, generate
 from kvbench.engine.prefill import DensePrefill
-from kvbench.engine.prefill_cache import PrefillCache, PrefillEntry
+from kvbench.engine.prefill_cache import PrefillCache, PrefillEntry, PrefillSharing
 from kvbench.engine.protocol import KVMethod
 from kvbench.errors import ConfigError
 from kvbench.methods import REGISTRY, available_methods, create_method
 from kvbench.params import Params as NoParams
 from kvbench.profile import Profile
+from kvbench.shared import Sweep
 
 MB = 1024**2
 BUDGET = BudgetConfig(token_ratio=0.1)
@@ -95,13 +96,13 @@ def test_shared_prefill_is_token_identical_and_hit(name, model, request, caches,
     ids = prompt()
     own = generate(loaded, method(name), ids, max_new_tokens=NEW, budget=BUDGET)
     assert own.telemetry["prefill_shared"] is False and prefills == ["DensePrefill"]
-    with prefill_cache.scope(True, cache):
-        first = generate(loaded, method(name), ids, max_new_tokens=NEW, budget=BUDGET)
-        key = cache.key(loaded, torch.tensor(ids))
-        slot = cache._slots[key]
-        before = [t.clone() for t in slot.entry.tensors()]
-        hits, calls = cache.counts.hits, len(prefills)
-        second = generate(loaded, method(name), ids, max_new_tokens=NEW, budget=BUDGET)
+    shared = PrefillSharing(cache)
+    first = generate(loaded, method(name), ids, max_new_tokens=NEW, budget=BUDGET, sharing=shared)
+    key = cache.key(loaded, torch.tensor(ids))
+    slot = cache._slots[key]
+    before = [t.clone() for t in slot.entry.tensors()]
+    hits, calls = cache.counts.hits, len(prefills)
+    second = generate(loaded, method(name), ids, max_new_tokens=NEW, budget=BUDGET, sharing=shared)
     assert cache.counts.hits == hits + 1 and len(prefills) == calls, "the second generation must not prefill"
     assert second.telemetry["prefill_shared"] is True
     assert prefills[1:] in ([], ["CapturePrefill"])  # a first use of this prompt (or of a statistic) captures
@@ -122,9 +123,9 @@ def test_statistics_are_computed_once_and_added_to_the_entry(tiny_llama, prefill
     then serves both the methods without it and the ones with it."""
     cache = PrefillCache(ram_bytes=512 * MB, disk_bytes=0)
     ids = prompt(seed=5)
-    with prefill_cache.scope(True, cache):
-        for name in ("full", "snapkv", "oracle", "snapkv", "h2o", "full", "h2o"):
-            generate(tiny_llama, method(name), ids, max_new_tokens=2, budget=BUDGET)
+    shared = PrefillSharing(cache)
+    for name in ("full", "snapkv", "oracle", "snapkv", "h2o", "full", "h2o"):
+        generate(tiny_llama, method(name), ids, max_new_tokens=2, budget=BUDGET, sharing=shared)
     assert prefills == ["CapturePrefill"] * 3  # full, snapkv's votes, h2o's accumulated attention
     assert (cache.counts.misses, cache.counts.hits, len(cache)) == (3, 4, 1)
     slot = next(iter(cache._slots.values()))
@@ -139,15 +140,14 @@ def test_a_sweep_anticipates_its_later_methods_statistics(niah_config, tmp_path,
     from kvbench.results import RunDir
     from kvbench.runner import run
 
-    prefill_cache.shared_cache().clear()  # (other tests' sweeps leave entries in the process's cache)
     names = ("full", "snapkv", "h2o", "infllm")
     configs = {m: {**niah_config(m, budget__token_ratio=0.1), "output_dir": str(tmp_path / "swept")} for m in names}
-    with prefill_cache.sweep(points=list(configs.values())):
-        swept = {m: run(configs[m]) for m in names}
+    sweep = Sweep.of(list(configs.values()))
+    swept = {m: run(configs[m], sweep=sweep) for m in names}
     assert prefills == ["CapturePrefill"] * 4  # full's four prompts, once each
     for m in names[1:]:
         assert swept[m].metrics["prefill_shared"] == 1.0, m
-    cache = prefill_cache.shared_cache()
+    cache = sweep.prefill_cache()
     entries = [slot.entry for slot in cache._slots.values() if slot.entry is not None]
     assert len(entries) == 4  # in RAM
     for entry in entries:  # every statistic of the sweep, each timed apart from the dense prefill
@@ -183,11 +183,11 @@ class OwnPlan(KVMethod):
 def test_a_method_that_changes_its_prefill_never_gets_a_shared_one(make, tiny_llama, prefills):
     cache = PrefillCache(ram_bytes=512 * MB, disk_bytes=0)
     ids = prompt(seed=7)
-    with prefill_cache.scope(True, cache):
-        full = generate(tiny_llama, method("full"), ids, max_new_tokens=NEW)
-        lookups = cache.counts.hits + cache.counts.misses
-        used = OwnPlan.used
-        own = generate(tiny_llama, make(), ids, max_new_tokens=NEW, budget=BUDGET)
+    shared = PrefillSharing(cache)
+    full = generate(tiny_llama, method("full"), ids, max_new_tokens=NEW, sharing=shared)
+    lookups = cache.counts.hits + cache.counts.misses
+    used = OwnPlan.used
+    own = generate(tiny_llama, make(), ids, max_new_tokens=NEW, budget=BUDGET, sharing=shared)
     assert cache.counts.hits + cache.counts.misses == lookups and len(cache) == 1
     assert own.telemetry["prefill_shared"] is False and prefills == ["CapturePrefill", "DensePrefill"]
     if isinstance(make(), OwnPlan):
@@ -243,11 +243,11 @@ def test_disk_tier_reloads_bit_exact_with_strides(tiny_llama, tmp_path, prefills
     name = "snapkv"  # reads a statistic, so the statistics round-trip too
     own = generate(tiny_llama, method(name), ids, max_new_tokens=NEW, budget=BUDGET)
     cache = PrefillCache(ram_bytes=0, disk_bytes=512 * MB, folder=tmp_path)
-    with prefill_cache.scope(True, cache):
-        generate(tiny_llama, method(name), ids, max_new_tokens=NEW, budget=BUDGET)
-        key = cache.key(tiny_llama, torch.tensor(ids))
-        assert cache.tier_of(key) == "disk"
-        shared = generate(tiny_llama, method(name), ids, max_new_tokens=NEW, budget=BUDGET)
+    via = PrefillSharing(cache)
+    generate(tiny_llama, method(name), ids, max_new_tokens=NEW, budget=BUDGET, sharing=via)
+    key = cache.key(tiny_llama, torch.tensor(ids))
+    assert cache.tier_of(key) == "disk"
+    shared = generate(tiny_llama, method(name), ids, max_new_tokens=NEW, budget=BUDGET, sharing=via)
     assert shared.telemetry["prefill_shared"] and shared.tokens == own.tokens and cache.counts.disk_loads == 1
     # the reference: capture the same prefill again and compare with what the disk gives back
     ctx_method = method(name)
@@ -274,13 +274,16 @@ def test_runner_sweeps_share_and_config_controls_it(niah_config, tmp_path):
         return {**niah_config(name, budget__token_ratio=0.1), **top}
 
     own = [run(config(m, prefill_cache=False)) for m in ("full", "oracle")]
-    with prefill_cache.sweep():
-        swept = [run(config(m, output_dir=str(tmp_path / "swept"))) for m in ("full", "oracle")]
+    with Sweep() as sweep:
+        swept = [run(config(m, output_dir=str(tmp_path / "swept")), sweep=sweep) for m in ("full", "oracle")]
     for a, b in zip(own, swept):
         predictions = [sorted((r["id"], r["prediction"]) for r in RunDir(x.run_dir).records()) for x in (a, b)]
         assert predictions[0] == predictions[1] and len(predictions[0]) == 4
     assert own[1].metrics["prefill_shared"] == 0.0
     assert swept[1].metrics["prefill_shared"] == 1.0  # every prompt came from full's run
+    # outside a sweep (null) nothing is shared, also not with an earlier run of this process
+    alone = [run(config(m, output_dir=str(tmp_path / "alone"))) for m in ("full", "oracle")]
+    assert [a.metrics["prefill_shared"] for a in alone] == [0.0, 0.0]
     assert len({run_id_for(plan(config("full", prefill_cache=v)).resolved) for v in (None, True, False)}) == 1
     with pytest.raises(ConfigError, match="prefill_cache"):
         validate(config("full", prefill_cache="yes"))

@@ -1,41 +1,35 @@
-"""The runs of a sweep share one chunk store (kvbench.kv.chunks.run_store): each chunk is precomputed
+"""The runs of a sweep share one chunk store (kvbench.shared.Sweep.chunk_store): each chunk is precomputed
 once per sweep instead of once per run, and no run's answers change."""
 
 import pytest
 
 from kvbench.compose import compose
-from kvbench.engine.prefill_cache import sweep
-from kvbench.kv import chunks
-from kvbench.kv.chunks import StoreConfig, run_store
+from kvbench.kv.chunks import StoreConfig
 from kvbench.results import RunDir
 from kvbench.runner import run
+from kvbench.shared import Sweep
 
 from .conftest import SHARED_DATA
 
 EXAMPLE = SHARED_DATA / "cacheblend" / "example_inputs"
 
 
-@pytest.fixture(autouse=True)
-def no_sweep_stores(monkeypatch):
-    """Each test starts without stores left by earlier sweeps of this process."""
-    monkeypatch.setattr(chunks, "_SWEEP_STORES", {})
-
-
 def test_one_store_per_configuration_with_its_figures_restarted_for_each_run():
-    first = run_store(StoreConfig(), shared=True)
+    sweep = Sweep()
+    first = sweep.chunk_store(StoreConfig())
     first.stats["ram"].hits, first.precomputed, first.precompute_s = 3, 2, 1.5
-    again = run_store(StoreConfig(), shared=True)
+    again = sweep.chunk_store(StoreConfig())
     assert again is first and again.stats["ram"].hits == 0 and (again.precomputed, again.precompute_s) == (0, 0.0)
-    assert run_store(StoreConfig(read_mbps=200.0), shared=True) is not first
-    assert run_store(StoreConfig(), shared=False) is not first
+    assert sweep.chunk_store(StoreConfig(read_mbps=200.0)) is not first
+    assert Sweep().chunk_store(StoreConfig()) is not first  # (another sweep shares nothing)
 
 
 def _runs(out, *, task, methods, shared):
     base = ["model=tiny_llama", *task, "task.limit=1", "task.max_length=600", "progress=false", f"output_dir={out}"]
     records = []
-    with sweep(on=shared):
+    with Sweep() as sweep:
         for method in methods:
-            records.append(RunDir(run(compose([*base, *method])).run_dir).records())
+            records.append(RunDir(run(compose([*base, *method]), sweep=sweep if shared else None).run_dir).records())
     return records
 
 

@@ -350,29 +350,30 @@ def cost_vs_length(options: BenchOptions) -> BenchResult:
     measured: dict[str, list[dict[str, list[float]]]] = {name: [] for name in methods}
     family: dict[str, str] = {}
     prompts: list[int] = []
-    with prefill_cache.scope(True, prefill_cache.PrefillCache(ram_bytes=2 * 1024**3, disk_bytes=0)):
-        for length in lengths:
-            ids = niah_ids(loaded, length)
-            prompts.append(len(ids))
-            runs: dict[str, dict[str, list[float]]] = {name: {} for name in methods}
-            for _ in range(rounds):  # interleaved: a load change hits every method of a round alike
-                for name in methods:
-                    method = create_method({**method_node(name), **COST_METHODS[name]})
-                    out = generate(
-                        loaded,
-                        method,
-                        ids,
-                        max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens,
-                        budget=budget if method.needs_budget else BudgetConfig(),
-                    )
-                    family[name] = method.family
-                    tele = out.telemetry
-                    figures = {"tpot": tele["tpot_p50_s"], **{k: _per_step(tele, f"{k}_s") for k in PHASES}}
-                    for key, value in figures.items():
-                        runs[name].setdefault(key, []).append(float(value or 0.0))
+    sharing = prefill_cache.PrefillSharing(prefill_cache.PrefillCache(ram_bytes=2 * 1024**3, disk_bytes=0))
+    for length in lengths:
+        ids = niah_ids(loaded, length)
+        prompts.append(len(ids))
+        runs: dict[str, dict[str, list[float]]] = {name: {} for name in methods}
+        for _ in range(rounds):  # interleaved: a load change hits every method of a round alike
             for name in methods:
-                measured[name].append(runs[name])
+                method = create_method({**method_node(name), **COST_METHODS[name]})
+                out = generate(
+                    loaded,
+                    method,
+                    ids,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    budget=budget if method.needs_budget else BudgetConfig(),
+                    sharing=sharing,
+                )
+                family[name] = method.family
+                tele = out.telemetry
+                figures = {"tpot": tele["tpot_p50_s"], **{k: _per_step(tele, f"{k}_s") for k in PHASES}}
+                for key, value in figures.items():
+                    runs[name].setdefault(key, []).append(float(value or 0.0))
+        for name in methods:
+            measured[name].append(runs[name])
     rows = _cost_rows(measured, family, prompts)
     notes = [
         f"model {loaded.spec.name} ({loaded.spec.device}, {loaded.spec.dtype}); NIAH prompts (depth 0.5); "

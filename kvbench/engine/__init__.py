@@ -13,6 +13,7 @@ from kvbench.requests import GenerateRequest, MultiQueryRequest, Output, Request
 
 if TYPE_CHECKING:
     from kvbench.budget import BudgetConfig
+    from kvbench.engine.prefill_cache import PrefillSharing
     from kvbench.engine.protocol import KVMethod
     from kvbench.engine.settings import EngineSettings
     from kvbench.models.loading import LoadedModel
@@ -26,8 +27,10 @@ def execute(
     budget: BudgetConfig,
     profile: Profile,
     engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> Output:
-    """Run ``request`` with ``method`` managing the KV cache (``engine``: how decode steps run)."""
+    """Run ``request`` with ``method`` managing the KV cache (``engine``: how decode steps run; ``sharing``:
+    the run's shared dense prefills, :mod:`kvbench.engine.prefill_cache`)."""
     from kvbench.engine.generate import generate, teacher_force
 
     if isinstance(request, GenerateRequest):
@@ -43,6 +46,7 @@ def execute(
             budget=budget,
             profile=profile,
             engine=engine,
+            sharing=sharing,
         )
         return Output(
             text=out.text,
@@ -54,7 +58,14 @@ def execute(
         )
     if isinstance(request, ScoreRequest):
         scoring = teacher_force(
-            loaded, method, request.prefix_ids, request.continuation_ids, budget=budget, profile=profile, engine=engine
+            loaded,
+            method,
+            request.prefix_ids,
+            request.continuation_ids,
+            budget=budget,
+            profile=profile,
+            engine=engine,
+            sharing=sharing,
         )
         return Output(
             nll=scoring.nll,
@@ -65,7 +76,7 @@ def execute(
     if isinstance(request, MultiQueryRequest):
         from kvbench.engine.conversation import converse
 
-        talk = converse(loaded, method, request, budget=budget, profile=profile, engine=engine)
+        talk = converse(loaded, method, request, budget=budget, profile=profile, engine=engine, sharing=sharing)
         turns = [
             Output(
                 text=t.text,

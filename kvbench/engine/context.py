@@ -31,7 +31,7 @@ from kvbench.telemetry import Clock, Telemetry
 if TYPE_CHECKING:
     from kvbench.engine.decode import StaticDecoder
     from kvbench.engine.prefill import PrefillPlan
-    from kvbench.engine.prefill_cache import PrefillEntry
+    from kvbench.engine.prefill_cache import PrefillEntry, PrefillSharing
     from kvbench.engine.protocol import KVMethod, QueryStatistic, Selection
     from kvbench.models.loading import LoadedModel
     from kvbench.requests import Segment
@@ -47,9 +47,11 @@ class GenerationContext:
         profile: Profile,
         capacity: int,
         engine: EngineSettings | None = None,
+        sharing: PrefillSharing | None = None,
     ) -> None:
         self.loaded = loaded
         self.engine = engine or EngineSettings()
+        self.sharing = sharing  # the run's shared dense prefills (kvbench.engine.prefill_cache), or None
         self.model = loaded.model
         self.spec = loaded.spec
         self.method = method
@@ -115,7 +117,7 @@ class GenerationContext:
         """Prefill the prompt ``input_ids`` ``[n]`` for the method (inside ``activate(self)``); returns the
         last token's logits ``[1, vocab]`` and records ``telemetry.prefill_s`` and ``prefill_shared``.
 
-        When the run shares prefills (:mod:`kvbench.engine.prefill_cache`) and the method's prefill is
+        When the run shares prefills (``self.sharing``: :mod:`kvbench.engine.prefill_cache`) and the method's prefill is
         the dense one, the K/V come from the cache (computed now on a miss) and are installed by
         :meth:`replay_prefill`; ``prefill_s`` is then the entry's measured dense time plus its
         statistics' time plus the replay's (the module's timing rule). Otherwise the method's own plan
@@ -126,8 +128,8 @@ class GenerationContext:
 
         clock, tele = self.clock, self.telemetry
         self.next_position = int(input_ids.numel())
-        cache = prefill_cache.active()
-        if cache is None or not self.method.shares_prefill:
+        sharing = self.sharing
+        if sharing is None or not self.method.shares_prefill:
             start = clock.now()
             plan = self.method.prefill_plan(self, input_ids, segments)
             if check is not None:
@@ -137,12 +139,12 @@ class GenerationContext:
             tele.prefill_plan = plan.telemetry()
             tele.prefill_shared = False
             return logits
-        stats = tuple(self.method.prefill_statistics())
+        stats, cache = tuple(self.method.prefill_statistics()), sharing.cache
         key = cache.key(self.loaded, input_ids)
         entry = cache.get(key, stats, torch.device(self.spec.device))
         tele.prefill_shared = entry is not None
         if entry is None:  # also compute what the sweep's later methods will read of this prompt
-            later = prefill_cache.anticipated(self, input_ids.numel())
+            later = sharing.anticipated(self, input_ids.numel())
             entry = prefill_cache.capture(self, input_ids, stats + tuple(s for s in later if s not in stats))
             cache.put(key, entry)
         start = clock.now()

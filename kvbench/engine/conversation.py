@@ -57,6 +57,7 @@ from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
 from kvbench.engine.generate import _find_stop, _new_context, _telemetry
 from kvbench.engine.prefill import PrefillPlan
+from kvbench.engine.prefill_cache import PrefillSharing
 from kvbench.engine.protocol import KVMethod
 from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ConfigError
@@ -108,6 +109,7 @@ def converse(
     budget: BudgetConfig | None = None,
     profile: Profile | None = None,
     engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> Conversation:
     """Answer every question of ``request`` about its shared context, compressing the context once
     (see the module docs for the protocol)."""
@@ -122,7 +124,7 @@ def converse(
     forms = question_forms(request)
     kept_first = aware and not request.keep_answers and len(queries) > 1  # the first turn stays (module docs)
     extra = _extra_tokens(request, forms, kept_first)
-    ctx = _new_context(loaded, method, budget, len(prompt), extra, profile, engine)
+    ctx = _new_context(loaded, method, budget, len(prompt), extra, profile, engine, sharing)
     clock, tele = ctx.clock, ctx.telemetry
     device = torch.device(loaded.spec.device)
     ids = torch.tensor(prompt, dtype=torch.long)

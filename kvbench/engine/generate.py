@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from kvbench.budget import BudgetConfig, ResolvedBudget
 from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
+from kvbench.engine.prefill_cache import PrefillSharing
 from kvbench.engine.protocol import KVMethod
 from kvbench.engine.settings import EngineSettings
 from kvbench.errors import ContextTooLongError
@@ -54,10 +55,13 @@ def _new_context(
     extra: int,
     profile: Profile,
     engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> GenerationContext:
     _check_length(loaded, prompt_len + extra)
     resolved = method.resolve_budget(budget, prompt_len, prompt_len + extra, loaded.spec.n_layers)
-    ctx = GenerationContext(loaded, method, resolved, profile=profile, capacity=prompt_len + extra, engine=engine)
+    ctx = GenerationContext(
+        loaded, method, resolved, profile=profile, capacity=prompt_len + extra, engine=engine, sharing=sharing
+    )
     method.start(ctx)
     return ctx
 
@@ -75,6 +79,7 @@ def generate(
     segments: Sequence[Segment] | None = None,
     profile: Profile | None = None,
     engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> Generation:
     """Greedy generation of up to ``max_new_tokens`` tokens with ``method`` managing the KV cache.
 
@@ -88,7 +93,7 @@ def generate(
     budget = budget or BudgetConfig()
     engine = engine or EngineSettings()
     prompt_len = len(input_ids)
-    ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile, engine)
+    ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile, engine, sharing)
     stops = set(loaded.spec.stop_ids) | {int(i) for i in stop_ids}
     device = torch.device(loaded.spec.device)
     stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=device)
@@ -245,6 +250,7 @@ def teacher_force(
     budget: BudgetConfig | None = None,
     profile: Profile | None = None,
     engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> Scoring:
     """Negative log-likelihood of each continuation token, decode mode.
 
@@ -257,7 +263,7 @@ def teacher_force(
     prefix_len = len(prefix_ids)
     targets = list(continuation_ids)
     engine = engine or EngineSettings()
-    ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile, engine)
+    ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile, engine, sharing)
     device = torch.device(loaded.spec.device)
     nll: list[float] = []
     ids = torch.tensor(list(prefix_ids), dtype=torch.long)

@@ -17,7 +17,7 @@ What is cached (:class:`PrefillEntry`), keyed by the model (:func:`model_key`) a
   they exist. An entry holding K/V but not a statistic a method asks for is a miss: the method runs a
   dense prefill that computes it, and the statistic is added to the entry for the next methods.
   A sweep that knows its points (``kvbench run -m``, ``kvbench reproduce``, ``kvbench check``:
-  :func:`sweep` with ``points``) avoids that miss: a new entry also computes the statistics the
+  :class:`PrefillSharing` with ``points``) avoids that miss: a new entry also computes the statistics the
   sweep's methods on this model will read (:func:`anticipated`), each timed apart;
 * the measured seconds of the dense prefill (``dense_s``, the statistics' time excluded) and of
   every statistic per layer.
@@ -40,19 +40,21 @@ layers it read), and the replay measured now — installing the K/V and running 
 
 Where entries live: RAM (host memory; on a GPU the entry is copied to the host) up to
 ``KVBENCH_PREFILL_CACHE_RAM_GB`` (default 4), then one safetensors file per entry in a folder of this
-process under ``$KVBENCH_HOME/prefill_cache`` up to ``KVBENCH_PREFILL_CACHE_DISK_GB`` (default 16),
-deleted when the process ends. Loads happen before the method's clock starts.
+cache under ``$KVBENCH_HOME/prefill_cache`` up to ``KVBENCH_PREFILL_CACHE_DISK_GB`` (default 16),
+deleted when the cache is collected or the process ends. Loads happen before the method's clock starts.
 
 Eviction fits how sweeps run: Hydra runs a sweep point by point, each over all the samples, so
 the prompts recur in the same order once per method. Least-recently-used eviction would evict exactly
 the entry the next method needs first, and nothing would ever hit. Instead, entries used during the
-current run (:func:`scope` starts one) are kept: when the caps are full of them, a new entry is not
+current run (:meth:`PrefillCache.begin_run` starts one) are kept: when the caps are full of them, a new entry is not
 stored, so the first prompts of every run hit. Entries not used during the current run (an earlier
 model or task) are evicted least recently used first, RAM entries spilling to disk when it has room.
 
 When it is on: ``prefill_cache`` (a top-level config key) ``true`` / ``false``; ``null`` (the
-default) turns it on in ``kvbench run -m`` sweeps and ``kvbench reproduce`` (:func:`sweep`) and off for
-a single run, which has nothing to share.
+default) turns it on for the points of a sweep (``kvbench run -m``, ``kvbench reproduce``, ``kvbench
+check``: the caller hands :func:`kvbench.runner.run` a :class:`kvbench.shared.Sweep`, which owns the cache)
+and off for a single run, which has nothing to share. The runner makes the choice and passes the
+:class:`PrefillSharing` down to the engine with each request; this module keeps no state between runs.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -85,39 +86,35 @@ DEFAULT_RAM_GB = 4.0
 DEFAULT_DISK_GB = 16.0
 
 
-# ---------------------------------------------------------------------- when it is on
-_SWEEPS = [0]  # depth of sweep() scopes
-_ACTIVE: list[PrefillCache | None] = [None]
-_SHARED: list[PrefillCache | None] = [None]
-_POINTS: list[list[dict[str, Any]]] = [[]]  # the configs of the running sweep's points (sweep(points=...))
-# how a point's method is built from its config (the runner's scope(build=...): the engine imports no method)
-_BUILD: list[Callable[[Mapping[str, Any]], Any] | None] = [None]
+# ---------------------------------------------------------------------- a run's sharing
+@dataclass
+class PrefillSharing:
+    """How a run shares dense prefills (chosen by the runner, handed to every generation of the run:
+    nothing here is module state). ``cache``: where entries live (one per sweep,
+    :class:`kvbench.shared.Sweep`); ``points``: the resolved configs of the sweep's points, when known, and
+    ``build``: how a point's method is made from its ``method`` config (the runner passes the method
+    registry's: the engine imports no method). With both, a new entry also computes the query statistics
+    the sweep's *later* methods will ask of the same prompt (:func:`anticipated`), so an eviction method or
+    InfLLM that runs after ``full`` hits the entry instead of paying for a second dense prefill."""
+
+    cache: PrefillCache
+    points: tuple[Mapping[str, Any], ...] = ()
+    build: Callable[[Mapping[str, Any]], Any] | None = None
+
+    def anticipated(self, ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic, ...]:
+        return anticipated(self.points, self.build, ctx, prompt_len)
 
 
-@contextmanager
-def sweep(on: bool = True, points: Sequence[Mapping[str, Any]] = ()) -> Iterator[None]:
-    """Within this block runs are points of a sweep: ``prefill_cache: null`` turns the cache on.
-
-    ``points``: the resolved configs of the sweep's points, when known. A new entry then also computes
-    the query statistics that the sweep's *later* methods will ask of the same prompt
-    (:func:`anticipated`), so an eviction method or InfLLM that runs after ``full`` hits the entry
-    instead of paying for a second dense prefill. Without them such a method misses on every prompt.
-    """
-    _SWEEPS[0] += int(on)
-    previous = _POINTS[0]
-    if on and points:
-        _POINTS[0] = [dict(p) for p in points]
-    try:
-        yield
-    finally:
-        _SWEEPS[0] -= int(on)
-        _POINTS[0] = previous
-
-
-def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic, ...]:
-    """The query statistics that the sweep's points on this model will ask of a ``prompt_len``-token
-    prompt: each point's method, built from its config, given the point's budget resolved for this
-    prompt and this model's spec, says what it reads (:meth:`~kvbench.engine.protocol.KVMethod.prefill_statistics`).
+def anticipated(
+    points: Sequence[Mapping[str, Any]],
+    build: Callable[[Mapping[str, Any]], Any] | None,
+    ctx: GenerationContext,
+    prompt_len: int,
+) -> tuple[QueryStatistic, ...]:
+    """The query statistics that the sweep's ``points`` on this model will ask of a ``prompt_len``-token
+    prompt: each point's method, built from its config by ``build``, given the point's budget resolved for
+    this prompt and this model's spec, says what it reads
+    (:meth:`~kvbench.engine.protocol.KVMethod.prefill_statistics`).
 
     Timing stays honest: a capture times every statistic on its own (``stat_s``) and a method's
     ``prefill_s`` counts only the statistics it reads, so computing others' costs no method anything
@@ -129,13 +126,12 @@ def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic
     from kvbench.budget import BudgetConfig
     from kvbench.errors import KvbenchError
 
-    build = _BUILD[0]
     if build is None:  # (nobody said how to build a point's method: no anticipation)
         return ()
     spec, capacity = ctx.spec, ctx.capacity
     wanted: list[QueryStatistic] = []
     seen: set[str] = set()
-    for point in _POINTS[0]:
+    for point in points:
         if (point.get("model") or {}).get("name") != spec.name:
             continue
         node = json.dumps([point.get("method"), point.get("budget")], sort_keys=True, default=str)
@@ -156,46 +152,12 @@ def anticipated(ctx: GenerationContext, prompt_len: int) -> tuple[QueryStatistic
     return tuple(wanted)
 
 
-def enabled(setting: bool | None) -> bool:
-    """Whether a run whose ``prefill_cache`` key is ``setting`` uses the shared prefill (null: while a sweep
-    runs; see the module docs)."""
-    return _SWEEPS[0] > 0 if setting is None else bool(setting)
-
-
-def shared_cache() -> PrefillCache:
-    """The process's cache (created on first use with the environment's caps)."""
-    cache = _SHARED[0]
-    if cache is None:
-        cache = _SHARED[0] = PrefillCache(
-            ram_bytes=int(float(os.environ.get("KVBENCH_PREFILL_CACHE_RAM_GB", DEFAULT_RAM_GB)) * GB),
-            disk_bytes=int(float(os.environ.get("KVBENCH_PREFILL_CACHE_DISK_GB", DEFAULT_DISK_GB)) * GB),
-        )
-    return cache
-
-
-@contextmanager
-def scope(
-    on: bool, cache: PrefillCache | None = None, build: Callable[[Mapping[str, Any]], Any] | None = None
-) -> Iterator[PrefillCache | None]:
-    """One run: generations inside the block use ``cache`` (default: the process's) when ``on``; the
-    run's entries are kept from eviction until the next run starts. ``build`` makes a method from a sweep
-    point's ``method`` config (the runner passes the method registry's), for :func:`anticipated`."""
-    if not on:
-        yield None
-        return
-    cache = cache if cache is not None else shared_cache()
-    cache.begin_run()
-    previous, previous_build = _ACTIVE[0], _BUILD[0]
-    _ACTIVE[0], _BUILD[0] = cache, build
-    try:
-        yield cache
-    finally:
-        _ACTIVE[0], _BUILD[0] = previous, previous_build
-
-
-def active() -> PrefillCache | None:
-    """The cache of the running run, or ``None`` when prefills are not shared."""
-    return _ACTIVE[0]
+def environment_cache() -> PrefillCache:
+    """A cache with the environment's caps (``KVBENCH_PREFILL_CACHE_RAM_GB``, ``..._DISK_GB``)."""
+    return PrefillCache(
+        ram_bytes=int(float(os.environ.get("KVBENCH_PREFILL_CACHE_RAM_GB", DEFAULT_RAM_GB)) * GB),
+        disk_bytes=int(float(os.environ.get("KVBENCH_PREFILL_CACHE_DISK_GB", DEFAULT_DISK_GB)) * GB),
+    )
 
 
 # ---------------------------------------------------------------------- keys

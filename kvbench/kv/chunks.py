@@ -411,32 +411,12 @@ class ChunkStore:
         }
 
     def restart_stats(self) -> None:
-        """Zero the per-tier figures and the precompute counters, keeping every entry: a store handed
-        to the next run of a sweep (:func:`run_store`) then reports that run's figures alone."""
+        """Zero the per-tier figures and the precompute counters, keeping every entry: a store handed to
+        the next run of a sweep (:meth:`kvbench.shared.Sweep.chunk_store`) then reports that run's figures
+        alone."""
         self.stats = {tier: TierStats() for tier in TIERS}
         self.precompute_s = 0.0
         self.precomputed = 0
-
-
-#: the stores shared by the runs of a sweep in this process, one per store configuration
-_SWEEP_STORES: dict[tuple[Any, ...], ChunkStore] = {}
-
-
-def run_store(config: StoreConfig, *, shared: bool) -> ChunkStore:
-    """The chunk store a run's reuse method gets: a new, empty one; or, ``shared`` (the runs of a sweep,
-    see the runner), this process's store of the same configuration with its figures restarted
-    (:meth:`ChunkStore.restart_stats`), so each chunk is precomputed once per sweep instead of once per
-    run. Outputs do not change: an entry is a pure function of its key (model, token ids, prefill
-    mode), whichever run computed it, and precomputation is never part of TTFT; what a run reports as
-    precomputed (``precompute_s``, ``precomputed``) is then what it had to compute itself."""
-    if not shared:
-        return ChunkStore(config)
-    key = tuple(sorted(vars(config).items()))
-    store = _SWEEP_STORES.get(key)
-    if store is None:
-        store = _SWEEP_STORES[key] = ChunkStore(config)
-    store.restart_stats()
-    return store
 
 
 def _pin_host() -> bool:
