@@ -53,9 +53,8 @@ from typing import Any
 import torch
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
-from kvbench.engine.attention import activate
 from kvbench.engine.context import GenerationContext
-from kvbench.engine.generate import _find_stop, _new_context, _telemetry
+from kvbench.engine.generate import Picker, _find_stop, _telemetry, eager_decode, serving
 from kvbench.engine.prefill import PrefillPlan
 from kvbench.engine.prefill_cache import PrefillSharing
 from kvbench.engine.protocol import KVMethod
@@ -113,8 +112,6 @@ def converse(
 ) -> Conversation:
     """Answer every question of ``request`` about its shared context, compressing the context once
     (see the module docs for the protocol)."""
-    profile = profile or Profile()
-    budget = budget or BudgetConfig()
     aware = request.compression == "question_aware"
     queries = request.queries
     prompt = list(request.context_ids) + (list(queries[0].ids) if aware else [])
@@ -124,33 +121,36 @@ def converse(
     forms = question_forms(request)
     kept_first = aware and not request.keep_answers and len(queries) > 1  # the first turn stays (module docs)
     extra = _extra_tokens(request, forms, kept_first)
-    ctx = _new_context(loaded, method, budget, len(prompt), extra, profile, engine, sharing)
-    clock, tele = ctx.clock, ctx.telemetry
-    device = torch.device(loaded.spec.device)
     ids = torch.tensor(prompt, dtype=torch.long)
-    try:
-        with torch.inference_mode():
-            tele.prepared = method.prepare(ctx, ids, segments)
-        with torch.inference_mode(), activate(ctx):
 
-            def check(plan: PrefillPlan) -> None:
-                if plan.positions.numel() == 0:
-                    raise ConfigError(
-                        f"method {method.name} takes every context token from its caches, so the context cannot be "
-                        "prefilled before a question exists",
-                        "use task.compression=question_aware with this method",
-                    )
-
-            logits = ctx.prefill(ids, segments, check)
-            assert tele.prefill_s is not None  # (measured by the prefill)
-            start = clock.now() - tele.prefill_s  # when the prefill would have started (a shared one ran earlier)
-            ctx.check_after_prefill()
-            turns, first_token_at, rollback_s = _ask_all(
-                ctx, method, request, forms, kept_first, logits, len(prompt), start, device
+    def check(plan: PrefillPlan) -> None:
+        if plan.positions.numel() == 0:
+            raise ConfigError(
+                f"method {method.name} takes every context token from its caches, so the context cannot be "
+                "prefilled before a question exists",
+                "use task.compression=question_aware with this method",
             )
-            method.after_request(ctx, segments)
-    finally:
-        method.release()  # (threads and pools, also when the request failed)
+
+    with serving(
+        loaded,
+        method,
+        ids,
+        segments,
+        extra=extra,
+        budget=budget or BudgetConfig(),
+        profile=profile or Profile(),
+        engine=engine,
+        sharing=sharing,
+    ) as ctx:
+        logits = ctx.prefill(ids, segments, check)
+        assert ctx.telemetry.prefill_s is not None  # (measured by the prefill)
+        # when the prefill would have started (a shared one ran earlier)
+        start = ctx.clock.now() - ctx.telemetry.prefill_s
+        ctx.check_after_prefill()
+        turns, first_token_at, rollback_s = _ask_all(
+            ctx, method, request, forms, kept_first, logits, len(prompt), start, torch.device(loaded.spec.device)
+        )
+        method.after_request(ctx, segments)
     summary = _summary(ctx, method, request, turns, first_token_at, rollback_s)
     return Conversation(turns=turns, prompt_tokens=len(prompt), budget=ctx.budget, telemetry=summary)
 
@@ -279,40 +279,26 @@ def _after_first_step(ctx: GenerationContext, checked: list[bool]) -> None:
 
 
 class _Answer:
-    """Greedy answer to one question (the loop of :func:`kvbench.engine.generate.generate`)."""
+    """Greedy answer to one question (:func:`kvbench.engine.generate.eager_decode`, the loop of every
+    generating request)."""
 
     def __init__(self, ctx: GenerationContext, query: Query, device: torch.device) -> None:
-        self.ctx, self.query, self.device = ctx, query, device
+        self.ctx, self.query = ctx, query
         self.stops = set(ctx.spec.stop_ids) | {int(i) for i in query.stop_ids}
-        self.stop_index = torch.tensor(sorted(self.stops), dtype=torch.long, device=device)
-
-    def pick(self, logits: torch.Tensor, produced: int = 0) -> int:
-        if produced < self.query.min_new_tokens and self.stop_index.numel():
-            logits = logits.clone()
-            logits[:, self.stop_index] = float("-inf")
-        return int(torch.argmax(logits, dim=-1))
+        self.pick = Picker(self.stops, query.min_new_tokens, device)
 
     def run(self, token: int, position: int, checked: list[bool]) -> tuple[list[int], str]:
         """Tokens after ``token`` (placed at ``position``) until a stop or the length limit."""
-        ctx, tele, query = self.ctx, self.ctx.telemetry, self.query
-        tokens = [token]
-        while True:
-            if token in self.stops:
-                return tokens, "stop"
-            if len(tokens) >= query.max_new_tokens:
-                return tokens, "length"
-            tele.excluded_s = 0.0
-            step_start = ctx.clock.now()
-            logits = ctx.forward(torch.tensor([[token]], device=self.device), start=position + len(tokens) - 1)
-            token = self.pick(logits, len(tokens))
-            tele.step_s.append(ctx.clock.now() - step_start - tele.excluded_s)
-            _after_first_step(ctx, checked)
-            tokens.append(token)
-            if (
-                query.stop_texts
-                and _find_stop(ctx.loaded.tokenizer.decode(tokens, skip_special_tokens=True), query.stop_texts) >= 0
-            ):
-                return tokens, "stop_text"
+        return eager_decode(
+            self.ctx,
+            token,
+            position,
+            pick=self.pick,
+            max_new_tokens=self.query.max_new_tokens,
+            stops=self.stops,
+            stop_texts=self.query.stop_texts,
+            after_step=lambda: _after_first_step(self.ctx, checked),
+        )
 
 
 def _turn(

@@ -7,7 +7,8 @@ This is the only code that drives a model. It computes logits for the last posit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -66,6 +67,84 @@ def _new_context(
     return ctx
 
 
+@contextmanager
+def serving(
+    loaded: LoadedModel,
+    method: KVMethod,
+    ids: torch.Tensor,
+    segments: tuple[Segment, ...] | None,
+    *,
+    extra: int,
+    budget: BudgetConfig,
+    profile: Profile,
+    engine: EngineSettings | None,
+    sharing: PrefillSharing | None,
+) -> Iterator[GenerationContext]:
+    """One request's life, shared by every loop (:func:`generate`, :func:`teacher_force`,
+    :func:`kvbench.engine.conversation.converse`): a context sized for the prompt ``ids`` plus ``extra``
+    tokens, the method's ``prepare`` (recorded as ``telemetry.prepared``), then the caller's prefill and
+    decode inside inference mode with the context active; the method's ``release`` at the end, also when
+    the request failed."""
+    ctx = _new_context(loaded, method, budget, int(ids.numel()), extra, profile, engine, sharing)
+    try:
+        with torch.inference_mode():
+            ctx.telemetry.prepared = method.prepare(ctx, ids, segments)
+        with torch.inference_mode(), activate(ctx):
+            yield ctx
+    finally:
+        method.release()  # (threads and pools, also when the request failed)
+
+
+class Picker:
+    """Greedy choice of the next token; until ``min_new_tokens`` tokens exist the stop ids cannot be
+    chosen (their logits masked, as transformers' ``min_new_tokens`` / LongBench's ``min_length``)."""
+
+    def __init__(self, stops: set[int], min_new_tokens: int, device: torch.device) -> None:
+        self.min_new_tokens = min_new_tokens
+        self.stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+
+    def __call__(self, logits: torch.Tensor, produced: int = 0) -> int:
+        if produced < self.min_new_tokens and self.stop_index.numel():
+            logits = logits.clone()
+            logits[:, self.stop_index] = float("-inf")
+        return int(torch.argmax(logits, dim=-1))
+
+
+def eager_decode(
+    ctx: GenerationContext,
+    token: int,
+    start: int,
+    *,
+    pick: Callable[[torch.Tensor, int], int],
+    max_new_tokens: int,
+    stops: set[int],
+    stop_texts: Sequence[str],
+    after_step: Callable[[], None],
+) -> tuple[list[int], str]:
+    """The eager decode loop of every generating request: the tokens from ``token`` (already chosen, to be
+    placed at position ``start``) on, one forward per token, until a stop id, a stop text or
+    ``max_new_tokens``; (tokens, stop reason). Each step's time leaves out what the method marks as
+    excluded; ``after_step`` runs after every step (the retrieval guard after the first)."""
+    clock, tele = ctx.clock, ctx.telemetry
+    device, tokenizer = torch.device(ctx.spec.device), ctx.loaded.tokenizer
+    tokens = [token]
+    while True:
+        if token in stops:
+            return tokens, "stop"
+        if len(tokens) >= max_new_tokens:
+            return tokens, "length"
+        tele.excluded_s = 0.0
+        step_start = clock.now()
+        with record_function("kvbench.decode_step"):
+            logits = ctx.forward(torch.tensor([[token]], device=device), start=start + len(tokens) - 1)
+        token = pick(logits, len(tokens))
+        tele.step_s.append(clock.now() - step_start - tele.excluded_s)
+        after_step()
+        tokens.append(token)
+        if stop_texts and _find_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop_texts) >= 0:
+            return tokens, "stop_text"
+
+
 def generate(
     loaded: LoadedModel,
     method: KVMethod,
@@ -89,41 +168,32 @@ def generate(
     once the decoded output contains one of ``stop_texts`` (e.g. GSM8k's "\nQuestion:"); the text is cut
     before it. Greedy decoding is causal, so stopping early changes nothing before the cut.
     """
-    profile = profile or Profile()
-    budget = budget or BudgetConfig()
     engine = engine or EngineSettings()
     prompt_len = len(input_ids)
-    ctx = _new_context(loaded, method, budget, prompt_len, max_new_tokens, profile, engine, sharing)
     stops = set(loaded.spec.stop_ids) | {int(i) for i in stop_ids}
-    device = torch.device(loaded.spec.device)
-    stop_index = torch.tensor(sorted(stops), dtype=torch.long, device=device)
-
-    def pick(logits: torch.Tensor, produced: int) -> int:
-        if produced < min_new_tokens and stop_index.numel():
-            logits = logits.clone()
-            logits[:, stop_index] = float("-inf")
-        return int(torch.argmax(logits, dim=-1))
-
-    tele = ctx.telemetry
+    pick = Picker(stops, min_new_tokens, torch.device(loaded.spec.device))
     ids = torch.tensor(list(input_ids), dtype=torch.long)
-    try:
-        with torch.inference_mode():
-            tele.prepared = method.prepare(ctx, ids, tuple(segments) if segments is not None else None)
-        with torch.inference_mode(), activate(ctx):
-            with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
-                logits = ctx.prefill(ids, tuple(segments) if segments is not None else None)
-            if engine.decode == "static":
-                tokens, stop_reason = _static_generation(
-                    ctx, logits, max_new_tokens, min_new_tokens, stops, stop_texts, loaded.tokenizer
-                )
-                method.after_request(ctx, tuple(segments) if segments is not None else None)
-                return _generation(ctx, method, loaded, tokens, stop_reason, stop_texts, prompt_len)
-            tokens, stop_reason = _dynamic_generation(
-                ctx, logits, pick, max_new_tokens, stops, stop_texts, loaded.tokenizer, device, prompt_len
+    parts = tuple(segments) if segments is not None else None
+    with serving(
+        loaded,
+        method,
+        ids,
+        parts,
+        extra=max_new_tokens,
+        budget=budget or BudgetConfig(),
+        profile=profile or Profile(),
+        engine=engine,
+        sharing=sharing,
+    ) as ctx:
+        with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
+            logits = ctx.prefill(ids, parts)
+        if engine.decode == "static":
+            tokens, stop_reason = _static_generation(
+                ctx, logits, max_new_tokens, min_new_tokens, stops, stop_texts, loaded.tokenizer
             )
-            method.after_request(ctx, tuple(segments) if segments is not None else None)
-    finally:
-        method.release()  # (threads and pools, also when the request failed)
+        else:
+            tokens, stop_reason = _dynamic_generation(ctx, logits, pick, max_new_tokens, stops, stop_texts, prompt_len)
+        method.after_request(ctx, parts)
     return _generation(ctx, method, loaded, tokens, stop_reason, stop_texts, prompt_len)
 
 
@@ -134,41 +204,31 @@ def _dynamic_generation(
     max_new_tokens: int,
     stops: set[int],
     stop_texts: Sequence[str],
-    tokenizer: Any,
-    device: torch.device,
     prompt_len: int,
 ) -> tuple[list[int], str]:
-    """The eager decode loop: the first token picked from the prefill's logits (inside TTFT), then one
-    forward per token until a stop id, a stop text or ``max_new_tokens``; (tokens, stop reason)."""
+    """The eager path: the first token picked from the prefill's logits (inside TTFT), then
+    :func:`eager_decode` with the retrieval guard after its first step; (tokens, stop reason)."""
     clock, tele = ctx.clock, ctx.telemetry
-    tokens: list[int] = []
-    stop_reason = "length"
     picked_at = clock.now()
     token = pick(logits, 0)
     assert tele.prefill_s is not None  # (measured by the prefill)
     tele.prefill_s += clock.now() - picked_at
     ctx.check_after_prefill()
-    tokens.append(token)
-    while True:
-        if token in stops:
-            stop_reason = "stop"
-            break
-        if len(tokens) >= max_new_tokens:
-            break
-        tele.excluded_s = 0.0
-        step_start = clock.now()
-        with record_function("kvbench.decode_step"):
-            logits = ctx.forward(torch.tensor([[token]], device=device), start=prompt_len + len(tokens) - 1)
-        token = pick(logits, len(tokens))
-        tele.step_s.append(clock.now() - step_start - tele.excluded_s)
+
+    def after_step() -> None:
         if len(tele.step_s) == 1:
             ctx.check_after_first_step()
-        tokens.append(token)
-        so_far = tokenizer.decode(tokens, skip_special_tokens=True) if stop_texts else ""
-        if stop_texts and _find_stop(so_far, stop_texts) >= 0:
-            stop_reason = "stop_text"
-            break
-    return tokens, stop_reason
+
+    return eager_decode(
+        ctx,
+        token,
+        prompt_len,
+        pick=pick,
+        max_new_tokens=max_new_tokens,
+        stops=stops,
+        stop_texts=stop_texts,
+        after_step=after_step,
+    )
 
 
 def _static_generation(
@@ -258,36 +318,38 @@ def teacher_force(
     continuation token is predicted by one decode step with the method active, and the true token
     is fed next — the way ClusterKV and Quest measure PG19 perplexity.
     """
-    profile = profile or Profile()
-    budget = budget or BudgetConfig()
     prefix_len = len(prefix_ids)
     targets = list(continuation_ids)
     engine = engine or EngineSettings()
-    ctx = _new_context(loaded, method, budget, prefix_len, len(targets), profile, engine, sharing)
     device = torch.device(loaded.spec.device)
     nll: list[float] = []
     ids = torch.tensor(list(prefix_ids), dtype=torch.long)
-    try:
-        with torch.inference_mode():
-            ctx.telemetry.prepared = method.prepare(ctx, ids, None)
-        with torch.inference_mode(), activate(ctx):
-            logits = ctx.prefill(ids, None)
-            ctx.check_after_prefill()
-            if engine.decode == "static" and targets:
-                nll = _static_scoring(ctx, logits, targets)
-                targets = []
-            for i, target in enumerate(targets):
-                nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
-                if i == len(targets) - 1:
-                    break
-                ctx.telemetry.excluded_s = 0.0
-                step_start = ctx.clock.now()
-                logits = ctx.forward(torch.tensor([[target]], device=device), start=prefix_len + i)
-                ctx.telemetry.step_s.append(ctx.clock.now() - step_start - ctx.telemetry.excluded_s)
-                if i == 0:
-                    ctx.check_after_first_step()
-    finally:
-        method.release()  # (threads and pools, also when the request failed)
+    with serving(
+        loaded,
+        method,
+        ids,
+        None,
+        extra=len(targets),
+        budget=budget or BudgetConfig(),
+        profile=profile or Profile(),
+        engine=engine,
+        sharing=sharing,
+    ) as ctx:
+        logits = ctx.prefill(ids, None)
+        ctx.check_after_prefill()
+        if engine.decode == "static" and targets:
+            nll = _static_scoring(ctx, logits, targets)
+            targets = []
+        for i, target in enumerate(targets):
+            nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[0, target]))
+            if i == len(targets) - 1:
+                break
+            ctx.telemetry.excluded_s = 0.0
+            step_start = ctx.clock.now()
+            logits = ctx.forward(torch.tensor([[target]], device=device), start=prefix_len + i)
+            ctx.telemetry.step_s.append(ctx.clock.now() - step_start - ctx.telemetry.excluded_s)
+            if i == 0:
+                ctx.check_after_first_step()
     return Scoring(nll=nll, budget=ctx.budget, telemetry=_telemetry(ctx, method, len(nll)))
 
 
