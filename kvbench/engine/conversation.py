@@ -131,17 +131,7 @@ def converse(
                 "use task.compression=question_aware with this method",
             )
 
-    with serving(
-        loaded,
-        method,
-        ids,
-        segments,
-        extra=extra,
-        budget=budget or BudgetConfig(),
-        profile=profile or Profile(),
-        engine=engine,
-        sharing=sharing,
-    ) as ctx:
+    with serving(loaded, method, ids, segments, extra, budget, profile, engine, sharing) as ctx:
         logits = ctx.prefill(ids, segments, check)
         assert ctx.telemetry.prefill_s is not None  # (measured by the prefill)
         # when the prefill would have started (a shared one ran earlier)

@@ -73,19 +73,20 @@ def serving(
     method: KVMethod,
     ids: torch.Tensor,
     segments: tuple[Segment, ...] | None,
-    *,
     extra: int,
-    budget: BudgetConfig,
-    profile: Profile,
-    engine: EngineSettings | None,
-    sharing: PrefillSharing | None,
+    budget: BudgetConfig | None = None,
+    profile: Profile | None = None,
+    engine: EngineSettings | None = None,
+    sharing: PrefillSharing | None = None,
 ) -> Iterator[GenerationContext]:
     """One request's life, shared by every loop (:func:`generate`, :func:`teacher_force`,
     :func:`kvbench.engine.conversation.converse`): a context sized for the prompt ``ids`` plus ``extra``
     tokens, the method's ``prepare`` (recorded as ``telemetry.prepared``), then the caller's prefill and
     decode inside inference mode with the context active; the method's ``release`` at the end, also when
     the request failed."""
-    ctx = _new_context(loaded, method, budget, int(ids.numel()), extra, profile, engine, sharing)
+    ctx = _new_context(
+        loaded, method, budget or BudgetConfig(), int(ids.numel()), extra, profile or Profile(), engine, sharing
+    )
     try:
         with torch.inference_mode():
             ctx.telemetry.prepared = method.prepare(ctx, ids, segments)
@@ -174,17 +175,7 @@ def generate(
     pick = Picker(stops, min_new_tokens, torch.device(loaded.spec.device))
     ids = torch.tensor(list(input_ids), dtype=torch.long)
     parts = tuple(segments) if segments is not None else None
-    with serving(
-        loaded,
-        method,
-        ids,
-        parts,
-        extra=max_new_tokens,
-        budget=budget or BudgetConfig(),
-        profile=profile or Profile(),
-        engine=engine,
-        sharing=sharing,
-    ) as ctx:
+    with serving(loaded, method, ids, parts, max_new_tokens, budget, profile, engine, sharing) as ctx:
         with record_function("kvbench.prefill"):  # (a label in torch.profiler traces; no cost without one)
             logits = ctx.prefill(ids, parts)
         if engine.decode == "static":
@@ -324,17 +315,7 @@ def teacher_force(
     device = torch.device(loaded.spec.device)
     nll: list[float] = []
     ids = torch.tensor(list(prefix_ids), dtype=torch.long)
-    with serving(
-        loaded,
-        method,
-        ids,
-        None,
-        extra=len(targets),
-        budget=budget or BudgetConfig(),
-        profile=profile or Profile(),
-        engine=engine,
-        sharing=sharing,
-    ) as ctx:
+    with serving(loaded, method, ids, None, len(targets), budget, profile, engine, sharing) as ctx:
         logits = ctx.prefill(ids, None)
         ctx.check_after_prefill()
         if engine.decode == "static" and targets:
