@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbench.report import COLUMNS, check_columns, filtered, runs_frame
+from kvbench.report import COLUMNS, check_columns, filtered, parse_where, runs_frame
 
 
 def paired_report(paths: Sequence[Path], baseline: str, *, where: dict[str, str] | None = None) -> str:
@@ -20,14 +20,10 @@ def paired_report(paths: Sequence[Path], baseline: str, *, where: dict[str, str]
     bootstrap interval and test (:func:`kvbench.render.paired.render_paired`), and the agreement of the
     answers with the baseline's (exact, ROUGE-L F1, Jaccard; :func:`kvbench.agreement.render_agreement`)."""
     from kvbench.agreement import render_agreement
-    from kvbench.errors import ConfigError
     from kvbench.render.paired import render_paired
     from kvbench.results import load
 
-    key, sep, value = baseline.partition("=")
-    if not sep or not key or not value:
-        raise ConfigError(f"bad --paired {baseline!r}", "use <column>=<value>, e.g. --paired method=full")
-    selector = {key: value}
+    selector = parse_where([baseline], flag="--paired")
     runs = load(list(paths))
     if runs.empty:
         return f"(no runs found under {', '.join(str(p) for p in paths)})"

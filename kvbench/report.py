@@ -126,15 +126,16 @@ def runs_table(
     return to_markdown(frame)
 
 
-def parse_where(items: Iterable[str]) -> dict[str, str]:
-    """``["method=oracle", "budget=256 tokens"]`` → ``{"method": "oracle", "budget": "256 tokens"}``."""
+def parse_where(items: Iterable[str], flag: str = "--where") -> dict[str, str]:
+    """``["method=oracle", "budget=256 tokens"]`` → ``{"method": "oracle", "budget": "256 tokens"}``; an
+    item without ``=`` (or without a value, for ``--paired``) is refused naming ``flag``."""
     from kvbench.errors import ConfigError
 
     where: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"bad --where {item!r}", f"use <column>=<value> with {KEY_HINT}")
+        if not sep or not key or (flag == "--paired" and not value):
+            raise ConfigError(f"bad {flag} {item!r}", f"use <column>=<value> with {KEY_HINT}")
         where[key] = value
     return where
 
