@@ -196,3 +196,22 @@ def test_paired_report_meets_each_run_with_the_baseline_of_its_data_set(tmp_path
     assert report.rstrip().endswith("Not finished (compared on the samples they have): b (unfinished, 3 of 4)")
     with pytest.raises(ConfigError, match="bad --paired 'method'"):
         paired_report([tmp_path], "method")
+
+
+def test_runs_a_figure_would_label_alike_are_told_apart_by_their_differing_config():
+    """Two runs of one method that differ in a config key (CacheBlend on a RAM and on a disk store) get
+    distinct labels naming that key; a run with a label of its own keeps it."""
+    import pandas as pd
+
+    from kvbench.report import _distinct_heads
+
+    rows = [
+        pd.Series({"method": "full", "config.store.tier": None, "config.output_dir": "a"}),
+        pd.Series({"method": "cacheblend", "config.store.tier": "ram", "config.output_dir": "a"}),
+        pd.Series({"method": "cacheblend", "config.store.tier": "disk", "config.output_dir": "b"}),
+    ]
+    assert _distinct_heads(rows, ["method"]) == [
+        "full",
+        "cacheblend · store.tier=ram",
+        "cacheblend · store.tier=disk",
+    ]

@@ -105,8 +105,11 @@ def test_another_value_of_a_new_task_key_is_another_run():
 
 
 def test_a_dry_run_of_the_recorded_stream_experiment_finds_its_runs(tmp_path, capsys):
-    """`kvbench reproduce cacheblend/fig14 --dry-run` over the record folder (a copy) finds every recorded run
-    finished: the task keys added since leave their ids as they were."""
+    """`kvbench reproduce cacheblend/fig14 --dry-run` over the 2026-11-27 record folder (a copy) finds its
+    full and prefix-caching runs finished: the task keys added since leave their ids as they were (its
+    CacheBlend run, ``cacheblend_allrows``, is no longer a point of the experiment: the two CacheBlend
+    points, the authors' way, are not started there); over the 2026-11-29 folder every CacheBlend point and
+    full are finished."""
     import shutil
 
     from kvbench.reproduce import reproduce
@@ -120,4 +123,13 @@ def test_a_dry_run_of_the_recorded_stream_experiment_finds_its_runs(tmp_path, ca
     reproduce("cacheblend/fig14", "cpu", [f"output_dir={records}"], dry_run=True)
     out = capsys.readouterr().out
     runs = [line for line in out.splitlines() if str(records) in line and "rag_stream-" in line]
-    assert len(runs) == 3 and all(line.split()[0] == "finished" for line in runs), out
+    assert len(runs) == 4, out
+    assert sorted(line.split()[0] for line in runs if "rag_stream-cacheblend-" not in line) == ["finished"] * 2, out
+    assert all(line.split()[0] != "finished" for line in runs if "rag_stream-cacheblend-" in line), out
+    again = tmp_path / "again"
+    shutil.copytree(FIG14.with_name("fig14-smollm2-prefill"), again)
+    reproduce("cacheblend/fig14", "cpu", [f"output_dir={again}"], dry_run=True)
+    out = capsys.readouterr().out
+    runs = [line for line in out.splitlines() if str(again) in line and "rag_stream-" in line]
+    assert len(runs) == 4 and sum(line.split()[0] == "finished" for line in runs) == 3, out
+    assert all(line.split()[0] == "finished" for line in runs if "prefix_cache" not in line), out
