@@ -179,3 +179,25 @@ def test_pivot_keys_read_as_numbers_sort_as_numbers():
     assert [_label(v) for v in (256.0, 1024, float("nan"), None, "ratio 0.1")] == ["256", "1024", "–", "–", "ratio 0.1"]
     frame = pd.DataFrame({"x": [1, 2, 3, 4]}, index=["512", "1024", "256", "b"])
     assert list(frame.sort_index(key=_natural_order).index) == ["256", "512", "1024", "b"]
+
+
+def test_a_replay_that_answers_otherwise_than_recorded_says_so(tmp_path, capsys):
+    """A resumed order-dependent run serves its finished samples again (kvbench.runner.Replay): the log
+    counts the answers that came out as recorded, and a difference is also a warning on stderr."""
+    from types import SimpleNamespace
+
+    from kvbench.runner import Replay
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.create("{}\n", {}, total=3)
+    for i, answer in enumerate(["a", "b"]):
+        run_dir.append({"id": f"s{i}", "prediction": answer, "reference": None, "score": 0.0, "telemetry": {}})
+    replay = Replay(run_dir, {"s0", "s1"})
+    replay.check("s0", SimpleNamespace(prediction="a"))
+    replay.check("s1", SimpleNamespace(prediction="c"))
+    replay.close()
+    replay.close()  # (once)
+    log = (run_dir.path / "run.log").read_text()
+    assert "serving the 2 finished samples again" in log
+    assert log.count("replay: 2 samples served again, 1 answers as recorded") == 1
+    assert "warning: replay: 2 samples served again, 1 answers as recorded" in capsys.readouterr().err
