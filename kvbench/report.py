@@ -283,12 +283,12 @@ def comparison_figure(
         if c in frame.columns and frame[c].astype(str).nunique() > 1 and c not in task.figure_joins
     ] or ["method"]
     joined = _joined_runs(frame, task.figure_joins)
-    heads = _distinct_heads([rows[0] for rows in joined], shown[:1])
     runs: list[tuple[str, list[dict[str, Any]]]] = []
-    for rows, title in zip(joined, heads):
+    for rows in joined:
         row = rows[0]
         # first line: the method (or what else differs); second line: the rest, and the run's score
-        rest = shown[1:]
+        head, rest = shown[:1], shown[1:]
+        title = " · ".join(str(row[c]) for c in head)
         second = " · ".join(str(row[c]) for c in rest)
         if len(rows) == 1 and row.get("score") == row.get("score") and row.get("score") is not None:
             second += f"  ({row['score']:.1f})"
@@ -300,22 +300,29 @@ def comparison_figure(
     return task.draw_figure(runs, out, kind)
 
 
-def _distinct_heads(rows: Sequence[Any], head: Sequence[str]) -> list[str]:
-    """Each run's first title line: the ``head`` columns' values, and where two runs would read alike, the
-    config keys that tell them apart (``cacheblend · store.tier=disk``): two lines of a figure never share
-    a label."""
-    heads = [" · ".join(str(row[c]) for c in head) for row in rows]
-    for label in {h for h in heads if heads.count(h) > 1}:
-        alike = [row for row, h in zip(rows, heads) if h == label]
-        keys = [
-            k
-            for k in alike[0].index
-            if k.startswith("config.") and k != "config.output_dir" and len({str(r.get(k)) for r in alike}) > 1
-        ]
-        for i, row in enumerate(rows):
-            if heads[i] == label:
-                heads[i] = " · ".join([label, *(f"{k.removeprefix('config.')}={row.get(k)}" for k in keys)])
-    return heads
+def distinct_labels(labels: Sequence[str], configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``labels`` (one per run, with its resolved config), where two runs would read alike extended by the
+    config keys that tell them apart (``cacheblend · store.tier=disk``): for a figure whose lines are
+    labelled by one line of text (the request-stream figure)."""
+
+    def flat(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    flats = [flat(config) for config in configs]
+    result = list(labels)
+    for label in {x for x in labels if list(labels).count(x) > 1}:
+        alike = [i for i, x in enumerate(labels) if x == label]
+        keys = sorted({k for i in alike for k in flats[i]} - {"output_dir"})
+        differing = [k for k in keys if len({repr(flats[i].get(k)) for i in alike}) > 1]
+        for i in alike:
+            result[i] = " · ".join([label, *(f"{k}={flats[i].get(k)}" for k in differing)])
+    return result
 
 
 def _joined_runs(frame, joins: Sequence[str]) -> list[list[Any]]:

@@ -450,18 +450,22 @@ class RagStream(Rag):
         import pandas as pd
 
         from kvbench.plots import stream_figure
-        from kvbench.report import to_markdown
+        from kvbench.report import distinct_labels, to_markdown
         from kvbench.stream import rate_grid, service_times, stream_stats
 
         if kind is not None:
             raise ConfigError(f"task rag_stream has a single figure, not {kind!r}", "drop --figure-kind")
         prepared = []
-        for title, records in runs:
+        # one line of text per run: runs that would read alike get the config keys that tell them apart
+        labels = distinct_labels(
+            [str(title).split("\n")[0] for title, _ in runs], [getattr(r, "config", {}) for r in runs]
+        )
+        for label, (_, records) in zip(labels, runs):
             records = sorted(records, key=lambda r: r["meta"]["stream_position"])
             warmup = sum(bool(r["meta"].get("warmup")) for r in records)
             seed = int(records[0]["meta"].get("stream_seed", 0)) if records else 0
             service, _ = service_times(records[warmup:])
-            prepared.append((str(title).split("\n")[0], records, warmup, seed, float(service.mean())))
+            prepared.append((label, records, warmup, seed, float(service.mean())))
         rates = rate_grid([p[4] for p in prepared])
         curves, rows = [], []
         for label, records, warmup, seed, _ in prepared:

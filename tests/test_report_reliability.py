@@ -200,18 +200,17 @@ def test_paired_report_meets_each_run_with_the_baseline_of_its_data_set(tmp_path
 
 def test_runs_a_figure_would_label_alike_are_told_apart_by_their_differing_config():
     """Two runs of one method that differ in a config key (CacheBlend on a RAM and on a disk store) get
-    distinct labels naming that key; a run with a label of its own keeps it."""
-    import pandas as pd
+    distinct one-line labels naming that key (the request-stream figure); a run with a label of its own
+    keeps it, and the output folder never counts."""
+    from kvbench.report import distinct_labels
 
-    from kvbench.report import _distinct_heads
-
-    rows = [
-        pd.Series({"method": "full", "config.store.tier": None, "config.output_dir": "a"}),
-        pd.Series({"method": "cacheblend", "config.store.tier": "ram", "config.output_dir": "a"}),
-        pd.Series({"method": "cacheblend", "config.store.tier": "disk", "config.output_dir": "b"}),
+    configs = [
+        {"method": {"name": "full"}, "store": {"tier": "ram"}, "output_dir": "a"},
+        {"method": {"name": "cacheblend"}, "store": {"tier": "ram", "disk_gb": 0}, "output_dir": "a"},
+        {"method": {"name": "cacheblend"}, "store": {"tier": "disk", "disk_gb": 8}, "output_dir": "b"},
     ]
-    assert _distinct_heads(rows, ["method"]) == [
+    assert distinct_labels(["full", "cacheblend", "cacheblend"], configs) == [
         "full",
-        "cacheblend · store.tier=ram",
-        "cacheblend · store.tier=disk",
+        "cacheblend · store.disk_gb=0 · store.tier=ram",
+        "cacheblend · store.disk_gb=8 · store.tier=disk",
     ]
