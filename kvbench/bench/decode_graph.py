@@ -22,6 +22,9 @@ what ``benchmarks/gpu.sh decode_graph`` runs is tested without a GPU.
 
 from __future__ import annotations
 
+import gc
+import json
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -108,6 +111,44 @@ def _hf_compiled(loaded: Any, ids: list[int], new_tokens: int) -> float:
         model.forward = forward
 
 
+def _method_row(
+    run: Any, name: str, ids: list[int], modes: dict[str, bool], rounds: int, new_tokens: int, cuda: bool,
+    loaded: Any, bandwidth: float | None,
+) -> dict[str, Any]:
+    """One method's eager and graph TPOT at one prompt, the two modes interleaved, against the roofline."""
+    outs: dict[str, list[Any]] = {mode: [] for mode in modes}
+    errors: dict[str, str] = {}
+    for mode, graphs in modes.items():
+        try:
+            run(name, ids, WARM_TOKENS, graphs)  # warm-up: kernels, allocator, cost models
+        except RuntimeError as error:
+            errors[mode] = str(error).splitlines()[0][:160]
+    for _ in range(rounds):
+        for mode, graphs in modes.items():
+            if mode not in errors:
+                outs[mode].append(run(name, ids, new_tokens, graphs))
+    row: dict[str, Any] = {}
+    for mode in modes:
+        tpots = [o.telemetry["tpot_s"] for o in outs[mode]]
+        row[f"{mode}_tpot_ms"] = 1e3 * min(tpots) if tpots else errors.get(mode)
+    if not cuda:
+        row["graph_tpot_ms"] = "n/a (no CUDA)"
+    elif outs["eager"] and outs["graph"]:
+        row["graph / eager"] = row["graph_tpot_ms"] / row["eager_tpot_ms"]
+        eager, graph = outs["eager"][0].tokens, outs["graph"][0].tokens
+        row["tokens_identical"] = eager == graph
+        # how many leading tokens agree (bf16 kernels chosen under capture may round differently; a
+        # random-weight model's near-flat logits then flip a later argmax)
+        row["identical_prefix"] = next((i for i, (a, b) in enumerate(zip(eager, graph)) if a != b), len(eager))
+    row["replay_syncs"] = "error: " + errors["graph"] if "graph" in errors else ("0" if cuda else "n/a")
+    best = min((o for mode in modes for o in outs[mode]), key=lambda o: o.telemetry["tpot_s"], default=None)
+    if bandwidth and best is not None:
+        roofline = step_bytes(loaded, best.telemetry) / bandwidth
+        row["roofline_ms"] = 1e3 * roofline
+        row["best / roofline"] = best.telemetry["tpot_s"] / roofline
+    return row
+
+
 @benchmark("decode_graph")
 def decode_graph(options: BenchOptions) -> BenchResult:
     from kvbench.budget import BudgetConfig
@@ -133,42 +174,33 @@ def decode_graph(options: BenchOptions) -> BenchResult:
         engine = engine_settings({**options.engine, "cuda_graph": graphs})
         budget = BudgetConfig() if name == "full" else BudgetConfig(tokens=1024, comm_ratio=1 / 128)
         method = create_method({"name": name} if name == "full" else {"offload": False, **params, "name": name})
-        with _sync_errors(cuda and graphs):
-            return generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=budget, engine=engine)
+        try:
+            with _sync_errors(cuda and graphs):
+                return generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=budget, engine=engine)
+        finally:
+            if cuda:  # a request's context and its decoder refer to each other: free its buffers before the next
+                gc.collect()
+                torch.cuda.empty_cache()
 
     rows = []
     for length in lengths:
         ids = niah_ids(loaded, length)
         for name in methods:
-            outs: dict[str, list[Any]] = {mode: [] for mode in modes}
-            errors: dict[str, str] = {}
-            for mode, graphs in modes.items():
-                try:
-                    run(name, ids, WARM_TOKENS, graphs)  # warm-up: kernels, allocator, cost models
-                except RuntimeError as error:
-                    errors[mode] = str(error).splitlines()[0][:160]
-            for _ in range(rounds):
-                for mode, graphs in modes.items():
-                    if mode not in errors:
-                        outs[mode].append(run(name, ids, new_tokens, graphs))
             row: dict[str, Any] = {"model": model_name, "prompt": len(ids), "method": name}
-            for mode in modes:
-                tpots = [o.telemetry["tpot_s"] for o in outs[mode]]
-                row[f"{mode}_tpot_ms"] = 1e3 * min(tpots) if tpots else errors.get(mode)
-            if not cuda:
-                row["graph_tpot_ms"] = "n/a (no CUDA)"
-            elif outs["eager"] and outs["graph"]:
-                row["graph / eager"] = row["graph_tpot_ms"] / row["eager_tpot_ms"]
-                row["tokens_identical"] = outs["eager"][0].tokens == outs["graph"][0].tokens
-            row["replay_syncs"] = "error: " + errors["graph"] if "graph" in errors else ("0" if cuda else "n/a")
-            best = min((o for mode in modes for o in outs[mode]), key=lambda o: o.telemetry["tpot_s"], default=None)
-            if bandwidth and best is not None:
-                roofline = step_bytes(loaded, best.telemetry) / bandwidth
-                row["roofline_ms"] = 1e3 * roofline
-                row["best / roofline"] = best.telemetry["tpot_s"] / roofline
+            try:
+                row.update(_method_row(run, name, ids, modes, rounds, new_tokens, cuda, loaded, bandwidth))
+            except RuntimeError as error:  # out of memory, a failed capture: the other rows still run
+                row["error"] = str(error).splitlines()[0][:200]
+            print("decode_graph row:", json.dumps(row, default=str), file=sys.stderr, flush=True)
             if name == "full" and cuda and options.params.get("compile"):
-                row["hf_compiled_tpot_ms"] = 1e3 * _hf_compiled(loaded, ids, new_tokens)
-            rows.append(row)
+                try:
+                    row["hf_compiled_tpot_ms"] = 1e3 * _hf_compiled(loaded, ids, new_tokens)
+                except Exception as error:  # the reference failing is a field of the row, not the end of the bench
+                    row["hf_compiled_tpot_ms"] = f"error: {str(error).splitlines()[0][:160]}"
+                print("decode_graph compiled:", row["hf_compiled_tpot_ms"], file=sys.stderr, flush=True)
+            rows.append(row)  # (each row printed as it finishes: a step stopped at its limit keeps what it measured)
+            if cuda:
+                torch.cuda.empty_cache()
     full_rows = {r["prompt"]: r for r in rows if r["method"] == "full"}
     for row in rows:
         base = full_rows.get(row["prompt"])
