@@ -6,8 +6,8 @@
 #   PARAMS='kmeans_device=model ...' the method's parameters, TAG names their records)
 #   bash benchmarks/gpu.sh cudatests decode_graph   # issue 42's table (~5 min on an H200): the static decode
 #   step eager vs replayed as CUDA graphs, sync-free replays, the roofline, and the methods at 32k (MHA shape);
-#   its parts decode_8b, decode_mha, decode_pq run alone too (T_8B, T_MHA, T_PQ: each one's time limit in s;
-#   COMPILE=false skips the StaticCache + torch.compile reference, MHA_METHODS the methods on the MHA shape)
+#   its parts decode_8b, decode_mha, decode_pq, decode_compile run alone too (T_8B, T_MHA, T_PQ, T_COMPILE:
+#   each one's time limit in s; KERNELS: the decode attention kernels decode_8b compares; MHA_METHODS)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
 #   bash benchmarks/gpu.sh clusterkv reuse profile decode kmeans
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill;
@@ -69,22 +69,28 @@ for step in "$@"; do
         timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_kmeans.py --length "$length" --repeats "${REPEATS:-2}" \
           --out "$OUT/kmeans-$length" 2>&1 | grep -v "^USDT" | tee -a "$OUT/kmeans.log"
       done ;;
-    decode_graph)  # issue 42, all three parts below, one after the other
-      bash "$PWD/benchmarks/gpu.sh" decode_8b decode_mha decode_pq ;;
+    decode_graph)  # issue 42, the parts below, one after the other
+      bash "$PWD/benchmarks/gpu.sh" decode_8b decode_mha decode_pq decode_compile ;;
     decode_8b)  # issue 42 (1): full on the 8B shape at 32k, eager vs graph TPOT, token identity, sync-free
-      # replays, the roofline, beside transformers' StaticCache + torch.compile(reduce-overhead)
-      timeout "${T_8B:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape --lengths 32768 \
-        --methods full --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" --param compile="${COMPILE:-true}" \
-        --save "$OUT/decode-graph-8b.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
+      # replays, the roofline, with each decode attention kernel side by side (engine.decode_attention)
+      timeout "${T_8B:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
+        --lengths "${LENGTHS_8B:-32768,65536}" --methods full --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" \
+        --param kernels="${KERNELS:-split,matmul,sdpa}" --save "$OUT/decode-graph-8b.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
     decode_mha)  # issue 42 (2): the selecting methods against full on the MHA shape (Quest's regime), budget
       # 1024, device-resident KV
       timeout "${T_MHA:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama2_7b_shape --lengths 32768 \
         --methods "${MHA_METHODS:-full,quest,clusterkv,oracle}" --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
-        --save "$OUT/decode-graph-mha.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
+        --param kernels="${MHA_KERNELS:-split}" --save "$OUT/decode-graph-mha.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
     decode_pq)  # issue 42 (3): PQCache's TPOT against the context (the paper: nearly flat), k-means on the GPU
       timeout "${T_PQ:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
-        --lengths "${PQ_LENGTHS:-32768,130000}" --methods full,pqcache --new-tokens 128 --rounds 1 \
-        --param kmeans_device=model --save "$OUT/decode-graph-pqcache.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
+        --lengths "${PQ_LENGTHS:-32768,65536}" --methods full,pqcache --new-tokens 128 --rounds 1 \
+        --param kmeans_device=model --param kernels="${PQ_KERNELS:-split}" --save "$OUT/decode-graph-pqcache.json" 2>&1 \
+        | tee -a "$OUT/decode-graph.log" ;;
+    decode_compile)  # issue 42 (4): transformers' StaticCache + torch.compile(reduce-overhead) beside full on the
+      # 8B shape at 32k (its compilation took over 70 s on 2026-11-29 and did not finish inside 150 s)
+      timeout "${T_COMPILE:-${STEP_TIMEOUT:-360}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
+        --lengths 32768 --methods full --new-tokens "${NEW_TOKENS:-256}" --rounds 1 --param compile=true \
+        --param kernels="${KERNELS_COMPILE:-split}" --save "$OUT/decode-graph-compile.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
     decode)  # where a decode step's time goes (torch.profiler, CPU and CUDA)
       timeout "${STEP_TIMEOUT:-300}" $PY tools/profile_decode.py --model llama31_8b_shape --length "${PROFILE_LENGTH:-8192}" \
         --new-tokens 12 --rounds 1 --methods pqcache,clusterkv --torch-profile 25 2>&1 | tee "$OUT/decode-profile.log" ;;
@@ -93,6 +99,6 @@ for step in "$@"; do
         | tail -60 | tee "$OUT/overlap.log"
       cp "$OUT/overlap/summary.json" "$OUT/overlap-summary.json" 2>/dev/null
       cp "$OUT/overlap/trace.json.gz" "$OUT/overlap-trace.json.gz" 2>/dev/null ;;
-    *) echo "unknown step $step (info cudatests tests suite smoke decode_graph decode_8b decode_mha decode_pq pqcache clusterkv reuse kmeans decode profile)"; exit 2 ;;
+    *) echo "unknown step $step (info cudatests tests suite smoke decode_graph decode_8b decode_mha decode_pq decode_compile pqcache clusterkv reuse kmeans decode profile)"; exit 2 ;;
   esac
 done

@@ -91,10 +91,14 @@ def test_selection_metadata_lives_on_the_device(cuda_llama, random_ids, name):
     assert out.telemetry["bytes_h2d_fetch"] > 0
 
 
-@pytest.mark.parametrize("name", ["full", "oracle"])
-def test_graph_replay_is_the_eager_static_step_and_never_syncs(cuda_llama, random_ids, name, monkeypatch):
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [("full", "sdpa"), ("oracle", "sdpa"), ("full", "matmul"), ("full", "split"), ("quest", "split")],
+)
+def test_graph_replay_is_the_eager_static_step_and_never_syncs(cuda_llama, random_ids, name, kernel, monkeypatch):
     """engine.cuda_graph=true replays the captured static step: the same tokens as the eager static step, and
-    no step after the first waits for the device (sync debug mode 'error' raises on any sync)."""
+    no step after the first waits for the device (sync debug mode 'error' raises on any sync); with each
+    decode attention kernel (``split``: the Triton flash-decoding kernel, launched inside the graph)."""
     from kvbench.engine.decode import StaticDecoder
     from kvbench.engine.settings import EngineSettings
 
@@ -122,7 +126,7 @@ def test_graph_replay_is_the_eager_static_step_and_never_syncs(cuda_llama, rando
             max_new_tokens=40,
             min_new_tokens=40,
             budget=budget,
-            engine=EngineSettings(cuda_graph=graphs),
+            engine=EngineSettings(cuda_graph=graphs, decode_attention=kernel),
         )
 
     eager = run(False)
@@ -131,3 +135,22 @@ def test_graph_replay_is_the_eager_static_step_and_never_syncs(cuda_llama, rando
     assert graph.tokens == eager.tokens
     assert any(replays), "no step replayed a captured graph"
     assert graph.telemetry["attended_per_layer"] == eager.telemetry["attended_per_layer"]
+
+
+def test_the_decode_attention_kernels_agree_on_cuda(cuda_llama, random_ids):
+    """sdpa, matmul and the Triton split kernel (float32, IEEE dot products) generate the same tokens."""
+    from kvbench.engine.settings import EngineSettings
+
+    ids = random_ids(700, seed=54)
+    runs = {
+        kernel: generate(
+            cuda_llama,
+            create_method({"name": "full"}),
+            ids,
+            max_new_tokens=24,
+            min_new_tokens=24,
+            engine=EngineSettings(decode_attention=kernel, split_tokens=128),
+        ).tokens
+        for kernel in ("sdpa", "matmul", "split")
+    }
+    assert runs["matmul"] == runs["sdpa"] and runs["split"] == runs["sdpa"]

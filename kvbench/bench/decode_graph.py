@@ -12,6 +12,8 @@ default ``full`` on ``llama31_8b_shape`` at 32k, bf16):
 * ``roofline_ms`` — the bytes a step must read (the weights once, and the K/V the step attends: the whole
   cache for ``full``, the attended tokens for a selection) over the device's copy bandwidth, measured here
   with a 1 GiB device-to-device copy; ``graph / roofline`` is how close the step runs to it;
+* ``--param kernels=sdpa,matmul,split`` runs every row with each decode attention kernel
+  (``engine.decode_attention``), side by side; ``tpot / full`` is against ``full`` with the same kernel;
 * with ``--param compile=true``, transformers' ``StaticCache`` decode under
   ``torch.compile(mode="reduce-overhead")`` on the same prompt (``hf_compiled_tpot_ms``), the field's
   reference for a captured decode step.
@@ -22,6 +24,7 @@ what ``benchmarks/gpu.sh decode_graph`` runs is tested without a GPU.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -167,11 +170,12 @@ def decode_graph(options: BenchOptions) -> BenchResult:
     methods = list(options.methods or ("full",))
     loaded = load_model(compose([f"model={model_name}", f"model.device={device.type}"])["model"])
     bandwidth = copy_bandwidth(device)
-    params = {k: v for k, v in options.params.items() if k != "compile"}
+    params = {k: v for k, v in options.params.items() if k not in ("compile", "kernels")}
+    kernels = str(options.params.get("kernels", options.engine.get("decode_attention", "sdpa"))).split(",")
     modes = {"eager": False, "graph": True} if cuda else {"eager": False}
 
-    def run(name: str, ids: list[int], n: int, graphs: bool) -> Any:
-        engine = engine_settings({**options.engine, "cuda_graph": graphs})
+    def run(name: str, ids: list[int], n: int, graphs: bool, kernel: str) -> Any:
+        engine = engine_settings({**options.engine, "cuda_graph": graphs, "decode_attention": kernel})
         budget = BudgetConfig() if name == "full" else BudgetConfig(tokens=1024, comm_ratio=1 / 128)
         method = create_method({"name": name} if name == "full" else {"offload": False, **params, "name": name})
         try:
@@ -185,14 +189,15 @@ def decode_graph(options: BenchOptions) -> BenchResult:
     rows = []
     for length in lengths:
         ids = niah_ids(loaded, length)
-        for name in methods:
-            row: dict[str, Any] = {"model": model_name, "prompt": len(ids), "method": name}
+        for kernel, name in [(kernel, name) for kernel in kernels for name in methods]:
+            row: dict[str, Any] = {"model": model_name, "prompt": len(ids), "method": name, "kernel": kernel}
             try:
-                row.update(_method_row(run, name, ids, modes, rounds, new_tokens, cuda, loaded, bandwidth))
+                measure = functools.partial(run, kernel=kernel)
+                row.update(_method_row(measure, name, ids, modes, rounds, new_tokens, cuda, loaded, bandwidth))
             except RuntimeError as error:  # out of memory, a failed capture: the other rows still run
                 row["error"] = str(error).splitlines()[0][:200]
             print("decode_graph row:", json.dumps(row, default=str), file=sys.stderr, flush=True)
-            if name == "full" and cuda and options.params.get("compile"):
+            if name == "full" and kernel == kernels[0] and cuda and options.params.get("compile"):
                 try:
                     row["hf_compiled_tpot_ms"] = 1e3 * _hf_compiled(loaded, ids, new_tokens)
                 except Exception as error:  # the reference failing is a field of the row, not the end of the bench
@@ -201,9 +206,9 @@ def decode_graph(options: BenchOptions) -> BenchResult:
             rows.append(row)  # (each row printed as it finishes: a step stopped at its limit keeps what it measured)
             if cuda:
                 torch.cuda.empty_cache()
-    full_rows = {r["prompt"]: r for r in rows if r["method"] == "full"}
+    full_rows = {(r["prompt"], r["kernel"]): r for r in rows if r["method"] == "full"}
     for row in rows:
-        base = full_rows.get(row["prompt"])
+        base = full_rows.get((row["prompt"], row["kernel"]))
         key = "graph_tpot_ms" if cuda else "eager_tpot_ms"
         if base is not None and row is not base and isinstance(row.get(key), float):
             row["tpot / full"] = row[key] / base[key]

@@ -113,16 +113,45 @@ def valid_mask(valid: torch.Tensor, zero: torch.Tensor, minus_inf: torch.Tensor)
 
 
 def decode_dense(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    kernel: str = "sdpa",
+    split_tokens: int = 256,
 ) -> torch.Tensor:
     """Decode attention over a layer's buffer prefix ``keys``/``values`` ``[rows, B, d]`` (static decode):
-    ``mask`` ``[1, 1, 1, B]`` is 0 on held slots and -inf past the length. As :func:`selected`, one
-    4-D SDPA call with the group's query heads as rows. Returns ``[1, 1, H, d]``."""
+    ``mask`` ``[1, 1, 1, B]`` is 0 on held slots and -inf past the length. Returns ``[1, 1, H, d]``.
+
+    ``kernel`` (``engine.decode_attention``): ``sdpa`` — as :func:`selected`, one 4-D SDPA call with the
+    group's query heads as rows; ``matmul`` — :func:`decode_matmul`; ``split`` — flash-decoding
+    (:mod:`kvbench.engine.split_decode`, Triton on CUDA; :func:`decode_matmul` elsewhere)."""
+    if kernel == "split" and keys.device.type == "cuda":
+        from kvbench.engine import split_decode
+
+        return split_decode.attend(query, keys, values, mask, scaling, split_tokens)
+    if kernel in ("matmul", "split"):
+        return decode_matmul(query, keys, values, mask, scaling)
     n_heads, d = query.shape[1], query.shape[-1]
     rows = keys.shape[0]
     q = query.reshape(1, rows, n_heads // rows, d)
     out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(1, 1, n_heads, values.shape[-1])
+
+
+def decode_matmul(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """:func:`decode_dense` as two batched GEMMs around a float32 softmax (transformers' eager attention):
+    the scores ``[rows, g, B]`` with the mask added in the same call, the probabilities in the values'
+    dtype, times the values. Four ops, no copy of the keys or values (the GEMMs read the buffer's views)."""
+    n_heads, d = query.shape[1], query.shape[-1]
+    rows, slots = keys.shape[0], keys.shape[1]
+    q = query.reshape(rows, n_heads // rows, d)
+    scores = torch.baddbmm(mask.reshape(1, 1, slots), q, keys.transpose(1, 2), alpha=scaling)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values).reshape(1, 1, n_heads, values.shape[-1])
 
 
 def length_mask(iota: torch.Tensor, length: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -315,7 +315,9 @@ class GenerationContext:
                 length = torch.full((1,), kv.n, dtype=torch.long, device=kv.device)
                 mask = attention.length_mask(kv.iota(kv.bucket_end), length, query.dtype)
                 keys_b, values_b = kv.bucket()
-                out = attention.decode_dense(query, keys_b, values_b, mask, scaling)
+                out = attention.decode_dense(
+                    query, keys_b, values_b, mask, scaling, self.engine.decode_attention, self.engine.split_tokens
+                )
                 if self.method.static_decode:  # (its after_attention reads the static step's bucket)
                     keys, prob_valid = keys_b, (kv.iota(kv.bucket_end) < length).expand(keys_b.shape[0], -1)
             attended = kv.n

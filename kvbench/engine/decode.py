@@ -44,6 +44,7 @@ import torch
 
 from kvbench.engine import attention, lean
 from kvbench.engine.settings import EngineSettings
+from kvbench.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -101,6 +102,7 @@ class StaticDecoder:
         self.shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim)
         self.scaling = spec.head_dim**-0.5
         self.dtype = next(ctx.model.parameters()).dtype
+        self.kernel = decode_kernel(settings, self.device)
         self.weights = [lean.layer_weights(layer) for layer in self.driver.layers] if lean.supports(ctx.model) else None
         static = self.method.static_decode
         self.kinds = [DYNAMIC if not static else OFFLOAD if kv.offload else STATIC for kv in self.store.layers]
@@ -381,7 +383,9 @@ class StaticDecoder:
         if selection is None:
             if kind == STATIC:
                 keys, values = kv.bucket()
-                out = attention.decode_dense(query, keys, values, self._mask(kv), self.scaling)
+                out = attention.decode_dense(
+                    query, keys, values, self._mask(kv), self.scaling, self.kernel, self.settings.split_tokens
+                )
                 valid = self._held_valid(kv) if self.method.needs_attention_probs else None
             else:
                 keys, values = kv.held()
@@ -456,6 +460,19 @@ class StaticDecoder:
         """The first ``count`` generated tokens (a read of the device)."""
         self.flush()
         return self.out[:count].tolist()
+
+
+def decode_kernel(settings: EngineSettings, device: torch.device) -> str:
+    """``engine.decode_attention`` for ``device``: ``split`` on CUDA needs Triton (one clear error if absent)."""
+    if settings.decode_attention == "split" and device.type == "cuda":
+        from kvbench.engine import split_decode
+
+        if not split_decode.available():
+            raise ConfigError(
+                "engine.decode_attention=split needs Triton on CUDA, and it cannot be imported",
+                "install the triton that matches torch, or use engine.decode_attention=matmul or sdpa",
+            )
+    return settings.decode_attention
 
 
 def greedy(

@@ -12,6 +12,18 @@
 ``bucket_tokens``
     Attention over a layer's held tokens runs over a buffer prefix that grows in steps of this many
     slots (slots past the length are masked), so the op shapes stay fixed between bucket boundaries.
+``decode_attention``
+    The kernel of a decode step's attention over a layer's held slots (``full``'s layers and every
+    method's dense layers): ``sdpa`` (default) — PyTorch's fused attention with the length mask (on CUDA
+    its memory-efficient kernel, which runs one thread block per (KV head, query block): 8 blocks a layer
+    for an 8-KV-head model); ``matmul`` — two batched GEMMs (scores, then probabilities times values)
+    around a float32 softmax, as transformers' eager attention computes it, the keys and values read by
+    as many blocks as cuBLAS tiles them into; ``split`` — flash-decoding: the slots in chunks of
+    ``split_tokens``, one Triton program per (KV head, chunk) computing the chunk's partial softmax and
+    weighted values, merged by their log-sum-exp (CUDA with Triton; on a CPU it computes ``matmul``'s
+    softmax unsplit). The three differ only in floating-point rounding (``tests/test_decode_kernels.py``).
+``split_tokens``
+    Slots per chunk of ``decode_attention=split``.
 ``readback_every``
     Generated tokens are read back to the host (stop ids, stop texts) every this many steps;
     ``auto`` = every step on a CPU (reading costs nothing there), every 8 on a GPU. Greedy decoding is
@@ -42,6 +54,10 @@ class EngineSettings(Params):
     )
     cuda_graph: bool | Literal["auto"] = param("auto", "capture and replay the static step on CUDA (auto: on CUDA)")
     bucket_tokens: int = param(256, "attention shapes grow in steps of this many slots (static decode)", min=1)
+    decode_attention: Literal["sdpa", "matmul", "split"] = param(
+        "sdpa", "decode attention over held slots: sdpa | matmul (two GEMMs, fp32 softmax) | split (flash-decoding)"
+    )
+    split_tokens: int = param(256, "slots per chunk of decode_attention=split", min=16)
     readback_every: int | Literal["auto"] = param(
         "auto", "read the generated tokens back every this many steps (auto: 1 on a CPU, 8 on a GPU)", min=1
     )
