@@ -190,3 +190,36 @@ def test_lean_layers_compute_exactly_what_the_stock_layers_compute(fixture, requ
                 assert torch.equal(stock[0], ours)
     finally:
         model.config._attn_implementation = previous
+
+
+# ---------------------------------------------------------------------- a finished request's memory
+def test_a_finished_request_is_freed_without_the_cycle_collector(tiny_llama, random_ids, monkeypatch):
+    """The context owns its static decoder and the decoder refers back weakly: when a method starts its next
+    request, the previous context (its K/V buffers, on a GPU the graphs' pool) is freed at once, with the
+    cycle collector off (on an H200 several 17 GB caches waited for it: RESULTS §10b)."""
+    import gc
+    import weakref
+
+    from kvbench.engine import generate as generation
+
+    contexts = []
+    made = generation._new_context
+
+    def spy(*args, **kwargs):
+        ctx = made(*args, **kwargs)
+        contexts.append(weakref.ref(ctx))
+        return ctx
+
+    monkeypatch.setattr(generation, "_new_context", spy)
+    method = create_method({"name": "full"})
+    ids = random_ids(300, seed=16)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(2):
+            generate(tiny_llama, method, ids, max_new_tokens=6, min_new_tokens=6)
+        assert contexts[0]() is None, "the first request's context outlived it"
+        assert contexts[1]() is not None  # (the method still serves the second: its context lives)
+    finally:
+        if was_enabled:
+            gc.enable()

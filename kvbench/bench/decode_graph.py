@@ -115,8 +115,15 @@ def _hf_compiled(loaded: Any, ids: list[int], new_tokens: int) -> float:
 
 
 def _method_row(
-    run: Any, name: str, ids: list[int], modes: dict[str, bool], rounds: int, new_tokens: int, cuda: bool,
-    loaded: Any, bandwidth: float | None,
+    run: Any,
+    name: str,
+    ids: list[int],
+    modes: dict[str, bool],
+    rounds: int,
+    new_tokens: int,
+    cuda: bool,
+    loaded: Any,
+    bandwidth: float | None,
 ) -> dict[str, Any]:
     """One method's eager and graph TPOT at one prompt, the two modes interleaved, against the roofline."""
     outs: dict[str, list[Any]] = {mode: [] for mode in modes}

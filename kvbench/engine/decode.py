@@ -37,6 +37,7 @@ count their fetches on the host (a sync per layer, the offload experiment's cost
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,11 @@ class StaticDecoder:
     """The decode steps of one request (module docstring)."""
 
     def __init__(self, ctx: GenerationContext, settings: EngineSettings, steps: int) -> None:
-        self.ctx, self.settings = ctx, settings
+        # the context owns its decoder: a weak reference back leaves no cycle, so a finished request's
+        # buffers (its K/V, the graphs' pool) are freed when the context is, not at Python's next cycle
+        # collection (a GPU held several requests' caches at once before: RESULTS §10b)
+        self.ctx: GenerationContext = weakref.proxy(ctx)
+        self.settings = settings
         spec = ctx.spec
         self.device = torch.device(spec.device)
         self.method = ctx.method
