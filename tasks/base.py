@@ -135,8 +135,8 @@ class Task:
     """Base task: subclasses set ``name`` and implement :meth:`samples` and :meth:`score`."""
 
     name: ClassVar[str] = ""
-    #: the task's parameters (``task.<key>``), declared in :mod:`kvbench.tasks.params` (every shipped task
-    #: names its own); an instance, parsed and checked from the config, is ``self.params``
+    #: the task's parameters (``task.<key>``), a dataclass declared in the task's own module (every shipped
+    #: task names its own); an instance, parsed and checked from the config, is ``self.params``
     Params: ClassVar[type[Params]] = Params
     #: config keys every task accepts (beyond its own), e.g. ``limit``
     common_keys: ClassVar[tuple[str, ...]] = ("name", "limit", "data_dir", "question_position", "shard")
@@ -164,7 +164,7 @@ class Task:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "defaults" in vars(cls):
-            raise TypeError(f"{cls.__name__} sets defaults: declare its Params instead (kvbench.tasks.params)")
+            raise TypeError(f"{cls.__name__} sets defaults: declare its Params instead (a dataclass in its module)")
         cls.defaults = defaults(cls.Params)  # (one declaration: the Params' defaults)
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:

@@ -26,14 +26,39 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, param
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.params import Gsm8kCotParams
+from kvbench.tasks.params import QuestionPosition, data_dir_param, limit_param
 from kvbench.tasks.sources import data_folder, find_file, hub_rows, read_jsonl
+
+
+@dataclass(frozen=True)
+class Gsm8kCotParams(Params):
+    """GSM8k chain-of-thought (PQCache Fig. 10a)."""
+
+    protocol: Literal["pqcache", "wei8"] = param(
+        "pqcache", "pqcache (10-shot complex CoT, PQCache's prompt file) | wei8 (Wei et al. 8-shot)"
+    )
+    data_dir: str | None = data_dir_param(
+        "folder with test.jsonl (+ gsm8k_prompt_formal.txt for pqcache); null: the hub's openai/gsm8k"
+    )
+    split: str = param("test", "the dataset split")
+    max_new_tokens: int = param(256, "tokens generated per answer", min=1)
+    use_template: bool = param(False, "apply the chat template (PQCache prompts the model raw)")
+    extraction: Literal["answer_is", "last_number"] | None = param(
+        None, "null: the protocol's (pqcache: last_number, PQCache's evaluation; wei8: answer_is)"
+    )
+    question_position: QuestionPosition = param(
+        "end", "end | start (kvbench's variant: the question before the exemplars)"
+    )
+    limit: int | None = limit_param("questions")
+
 
 # Wei et al. (2022), "Chain-of-thought prompting elicits reasoning in large language models", the
 # eight GSM8k exemplars.

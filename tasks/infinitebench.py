@@ -46,10 +46,12 @@ import re
 import statistics
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, param
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.infinitebench_protocol import (
@@ -64,8 +66,40 @@ from kvbench.tasks.infinitebench_protocol import (
     TASKS,
     infllm_conv,
 )
-from kvbench.tasks.params import InfiniteBenchParams
+from kvbench.tasks.params import QuestionPosition, data_dir_param, limit_param
 from kvbench.tasks.sources import data_folder, hub_rows, read_jsonl
+
+
+@dataclass(frozen=True)
+class InfiniteBenchParams(Params):
+    """InfiniteBench (12 tasks), with generators for passkey / number_string / kv_retrieval / math_find."""
+
+    subsets: tuple[str, ...] | str = param(("passkey",), "task names, or [all]")
+    protocol: Literal["open", "chat", "infllm"] = param(
+        "open", "open (completion templates) | chat (GPT-4 templates + chat template) | infllm (InfLLM's pred.py)"
+    )
+    max_length: int | None = param(
+        None,
+        "open/chat: middle truncation (tokens), null: 128K; infllm: InfLLM's max_len (prompt + generation, "
+        "suffix truncation), null: Mistral 32000, Llama-3 none, others their context",
+        min=1,
+    )
+    max_new_tokens: int | None = param(None, "null: the protocol's per-task lengths", min=1)
+    scorer_version: Literal["2024-06", "2024-08"] = param(
+        "2024-08", "En.Dia / En.MC scorer revision: 2024-06 (before the #18 fix) | 2024-08"
+    )
+    generate: bool | None = param(None, "synthetic samples instead of files; null: when no data_dir is given")
+    lengths: tuple[int, ...] = param((4096,), "generated prompt lengths", min=1)
+    depths: tuple[float, ...] = param((0.0, 0.25, 0.5, 0.75, 1.0), "generated needle depths", min=0, max=1)
+    length_unit: Literal["tokens", "infinitebench"] = param(
+        "tokens", "tokens (of the model) | infinitebench (the original noise-line counts)"
+    )
+    seed: int = param(0, "generator seed")
+    file: str | None = param(None, "a file in data_dir other than <task>.jsonl (one task at a time)")
+    data_dir: str | None = data_dir_param("folder with the official <task>.jsonl files; null: the hub")
+    question_position: QuestionPosition = param("end", "end | start")
+    limit: int | None = limit_param("samples per task")
+
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 NEEDLES = {

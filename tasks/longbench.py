@@ -35,12 +35,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, param
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.longbench_protocol import (
@@ -53,8 +55,37 @@ from kvbench.tasks.longbench_protocol import (
     Dataset,
     pqcache_chat_style,
 )
-from kvbench.tasks.params import LongBenchParams
+from kvbench.tasks.params import QuestionPosition, data_dir_param, limit_param
 from kvbench.tasks.sources import data_folder, hub_rows, read_jsonl
+
+
+@dataclass(frozen=True)
+class LongBenchParams(Params):
+    """LongBench v1 / LongBench-E under the official protocol."""
+
+    subsets: tuple[str, ...] | str = param(
+        ("multi_news",), "dataset names or groups: all, en, e, pqcache (Table 2), pqcache_qa (Table 3), clusterkv"
+    )
+    e: bool = param(False, "LongBench-E: <name>_e files and length buckets")
+    protocol: Literal["official", "pqcache", "quest", "kvcache_factory"] = param(
+        "official", "length-limit table: official | pqcache | quest | kvcache_factory"
+    )
+    max_length: int | None = param(
+        None,
+        "middle-truncation limit in tokens; null: the protocol's value, else model context - longest generation",
+        min=1,
+    )
+    question_position: QuestionPosition = param(
+        "end", "end | start (QA datasets: question before the context, PQCache Table 3)"
+    )
+    data_dir: str | None = data_dir_param(
+        "folder with <dataset>.jsonl (LongBench data.zip); null: the hub's THUDM/LongBench"
+    )
+    config_dir: str | None = param(
+        None, "folder with the official dataset2prompt.json / dataset2maxlen.json (null: built-in copies)"
+    )
+    limit: int | None = limit_param("samples per dataset")
+
 
 HUB = "THUDM/LongBench"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "THUDM/LongBench on the hub (data.zip holds <dataset>.jsonl files)"

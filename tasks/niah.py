@@ -38,15 +38,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from kvbench.errors import ConfigError
+from kvbench.params import param
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleQuery, Task, followup_frame
-from kvbench.tasks.params import ANSWER, NiahParams
+from kvbench.tasks.params import MultiQueryParams, QuestionPosition, data_dir_param, limit_param
 
 SCORERS = ("rouge1_recall", "rouge1_f", "substring")
+# the defaults: the needle of Kamradt's test (PQCache's Fig. 9)
+NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+QUESTION = "What is the best thing to do in San Francisco?"
+ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
+INSTRUCTION = "Don't give information outside the document or repeat your findings"
+SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 PLACEHOLDER = "\u0000KVBENCH_HAYSTACK\u0000"
 #: the needles after the configured one for ``needles > 1``: (city, answer, key phrase for ``substring``)
 EXTRA_NEEDLES = (
@@ -58,6 +65,32 @@ EXTRA_NEEDLES = (
     ("Cairo", "sail a felucca on the Nile at sunset", "felucca"),
     ("Lisbon", "ride tram 28 to the castle and eat custard tarts in Belem", "tram 28"),
 )
+
+
+@dataclass(frozen=True)
+class NiahParams(MultiQueryParams):
+    """Needle in a haystack on Paul Graham essays (Kamradt; PQCache Fig. 9)."""
+
+    #: prompts are exactly ``lengths`` tokens, template included (kvbench.validate checks them against the
+    #: model before it loads, with ``max_new_tokens`` on top)
+    exact_lengths: ClassVar[bool] = True
+
+    lengths: tuple[int, ...] = param((1024, 2048, 4096), "whole-prompt lengths in tokens", min=1)
+    depths: tuple[float, ...] = param(
+        (0.0, 0.25, 0.5, 0.75, 1.0), "needle depths: 0 = start of the document, 1 = end", min=0, max=1
+    )
+    question_position: QuestionPosition = param("end", "end | start (question before the document, PQCache Table 3)")
+    needle: str = param(NEEDLE, "the needle sentence")
+    question: str = param(QUESTION, "the question about it")
+    answer: str = param(ANSWER, "the reference answer")
+    instruction: str = param(INSTRUCTION, "the instruction after the document")
+    system_prompt: str = param(SYSTEM, "the system prompt")
+    max_new_tokens: int = param(48, "tokens generated per answer", min=1)
+    scorer: Literal["rouge1_recall", "rouge1_f", "substring"] = param("rouge1_recall", "how an answer is scored")
+    haystack: str = param("paul_graham_essays", "packaged asset; task.data_dir=<folder of .txt> overrides")
+    data_dir: str | None = data_dir_param("a folder of .txt files as the haystack (null: the packaged essays)")
+    limit: int | None = limit_param("samples")
+    needles: int = param(1, ">1: that many needles (other cities) with one question each", min=1, legacy=1)
 
 
 @dataclass(frozen=True)

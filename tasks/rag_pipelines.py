@@ -83,7 +83,7 @@ RERANK_PATTERN = re.compile(r"(?s)^\s*(?:Answer:\s*)?(.*?)\s*\n\s*Score:\s*(\d+)
 
 def check(pipeline: str, dataset: str) -> None:
     """Refuse a pipeline the data set cannot run (one line, before any model loads). The pipeline's name,
-    ``map_tokens`` and ``rerank_score`` are checked by their declarations (:class:`~kvbench.tasks.params.RagParams`)."""
+    ``map_tokens`` and ``rerank_score`` are checked by their declarations (:class:`~kvbench.tasks.rag.RagParams`)."""
     if pipeline != "stuff" and dataset == "multi_news":
         raise ConfigError(
             f"task.pipeline={pipeline} asks a question of every chunk, and multi_news has none",

@@ -107,20 +107,69 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from kvbench.errors import ConfigError
-from kvbench.params import defaults
+from kvbench.params import Params, defaults, param
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, T
-from kvbench.tasks.params import RagStreamParams
+from kvbench.tasks.params import data_dir_param
 from kvbench.tasks.rag import Rag, RawSample
 from kvbench.tasks.rag_retrieval import retriever
+
+
+@dataclass(frozen=True)
+class RagStreamParams(Params):
+    """CacheBlend Fig. 14 (the rag task's questions as one stream of requests) or Cache-Craft's Zipf stream."""
+
+    dataset: str = param("wikimqa", "musique | wikimqa | example")
+    data_dir: str | None = data_dir_param("../shared/data/cacheblend")
+    chunk_tokens: int | None = param(512, "CacheBlend §7.1: 512-token chunks (null: one chunk per passage)", min=1)
+    top_k: int | None = param(6, "... and the top 6 by L2 distance of MiniLM embeddings", min=1)
+    retriever: Literal["minilm", "bm25"] = param("minilm", "minilm | bm25")
+    max_length: int | None = param(
+        None, "prompt limit in tokens; null: the model's context minus the generation", min=1
+    )
+    limit: int | None = param(30, "questions (each asked `repeats` times)", min=1)
+    repeats: int = param(4, "the paper: the original and 3 paraphrases (here: the same question again)", min=1)
+    seed: int = param(0, "arrival order and chunk orders", min=0)
+    warmup: int = param(
+        20, "first requests excluded from the statistics (their store was cold; Cache-Craft: 20)", min=0
+    )
+    shuffle_chunks: bool = param(True, "each request's chunks in a random order (the paper's \"in a random order\")")
+    popularity: Literal["repeat", "zipf"] = param(
+        "repeat", "repeat (CacheBlend Fig. 14: limit x repeats) | zipf (Cache-Craft: skewed chunk popularity)"
+    )
+    zipf_s: float = param(
+        2.0, "zipf: P(question of popularity rank r) ~ 1/(r+1)^zipf_s; top 5% of chunks in ~60% of requests", min=0
+    )
+    requests: int = param(200, "zipf: requests drawn (repeat: limit x repeats)", min=1)
+    candidates: int = param(
+        10, "zipf: a request draws top_k of its question's `candidates` best passages (weight 1/(rank+1))", min=1
+    )
+    pipeline: Literal["stuff", "mapreduce", "maprerank"] = param(
+        "stuff", "(rag's option; a stream serves single prompts)"
+    )
+    map_tokens: int | None = param(None, "(rag's option; unused by a stream)", min=1)
+
+    #: the zipf stream's keys (issue 43): a run at popularity=repeat, the stream recorded before they
+    #: existed, leaves them out of its identity at their defaults; a zipf run is identified by every key
+    STREAM_KEYS: ClassVar[tuple[str, ...]] = ("popularity", "zipf_s", "requests", "candidates")
+
+    @classmethod
+    def identity(cls, values: dict[str, Any]) -> dict[str, Any]:
+        values = super().identity(values)
+        if values.get("popularity", "repeat") != "repeat":
+            return values
+        legacy = {key: value for key, value in defaults(cls).items() if key in cls.STREAM_KEYS}
+        return {key: value for key, value in values.items() if not (key in legacy and value == legacy[key])}
+
 
 POPULARITIES = ("repeat", "zipf")
 #: the keys of the zipf stream (issue 43) at their declared defaults (:class:`RagStreamParams`), the values

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from random import Random
@@ -71,10 +72,11 @@ from typing import Any
 import numpy as np
 
 from kvbench.errors import ConfigError, note
+from kvbench.params import param
 from kvbench.requests import Segment
 from kvbench.tasks import register
 from kvbench.tasks.base import Sample, SampleQuery, Task, followup_frame, multi_query_metrics
-from kvbench.tasks.params import RulerParams
+from kvbench.tasks.params import MultiQueryParams, QuestionPosition, data_dir_param, limit_param
 from kvbench.tasks.ruler_data import (
     WONDERWORDS_VERSION,
     Draw,
@@ -92,6 +94,26 @@ from kvbench.tasks.ruler_data import (
     variable_tracking,
 )
 from kvbench.tasks.ruler_protocol import FAMILIES, QA_TASKS, TASKS, PromptText, render, score
+
+
+@dataclass(frozen=True)
+class RulerParams(MultiQueryParams):
+    """NVIDIA RULER's synthetic tasks, generated with the model's tokenizer."""
+
+    subsets: tuple[str, ...] | str = param(tuple(TASKS), "RULER task names, or [all]")
+    lengths: tuple[int, ...] = param((4096, 8192), "prompt + tokens to generate (RULER's max_seq_length)", min=1)
+    num_samples: int = param(20, "per task and length (RULER: 500)", min=1)
+    seed: int = param(42, "fixed seed: byte-identical samples")
+    haystack: str = param("paul_graham_essays", "essay haystack: a packaged asset or a folder of .txt")
+    chat_template: bool = param(True, "false: RULER's base template (plain text)")
+    generator_version: int = param(1, "names the generators' revision (part of the run id)", min=1)
+    data_dir: str | None = data_dir_param(
+        "qa_1 / qa_2: a folder with squad.json (SQuAD v2.0 dev) and hotpotqa.json (HotpotQA dev distractor); "
+        "without them they are skipped"
+    )
+    question_position: QuestionPosition = param("end", "RULER asks after the context")
+    limit: int | None = limit_param("samples per task and length (at most num_samples)")
+
 
 #: bump when a change to the generators or prompts changes any sample
 GENERATOR_VERSION = 1

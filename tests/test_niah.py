@@ -2,8 +2,7 @@ import pytest
 
 from kvbench.errors import ConfigError
 from kvbench.tasks import create_task
-from kvbench.tasks.niah import _insert
-from kvbench.tasks.params import ANSWER, NEEDLE
+from kvbench.tasks.niah import ANSWER, NEEDLE, _insert
 
 
 @pytest.fixture

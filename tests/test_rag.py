@@ -102,6 +102,15 @@ def test_rechunking_and_retrieval(tiny_llama, qa_dir):
     sample = next(iter(task.samples(tiny_llama)))
     kept = [tiny_llama.tokenizer.decode(s.ids).strip() for s in sample.segments if s.role == "chunk"]
     assert kept == [PASSAGES[1], PASSAGES[3]] and sample.meta["retrieved"] == [1, 3]  # original order
+    ordered = {}
+    for order in ("nearest_first", "nearest_last"):
+        task = rag(dataset="musique", data_dir=str(qa_dir), top_k=2, retriever="bm25", limit=1, retrieved_order=order)
+        ordered[order] = next(iter(task.samples(tiny_llama))).meta["retrieved"]
+    assert sorted(ordered["nearest_first"]) == [1, 3] and ordered["nearest_last"] == ordered["nearest_first"][::-1]
+    from kvbench.tasks.rag_retrieval import retriever
+
+    distances = retriever("bm25").distances("where was Ada Lovelace born?", [f"\n\n{p}\n\n" for p in PASSAGES])
+    assert distances[ordered["nearest_first"][0]] <= distances[ordered["nearest_first"][1]]
 
 
 def test_a_long_prompt_loses_middle_chunks(tiny_llama, qa_dir):

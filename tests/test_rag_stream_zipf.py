@@ -24,7 +24,7 @@ from .test_rag import qa_dir  # noqa: F401 (fixture)
 CACHEBLEND = SHARED_DATA / "cacheblend"
 needs_data = pytest.mark.skipif(not CACHEBLEND.is_dir(), reason="needs ../shared/data/cacheblend")
 
-#: the defaults of the zipf stream (as declared, kvbench.tasks.params: 2WikiMQA, 30 questions, top 6 of 10
+#: the defaults of the zipf stream (as declared, kvbench.tasks.rag_stream: 2WikiMQA, 30 questions, top 6 of 10
 #: candidates, 200 requests, zipf_s 2.0), with BM25 for MiniLM (no asset needed; the same draws, other passages at
 #: some ranks: MiniLM measured the same top-5 % share, 0.61, at seed 0)
 DEFAULTS = {
