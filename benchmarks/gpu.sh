@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu.sh cudatests decode_graph   # issue 42's table (~5 min on an H200): the static decode
 #   step eager vs replayed as CUDA graphs, sync-free replays, the roofline, and the methods at 32k (MHA shape);
 #   its parts decode_8b, decode_mha, decode_pq, decode_compile run alone too (T_8B, T_MHA, T_PQ, T_COMPILE:
-#   each one's time limit in s; KERNELS: the decode attention kernels decode_8b compares; MHA_METHODS)
+#   each one's time limit in s; KERNELS: the decode attention kernels decode_8b compares; MHA_METHODS;
+#   PROFILE_TOP=N: decode_mha prints each method's N ops with the most GPU time, from torch.profiler)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
 #   bash benchmarks/gpu.sh clusterkv reuse profile decode kmeans
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill;
@@ -80,7 +81,8 @@ for step in "$@"; do
       # 1024, device-resident KV
       timeout "${T_MHA:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama2_7b_shape --lengths 32768 \
         --methods "${MHA_METHODS:-full,quest,clusterkv,oracle}" --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
-        --param kernels="${MHA_KERNELS:-split}" --save "$OUT/decode-graph-mha.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
+        --param kernels="${MHA_KERNELS:-split}" --param profile="${PROFILE_TOP:-0}" --save "$OUT/decode-graph-mha.json" 2>&1 \
+        | tee -a "$OUT/decode-graph.log" ;;
     decode_pq)  # issue 42 (3): PQCache's TPOT against the context (the paper: nearly flat), k-means on the GPU
       timeout "${T_PQ:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
         --lengths "${PQ_LENGTHS:-32768,65536}" --methods full,pqcache --new-tokens 128 --rounds 1 \

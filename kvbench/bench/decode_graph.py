@@ -14,6 +14,8 @@ default ``full`` on ``llama31_8b_shape`` at 32k, bf16):
   with a 1 GiB device-to-device copy; ``graph / roofline`` is how close the step runs to it;
 * ``--param kernels=sdpa,matmul,split`` runs every row with each decode attention kernel
   (``engine.decode_attention``), side by side; ``tpot / full`` is against ``full`` with the same kernel;
+* ``--param profile=N``: after each row, one eager generation profiled over its decode steps 3-18
+  (torch.profiler), the N ops with the most device time printed (where a selection's time goes);
 * with ``--param compile=true``, transformers' ``StaticCache`` decode under
   ``torch.compile(mode="reduce-overhead")`` on the same prompt (``hf_compiled_tpot_ms``), the field's
   reference for a captured decode step.
@@ -159,6 +161,38 @@ def _method_row(
     return row
 
 
+def _profiled(run: Any, name: str, ids: list[int], kernel: str, top: int, cuda: bool) -> str:
+    """Where an eager static step's time goes: torch.profiler over decode steps 3-18 of one generation
+    (the prefill and the first steps left out), the ``top`` ops by their own device time (CPU time on a
+    CPU). Eager, so that every kernel shows apart (a replayed graph runs the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvbench.engine.decode import StaticDecoder
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    original, started = StaticDecoder.step, []
+
+    def step(self: StaticDecoder, feed: int | None = None, timed: bool = True) -> torch.Tensor:
+        if self.steps == 2 and not started:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.start()
+            started.append(True)
+        return original(self, feed, timed)
+
+    StaticDecoder.step = step  # type: ignore[method-assign]
+    try:
+        run(name, ids, 18, False, kernel=kernel)
+    finally:
+        StaticDecoder.step = original  # type: ignore[method-assign]
+        if started:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.stop()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return str(prof.key_averages().table(sort_by=key, row_limit=top))
+
+
 @benchmark("decode_graph")
 def decode_graph(options: BenchOptions) -> BenchResult:
     from kvbench.budget import BudgetConfig
@@ -177,7 +211,7 @@ def decode_graph(options: BenchOptions) -> BenchResult:
     methods = list(options.methods or ("full",))
     loaded = load_model(compose([f"model={model_name}", f"model.device={device.type}"])["model"])
     bandwidth = copy_bandwidth(device)
-    params = {k: v for k, v in options.params.items() if k not in ("compile", "kernels")}
+    params = {k: v for k, v in options.params.items() if k not in ("compile", "kernels", "profile")}
     kernels = str(options.params.get("kernels", options.engine.get("decode_attention", "sdpa"))).split(",")
     modes = {"eager": False, "graph": True} if cuda else {"eager": False}
 
@@ -211,6 +245,11 @@ def decode_graph(options: BenchOptions) -> BenchResult:
                     row["hf_compiled_tpot_ms"] = f"error: {str(error).splitlines()[0][:160]}"
                 print("decode_graph compiled:", row["hf_compiled_tpot_ms"], file=sys.stderr, flush=True)
             rows.append(row)  # (each row printed as it finishes: a step stopped at its limit keeps what it measured)
+            if options.params.get("profile"):
+                table = _profiled(run, name, ids, kernel, int(options.params["profile"]), cuda)
+                print(
+                    f"decode_graph profile: {name} ({kernel}), {len(ids)} tokens\n{table}", file=sys.stderr, flush=True
+                )
             if cuda:
                 torch.cuda.empty_cache()
     full_rows = {(r["prompt"], r["kernel"]): r for r in rows if r["method"] == "full"}
