@@ -170,7 +170,8 @@ def _profiled(run: Any, name: str, ids: list[int], kernel: str, top: int, cuda: 
     from kvbench.engine.decode import StaticDecoder
 
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-    original, started = StaticDecoder.step, []
+    original = StaticDecoder.step
+    started: list[bool] = []
 
     def step(self: StaticDecoder, feed: int | None = None, timed: bool = True) -> torch.Tensor:
         if self.steps == 2 and not started:
