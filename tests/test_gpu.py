@@ -154,3 +154,23 @@ def test_the_decode_attention_kernels_agree_on_cuda(cuda_llama, random_ids):
         for kernel in ("sdpa", "matmul", "split")
     }
     assert runs["matmul"] == runs["sdpa"] and runs["split"] == runs["sdpa"]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_split_kernel_in_bfloat16(group):
+    """The Triton kernel on the GPU in bf16 (its interpreter cannot check bf16 dot products on a CPU):
+    within bf16 rounding of float32 attention, the masked tail and a partial last chunk included."""
+    from kvbench.engine import attention, split_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, d, slots, length = 8, 128, 4096 + 128, 4000
+    buffer_k = torch.randn(rows, 5000, d, device="cuda", generator=gen).bfloat16()
+    buffer_v = torch.randn(rows, 5000, d, device="cuda", generator=gen).bfloat16()
+    query = torch.randn(1, rows * group, 1, d, device="cuda", generator=gen).bfloat16()
+    keys, values = buffer_k[:, :slots], buffer_v[:, :slots]
+    mask = attention.length_mask(
+        torch.arange(slots, device="cuda"), torch.tensor([length], device="cuda"), torch.bfloat16
+    )
+    out = split_decode.attend(query, keys, values, mask, d**-0.5, 256)
+    exact = attention.decode_matmul(query.float(), keys.float(), values.float(), mask.float(), d**-0.5)
+    torch.testing.assert_close(out.float(), exact, rtol=2e-2, atol=2e-2)

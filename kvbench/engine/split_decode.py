@@ -19,7 +19,8 @@ its sum of exponentials ``l`` and its exponential-weighted values, and a merge w
 * the merge is five PyTorch ops over ``[rows, chunks, 16]`` partials (no host read).
 
 The kernel is built on first use (Triton is imported only then); ``tests/test_decode_kernels.py``
-runs it under ``TRITON_INTERPRET=1`` on a CPU against :func:`kvbench.engine.attention.decode_matmul`.
+runs it under ``TRITON_INTERPRET=1`` on a CPU in float32 against written-out attention (Triton 3.9's
+interpreter computes bf16 dot products wrongly, so bf16 is checked on a GPU: ``tests/test_gpu.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _kernel() -> Any:
         D: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -82,7 +84,10 @@ def _kernel() -> Any:
             inside = n < slots
             held = inside[:, None]
             k = tl.load(k_ptr + row * stride_kr + n[:, None] * stride_kn + dims[None, :], mask=held, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
+            if IEEE:  # float32 operands: exact products (not TF32); bf16/fp16 take the tensor cores as they are
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scaling
             bias = tl.load(mask_ptr + n, mask=inside, other=float("-inf")).to(tl.float32)
             scores = scores + bias[None, :]
             m_new = tl.maximum(m, tl.max(scores, 1))
@@ -90,7 +95,10 @@ def _kernel() -> Any:
             p = tl.exp(scores - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + row * stride_vr + n[:, None] * stride_vn + dims[None, :], mask=held, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         base = (row * tl.num_programs(1) + chunk) * ROWS_P + heads
         tl.store(m_ptr + base, m)
@@ -144,6 +152,7 @@ def attend(
         D=d,
         CHUNK=split_tokens,
         BLOCK_N=BLOCK,
+        IEEE=keys.dtype == torch.float32,
     )
     weights = torch.exp(maxima - maxima.amax(1, keepdim=True))  # [rows, chunks, ROWS]
     out = torch.einsum("rcg,rcgd->rgd", weights, partial) / (weights * sums).sum(1).unsqueeze(-1)
