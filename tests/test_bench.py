@@ -147,3 +147,17 @@ def test_decode_host_counts_a_sync_free_static_step_and_decode_graph_runs_its_cp
     graph = {row["method"]: row for row in by_name["decode_graph"]["rows"]}
     assert graph["full"]["eager_tpot_ms"] > 0 and graph["full"]["graph_tpot_ms"] == "n/a (no CUDA)"
     assert graph["quest"]["tpot / full"] > 0
+
+
+def test_decode_graph_runs_each_decode_kernel_side_by_side_and_profiles():
+    """--param kernels=...: one row per kernel and method (what gpu.sh decode_8b compares on a GPU);
+    --param profile=N prints each row's top ops from torch.profiler."""
+    out = kvbench(
+        "bench", "decode_graph", "--quick", "--methods", "full", "--rounds", "1", "--new-tokens", "4",
+        "--param", "kernels=sdpa,split", "--param", "profile=3", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["results"][0]["rows"]
+    assert [(row["method"], row["kernel"]) for row in rows] == [("full", "sdpa"), ("full", "split")]
+    assert all(row["eager_tpot_ms"] > 0 for row in rows)
+    assert out.stderr.count("decode_graph profile: full") == 2 and "Self CPU" in out.stderr
