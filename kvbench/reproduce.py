@@ -42,6 +42,7 @@ from kvbench.render import (
     render_figure,
     render_paired,
     render_table,
+    render_tune,
 )
 
 DEFAULT_OUT = Path("results/reproduce")
@@ -284,7 +285,7 @@ def render(
     art = get_artifact(exp.compare)
     runs = our_runs(run_dirs)
     needs_samples = any(
-        kind in ("paired", "agreement") or (spec or {}).get("source") == "samples"
+        kind in ("paired", "agreement", "tune") or (spec or {}).get("source") == "samples"
         for item in exp.render
         for kind, spec in item.items()
     )
@@ -320,6 +321,8 @@ def render(
             sections += render_paired(exp, spec, runs, samples)
         elif kind == "agreement":
             sections += render_agreement(exp, spec, runs, samples)
+        elif kind == "tune":
+            sections += render_tune(exp, spec, runs, samples)
         elif kind == "chunk_scores":
             sections += render_chunk_scores(exp, spec, runs, out_dir, stem)
         elif kind == "bench":

@@ -95,6 +95,7 @@ from kvbench.render.protocol import ASPECTS, protocol_section
 from kvbench.render.spec import KINDS, OPS, check_render
 from kvbench.render.table import render_bench, render_table
 from kvbench.render.text import fmt, to_latex, to_markdown
+from kvbench.render.tune import render_tune
 
 __all__ = [
     "ALIASES",
@@ -126,6 +127,7 @@ __all__ = [
     "render_figure",
     "render_paired",
     "render_table",
+    "render_tune",
     "rows_for",
     "select",
     "sided",

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvbench.errors import ConfigError
 
-KINDS = ("table", "claims", "curve", "figure", "paired", "agreement", "bench", "chunk_scores")
+KINDS = ("table", "claims", "curve", "figure", "paired", "agreement", "bench", "chunk_scores", "tune")
 _ITEM_KEYS = {
     "table": {"rows", "cols", "value", "split", "where", "title", "digits", "compare"},  # compare: none = ours only
     "claims": {"rows", "split", "where", "title", "compare", "source"},
@@ -32,6 +32,7 @@ _ITEM_KEYS = {
     "agreement": {"baseline", "split", "by", "match", "where", "title"},
     "bench": {"columns", "title"},
     "chunk_scores": {"by", "deviation", "split", "where", "title", "resamples"},  # kvbench.render.chunk_scores
+    "tune": {"baseline", "over", "cost", "quality", "target", "split", "where", "title"},  # kvbench.render.tune
 }
 OPS = ("value", "ratio", "diff", "max_diff", "rel_gain_over_best", "rel_gap", "rel_diff", "gap_ratio")
 
@@ -51,6 +52,10 @@ def check_render(item: Any) -> None:
         from kvbench.agreement import check
 
         check(options)
+    if kind == "tune":
+        from kvbench.render.tune import check as check_tune
+
+        check_tune(options)
     if kind == "claims":
         for row in options.get("rows") or []:
             op = (row.get("ours") or {}).get("op")
