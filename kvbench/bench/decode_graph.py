@@ -152,6 +152,11 @@ def _method_row(
         # how many leading tokens agree (bf16 kernels chosen under capture may round differently; a
         # random-weight model's near-flat logits then flip a later argmax)
         row["identical_prefix"] = next((i for i, (a, b) in enumerate(zip(eager, graph)) if a != b), len(eager))
+        # two runs of one mode (rounds >= 2) tell a kernel that rounds differently from run to run from a
+        # difference between the modes
+        for mode in ("eager", "graph"):
+            if len(outs[mode]) >= 2:
+                row[f"{mode}_repeats"] = outs[mode][0].tokens == outs[mode][1].tokens
     row["replay_syncs"] = "error: " + errors["graph"] if "graph" in errors else ("0" if cuda else "n/a")
     best = min((o for mode in modes for o in outs[mode]), key=lambda o: o.telemetry["tpot_s"], default=None)
     if bandwidth and best is not None:
