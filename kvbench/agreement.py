@@ -234,7 +234,7 @@ def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any)
     import pandas as pd
 
     from kvbench.render.frames import Section, against_baseline, select, values
-    from kvbench.render.text import to_latex, to_markdown
+    from kvbench.render.text import table_section
 
     baseline = spec["baseline"]
     title = spec.get("title") or f"agreement with {', '.join(f'{k}={v}' for k, v in baseline.items())}'s answers"
@@ -284,16 +284,7 @@ def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any)
         f"normalisation ({named}); ROUGE-L F1 and Jaccard of token sets of the normalised answers; means "
         "with 95 % bootstrap intervals over the paired samples."
     )
-    return [
-        Section(
-            title,
-            markdown=to_markdown(table),
-            latex=to_latex(table),
-            csv=pd.DataFrame(numbers).to_csv(index=False),
-            frame=table,
-            note=note,
-        )
-    ]
+    return [table_section(title, table, pd.DataFrame(numbers).to_csv(index=False), note=note)]
 
 
 def _form_names(frame: Any) -> dict[str, str]:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.render.frames import Section, groups, select, values
-from kvbench.render.text import to_latex, to_markdown
+from kvbench.render.text import table_section
 
 #: the scores correlated with the deviation: column -> label
 SCORES = {
@@ -198,15 +198,7 @@ def render_chunk_scores(exp: Any, spec: Mapping[str, Any], runs: Any, out_dir: P
         figures.append(_scatter(points, out_dir / f"{stem}.png", deviations[0]))
     note = None if raw else "no reused chunk with a measured deviation (profile.deviation off, or no variant reused)"
     return [
-        Section(
-            title,
-            markdown=to_markdown(frame),
-            latex=to_latex(frame),
-            csv=pd.DataFrame(raw).to_csv(index=False) if raw else frame.to_csv(index=False),
-            frame=frame,
-            figures=figures,
-            note=note,
-        )
+        table_section(title, frame, pd.DataFrame(raw).to_csv(index=False) if raw else None, note=note, figures=figures)
     ]
 
 

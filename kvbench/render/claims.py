@@ -23,7 +23,7 @@ from kvbench.render.frames import (
     values,
 )
 from kvbench.render.paper import holds, paper_rows, paper_text, sided
-from kvbench.render.text import fmt, to_latex, to_markdown
+from kvbench.render.text import fmt, table_section
 
 
 def claim_value(frame: Any, spec: Mapping[str, Any]) -> float | None:
@@ -228,11 +228,5 @@ def render_claims(
         return [Section(spec.get("title") or "claims", markdown="(no claims)")]
     shown = table.drop(columns=["quote"])
     return [
-        Section(
-            spec.get("title") or "the paper's stated numbers against ours",
-            markdown=to_markdown(shown),
-            latex=to_latex(shown),
-            csv=table.to_csv(index=False),
-            frame=shown,
-        )
+        table_section(spec.get("title") or "the paper's stated numbers against ours", shown, table.to_csv(index=False))
     ]

@@ -19,7 +19,7 @@ from kvbench.render.frames import (
     select,
     values,
 )
-from kvbench.render.text import fmt, to_latex, to_markdown
+from kvbench.render.text import fmt, table_section
 
 
 def render_curve(
@@ -66,16 +66,7 @@ def render_curve(
         logy=bool(spec.get("logy")),
     )
     grid = _curve_grid(data)
-    return [
-        Section(
-            title,
-            markdown=to_markdown(grid),
-            latex=to_latex(grid),
-            csv=data.to_csv(index=False),
-            frame=grid,
-            figures=[path],
-        )
-    ]
+    return [table_section(title, grid, data.to_csv(index=False), figures=[path])]
 
 
 def _curve_points(

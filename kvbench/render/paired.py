@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbench.render.frames import Section, against_baseline, select, values
-from kvbench.render.text import fmt, to_latex, to_markdown
+from kvbench.render.text import fmt, table_section
 
 
 def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) -> list[Section]:
@@ -52,9 +52,7 @@ def render_paired(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) ->
     if not out:
         return [Section(title, markdown="(no pairs: the runs share no samples with the baseline)")]
     table = pd.DataFrame(out)
-    return [
-        Section(title, markdown=to_markdown(table), latex=to_latex(table), csv=table.to_csv(index=False), frame=table)
-    ]
+    return [table_section(title, table)]
 
 
 def render_agreement(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) -> list[Section]:

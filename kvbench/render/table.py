@@ -20,7 +20,7 @@ from kvbench.render.frames import (
     values,
 )
 from kvbench.render.paper import join_keys, paper_rows, paper_text
-from kvbench.render.text import fmt, to_latex, to_markdown
+from kvbench.render.text import fmt, table_section
 
 
 def render_table(exp: Any, spec: Mapping[str, Any], runs: Any) -> list[Section]:
@@ -188,7 +188,7 @@ def _table_section(
         )
         grid = grid.reindex(_ordered(grid.index, [order[k] for k in rows])).reset_index()
     grid.columns = [str(c) for c in grid.columns]
-    return Section(title, markdown=to_markdown(grid), latex=to_latex(grid), csv=csv, frame=grid)
+    return table_section(title, grid, csv)
 
 
 def _unlike_averages(merged: Any, keys: list[str]) -> dict[Any, tuple[int, int]]:
@@ -265,12 +265,5 @@ def render_bench(spec: Mapping[str, Any], bench_rows: Any, notes: Sequence[str])
     frame = bench_rows[[c for c in labels if c in bench_rows.columns]].rename(columns=labels)
     shown = frame.map(lambda v: fmt(v, 4))
     return [
-        Section(
-            spec.get("title") or "benchmark",
-            markdown=to_markdown(shown),
-            latex=to_latex(shown),
-            csv=frame.to_csv(index=False),
-            frame=shown,
-            note="; ".join(notes) or None,
-        )
+        table_section(spec.get("title") or "benchmark", shown, frame.to_csv(index=False), note="; ".join(notes) or None)
     ]

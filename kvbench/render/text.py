@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.render.frames import is_missing
+from kvbench.render.frames import Section, is_missing
 
 
 def fmt(value: Any, digits: int = 2, measured: bool = False) -> str:
@@ -63,3 +63,24 @@ def to_latex(frame: Any) -> str:
     lines += [" & ".join(esc(v) for v in row) + r" \\" for row in frame.itertuples(index=False)]
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines)
+
+
+def table_section(
+    title: str,
+    shown: Any,
+    csv: str | None = None,
+    *,
+    note: str | None = None,
+    figures: list[Any] | None = None,
+) -> Section:
+    """A :class:`Section` of one displayed table ``shown``: its markdown, LaTeX and frame; ``csv`` the numbers
+    behind it (default: ``shown`` itself)."""
+    return Section(
+        title,
+        markdown=to_markdown(shown),
+        latex=to_latex(shown),
+        csv=shown.to_csv(index=False) if csv is None else csv,
+        frame=shown,
+        figures=list(figures or []),
+        note=note,
+    )

@@ -83,7 +83,7 @@ def render_tune(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) -> l
     import pandas as pd
 
     from kvbench.render.frames import Section, against_baseline, select, values
-    from kvbench.render.text import to_latex, to_markdown
+    from kvbench.render.text import table_section
 
     over, cost, quality, target = spec["over"], spec["cost"], spec["quality"], float(spec["target"])
     title = spec.get("title") or f"{over} tuned: the lowest {cost} with {quality} >= {target:g}"
@@ -126,13 +126,4 @@ def render_tune(exp: Any, spec: Mapping[str, Any], runs: Any, samples: Any) -> l
         f"{verdict} Each run against the baseline ({', '.join(f'{k}={v}' for k, v in spec['baseline'].items())}) "
         f"on the samples both answered; quality by its point estimate, cost as the run reports it."
     )
-    return [
-        Section(
-            title,
-            markdown=to_markdown(shown),
-            latex=to_latex(shown),
-            csv=pd.DataFrame(rows).to_csv(index=False),
-            frame=shown,
-            note=note,
-        )
-    ]
+    return [table_section(title, shown, pd.DataFrame(rows).to_csv(index=False), note=note)]
