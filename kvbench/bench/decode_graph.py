@@ -42,29 +42,39 @@ WARM_TOKENS = 16
 
 
 @contextmanager
-def _sync_errors(on: bool) -> Any:
-    """Sync debug mode ``error`` around every decode step after a generation's first (CUDA only)."""
+def _wrapped_step(wrap: Any) -> Any:
+    """``StaticDecoder.step`` replaced by ``wrap(original)`` inside the block, restored after it."""
     from kvbench.engine.decode import StaticDecoder
 
-    if not on:
-        yield
-        return
     original = StaticDecoder.step
-
-    def step(self: StaticDecoder, feed: int | None = None, timed: bool = True) -> torch.Tensor:
-        if self.steps == 0:  # the first step of a generation may allocate (buffers, lazy library state)
-            return original(self, feed, timed)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return original(self, feed, timed)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    StaticDecoder.step = step  # type: ignore[method-assign]
+    StaticDecoder.step = wrap(original)  # type: ignore[method-assign]
     try:
         yield
     finally:
         StaticDecoder.step = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def _sync_errors(on: bool) -> Any:
+    """Sync debug mode ``error`` around every decode step after a generation's first (CUDA only)."""
+    if not on:
+        yield
+        return
+
+    def wrap(original: Any) -> Any:
+        def step(self: Any, feed: int | None = None, timed: bool = True) -> torch.Tensor:
+            if self.steps == 0:  # the first step of a generation may allocate (buffers, lazy library state)
+                return original(self, feed, timed)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return original(self, feed, timed)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return step
+
+    with _wrapped_step(wrap):
+        yield
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
@@ -172,25 +182,24 @@ def _profiled(run: Any, name: str, ids: list[int], kernel: str, top: int, cuda: 
     CPU). Eager, so that every kernel shows apart (a replayed graph runs the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kvbench.engine.decode import StaticDecoder
-
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-    original = StaticDecoder.step
     started: list[bool] = []
 
-    def step(self: StaticDecoder, feed: int | None = None, timed: bool = True) -> torch.Tensor:
-        if self.steps == 2 and not started:
-            if cuda:
-                torch.cuda.synchronize()
-            prof.start()
-            started.append(True)
-        return original(self, feed, timed)
+    def wrap(original: Any) -> Any:
+        def step(self: Any, feed: int | None = None, timed: bool = True) -> torch.Tensor:
+            if self.steps == 2 and not started:
+                if cuda:
+                    torch.cuda.synchronize()
+                prof.start()
+                started.append(True)
+            return original(self, feed, timed)
 
-    StaticDecoder.step = step  # type: ignore[method-assign]
+        return step
+
     try:
-        run(name, ids, 18, False, kernel=kernel)
+        with _wrapped_step(wrap):
+            run(name, ids, 18, False, kernel=kernel)
     finally:
-        StaticDecoder.step = original  # type: ignore[method-assign]
         if started:
             if cuda:
                 torch.cuda.synchronize()
