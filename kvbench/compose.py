@@ -6,10 +6,10 @@ and validated before the first one runs. Hydra's parse errors become one line wi
 common one, a non-ASCII character in an unquoted value, says how to quote it.
 
 The ``method`` and ``task`` config groups have no YAML files: :func:`register_method_configs` builds each
-``method=<name>`` and ``task=<name>`` node from its parameter declarations (:mod:`kvbench.methods.params`,
-:mod:`kvbench.tasks.params`), so the defaults exist once. The nodes are plain dicts (OmegaConf need not
-understand ``Literal`` or union types); :func:`kvbench.methods.validate_method_config` and the task's
-constructor check the values.
+``method=<name>`` and ``task=<name>`` node from its parameter declarations (each method's and task's
+module: :data:`kvbench.methods.PARAMS`, :data:`kvbench.tasks.params.TASK_PARAMS`), so the defaults exist
+once. The nodes are plain dicts (OmegaConf need not understand ``Literal`` or union types);
+:func:`kvbench.methods.validate_method_config` and the task's constructor check the values.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the runner hands on — each group's own declaration does the parsing and checki
 * ``model`` — :class:`ModelConfig` (the name, the device asked for, and the node the loaders read:
   :mod:`kvbench.models.loading` takes the Hydra node, checked by :func:`kvbench.validate.check_model`);
 * ``method`` / ``task`` — the method's and the task's ``Params`` (declared once, in
-  :mod:`kvbench.methods.params` and :mod:`kvbench.tasks.params`);
+  each method's and each task's own module);
 * ``budget`` — :class:`~kvbench.budget.BudgetConfig`; ``store`` — :class:`~kvbench.kv.chunks.StoreConfig`
   (``None`` for a method without a chunk store, whose run leaves ``store`` out of its config);
   ``profile`` — :class:`~kvbench.profile.Profile`; ``engine`` — :class:`~kvbench.engine.settings.EngineSettings`;

@@ -1,11 +1,12 @@
 """``kvbench list``: the choices of every config group and the parameters of any of them.
 
 One registry answers both ``kvbench list`` and ``kvbench run --help``: :func:`group_options` (the YAML
-files of ``conf/<group>/``; for methods the declarations of :mod:`kvbench.methods.params` with their
-presets, for tasks those of :mod:`kvbench.tasks.params`). Nothing here imports torch or a method or
-task module, so a listing takes well under two seconds: a method's and a task's parameters come from
-their ``Params`` declarations, a model's and the shared groups' (``budget``, ``profile``, ``store``,
-``engine``) from their YAML and its comments.
+files of ``conf/<group>/``; for methods the declarations read from their modules
+(:data:`kvbench.methods.PARAMS`) with their presets, for tasks those of :mod:`kvbench.tasks.params`).
+Nothing here imports torch or a method module (a task module imports nothing heavy), so a listing
+takes well under two seconds: a method's and a task's parameters come from their ``Params``
+declarations, a model's and the shared groups' (``budget``, ``profile``, ``store``, ``engine``) from
+their YAML and its comments.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def conf_dir() -> Path:
 
 def group_options(group: str) -> list[str]:
     """The choices of a config group: YAML files, except methods and tasks (declared in
-    kvbench.methods.params and kvbench.tasks.params)."""
+    in their modules: kvbench.methods.PARAMS, kvbench.tasks.params.TASK_PARAMS)."""
     if group == "method":
         from kvbench.methods import method_choices
 

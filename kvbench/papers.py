@@ -273,7 +273,7 @@ def values_frame(paper: str, artifact: str) -> pd.DataFrame:
 @functools.lru_cache(maxsize=1)
 def _vocabulary() -> dict[str, frozenset[str]]:
     """kvbench's names, each read from where it is declared (no list kept here): the registered methods'
-    parameters (:mod:`kvbench.methods.params`), the models of ``conf/model``, the tasks' parameters
+    parameters (:data:`kvbench.methods.PARAMS`), the models of ``conf/model``, the tasks' parameters
     (:mod:`kvbench.tasks.params`), the LongBench and InfiniteBench datasets of their protocols."""
     from kvbench.listing import group_options
     from kvbench.methods import PARAMS

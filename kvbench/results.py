@@ -88,9 +88,9 @@ def config_hash(resolved: dict[str, Any], ignore: Iterable[str] = UNHASHED) -> s
 def identity(resolved: dict[str, Any]) -> dict[str, Any]:
     """``resolved`` as it identifies a run: the method and task nodes without the keys added after runs were
     recorded that sit at their legacy value (declared with their parameters, :meth:`kvbench.params.Params.identity`;
-    :mod:`kvbench.methods.params`, :mod:`kvbench.tasks.params`), so a run recorded before a key existed and
+    each method's and task's module), so a run recorded before a key existed and
     the same run with the key at that value are one run. Nothing heavy is imported."""
-    from kvbench.methods.params import PARAMS
+    from kvbench.methods import PARAMS
     from kvbench.tasks.params import TASK_PARAMS
 
     for group, declared in (("task", TASK_PARAMS), ("method", PARAMS)):

@@ -526,10 +526,11 @@ def check_store(resolved: dict[str, Any]) -> None:
 
 def check_reuse_task(resolved: dict[str, Any]) -> None:
     """A reuse method (its parameters derive from ``ReuseParams`` in :mod:`kvbench.methods.params`, the
-    family's one declaration) builds its prefill from chunk caches, so the task's samples must carry
+    family's shared base) builds its prefill from chunk caches, so the task's samples must carry
     chunk segments (:attr:`Task.chunked`). Without this check the mistake surfaces only after the model
     has loaded, when the first sample is prepared."""
-    from kvbench.methods.params import PARAMS, ReuseParams
+    from kvbench.methods import PARAMS
+    from kvbench.methods.params import ReuseParams
     from kvbench.tasks import REGISTRY
 
     method = resolved["method"]["name"]

@@ -1,8 +1,10 @@
 """KV methods: one module of policy per method, registered by name.
 
-Every module in this package that decorates a :class:`~kvbench.engine.protocol.KVMethod` subclass with
-:func:`register` becomes available as ``method=<name>``; its parameters are declared in
-:mod:`kvbench.methods.params` (``PARAMS[name]``), which is also Hydra's ``method`` config group.
+A method is one module: its ``Params`` dataclass (deriving from the shared bases in
+:mod:`kvbench.methods.params`) and a :class:`~kvbench.engine.protocol.KVMethod` subclass decorated with
+:func:`register`, which makes it available as ``method=<name>``. :data:`PARAMS` maps every name to its
+parameters, read from the modules' sources (:mod:`kvbench.declarations`), which is also Hydra's
+``method`` config group.
 
 Importing this package stays light (no torch): the CLI checks ``method.*`` settings with
 :func:`validate_method_config` before anything heavy loads; the method classes are imported when a
@@ -11,11 +13,11 @@ method is created or listed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import pkgutil
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import ConfigError
-from kvbench.methods.params import PARAMS
 from kvbench.params import Params, defaults, parse
 from kvbench.registry import Registry
 
@@ -39,15 +41,55 @@ REGISTRY: Registry[KVMethod] = Registry(
 )
 
 
+class _DeclaredParams(Mapping[str, "type[Params]"]):
+    """``method=<name>`` -> its ``Params``, read on first use from the sources of this package's modules
+    (:func:`kvbench.declarations.read_declaration`: about 0.1 s for all of them, no torch)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, type[Params]] | None = None
+
+    def _load(self) -> dict[str, type[Params]]:
+        if self._entries is None:
+            from kvbench.declarations import read_declaration
+
+            entries: dict[str, type[Params]] = {}
+            for module in pkgutil.iter_modules(__path__):
+                if module.name in REGISTRY.exclude or module.name.startswith("_"):
+                    continue
+                declared = read_declaration(f"{__name__}.{module.name}")
+                if declared.name is not None and declared.params is not None:
+                    entries[declared.name] = declared.params
+            self._entries = entries
+        return self._entries
+
+    def __getitem__(self, name: str) -> type[Params]:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+#: ``method=<name>`` → its parameters, as each method's module declares them. ``full`` has none: it
+#: attends everything, so a sink or a window share would be a setting it silently ignores.
+PARAMS: Mapping[str, type[Params]] = _DeclaredParams()
+
+
 def register(cls: type[KVMethod]) -> type[KVMethod]:
     """Make ``cls`` available as ``method=<cls.name>``. A shipped method (a module of this package)
-    must use the parameters :data:`PARAMS` lists for its name, so the CLI's checks, Hydra's defaults
-    and the class agree; classes registered elsewhere (tests, notebooks) keep their own ``Params``."""
-    if cls.__module__.startswith(f"{__name__}.") and PARAMS.get(cls.name) is not cls.Params:
-        raise ValueError(
-            f"method {cls.name!r}: declare its parameters in kvbench.methods.params.PARAMS "
-            f"and set {cls.__name__}.Params to them"
-        )
+    declares its ``Params`` in its own module and sets it in the class body (``Params = H2OParams``;
+    none for a method without parameters), which is what :data:`PARAMS` reads; classes registered
+    elsewhere (tests, notebooks) may take their ``Params`` from anywhere."""
+    if cls.__module__.startswith(f"{__name__}.") and "Params" in cls.__dict__ and cls.Params is not Params:
+        if cls.Params.__module__ != cls.__module__:
+            raise ValueError(
+                f"method {cls.name!r}: declare its Params in its own module ({cls.__module__}), "
+                f"not in {cls.Params.__module__}"
+            )
+    elif cls.__module__.startswith(f"{__name__}.") and cls.Params is not Params:
+        raise ValueError(f"method {cls.name!r}: set {cls.__name__}.Params in the class body")
     return REGISTRY.register(cls)
 
 

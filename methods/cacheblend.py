@@ -94,15 +94,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from kvbench.engine.reuse import CachedSpan, ReusePrefill
+from kvbench.errors import ConfigError
 from kvbench.methods import register
-from kvbench.methods.params import CacheBlendParams
+from kvbench.methods.params import ReuseParams
 from kvbench.methods.reuse import ReuseMethod
+from kvbench.params import param
 from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
@@ -162,6 +164,62 @@ class LoadingController:
             "recompute_layer_s": {"r_star": at_r_star, "ratio": c.recompute_layer_s(ratio, n)},
             "load_layer_s": load,
         }
+
+
+@dataclass(frozen=True)
+class CacheBlendParams(ReuseParams):
+    recompute_ratio: float = param(
+        0.15,
+        "r: share of the non-query tokens recomputed after the check layer "
+        "(paper 0.15; code 0.16 musique, 0.18 wikimqa)",
+        min=0,
+        max=1,
+    )
+    check_layer: int = param(1, "first check layer (layer 0's KV cannot deviate)", min=0)
+    filter_ratios: tuple[float, ...] = param(
+        (),
+        "gradual filtering: one ratio per check layer from check_layer on, non-increasing; () = (recompute_ratio,)",
+        min=0,
+        max=1,
+    )
+    selection: Literal["hkvd", "random"] = param("hkvd", "hkvd: largest V deviation | random (Fig. 6 ablation)")
+    suffix: Literal["query", "last_token"] = param(
+        "query", "rows always recomputed: the whole query | the last token (the released QA scripts)"
+    )
+    seed: int = param(0, "random selection seed")
+    check_rows: Literal["selected", "all"] = param(
+        "selected",
+        "check layer: Q/K/V for every row, then attention, output projection and MLP for the selected rows "
+        "(the released code, LMCache) | all: every row runs the whole check layer (kvbench before 2026-11)",
+        legacy="all",
+    )
+    deviation: Literal["v", "k"] = param(
+        "v", "KV deviation that ranks tokens: v (released code, LMCache v0) | k, post-RoPE (LMCache v1)", legacy="v"
+    )
+    controller: bool = param(
+        False,
+        "loading controller (paper 5.1): r = max(r_load, recompute_ratio) from the measured "
+        "recompute and load costs; recompute_ratio is then the floor r*",
+    )
+    miss: Literal["prefill", "precompute"] = param(
+        "prefill",
+        "a chunk the store lacks: prefill (computed in the request's prefill, then stored for later "
+        "requests: the paper, LMCache) | precompute (prefilled alone before the request, outside TTFT: "
+        "every CacheBlend run before 2026-11-30)",
+        legacy="precompute",
+    )
+
+    def validate(self) -> None:
+        ratios = list(self.filter_ratios)
+        if any(b > a for a, b in zip(ratios, ratios[1:])):
+            raise ConfigError(
+                f"method.filter_ratios={ratios} must not increase", "e.g. method.filter_ratios=[0.3,0.2,0.15]"
+            )
+        if self.controller and ratios:
+            raise ConfigError(
+                "method.controller picks one recompute ratio, so it cannot follow method.filter_ratios",
+                "drop method.filter_ratios, or set method.controller=false",
+            )
 
 
 @register

@@ -77,18 +77,20 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from kvbench.engine.attention_stats import segment_mass
 from kvbench.engine.reuse import CachedSpan, ReusePrefill, store_request_rows
+from kvbench.errors import ConfigError
 from kvbench.kv.chunks import ChunkKey
 from kvbench.methods import register
-from kvbench.methods.params import CacheCraftParams
+from kvbench.methods.params import ReuseParams
 from kvbench.methods.primitives import cachecraft as cc
 from kvbench.methods.reuse import ReuseMethod
+from kvbench.params import param
 from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
@@ -176,6 +178,49 @@ class ChunkPlan:
             "stopped": self.stopped,
             "stored": self.stored,
         }
+
+
+@dataclass(frozen=True)
+class CacheCraftParams(ReuseParams):
+    """Cache-Craft's parameters (the module docstring says which choices are the paper's and which ours)."""
+
+    chunk_bos: bool = param(False, "unused: a variant is kept as computed inside a request (must stay false)")
+    alpha: float = param(1.0, "alpha of CFO = alpha * CCI * (1 - beta'), clamped to [0, 1]", min=0)
+    cfo: float | None = param(None, "force every cached chunk's CFO to this value (null: computed)", min=0, max=1)
+    max_variants: int = param(5, "variants kept per chunk, one per distinct chunk prefix (paper's example: 5)", min=1)
+    new_variant_cfo: float = param(
+        0.5,
+        "a chunk whose best variant's CFO is at least this is computed in full and kept as a new "
+        "variant (while it has fewer than max_variants)",
+        min=0,
+        max=1,
+    )
+    empty_beta: float = param(
+        0.0, "beta of a variant made with no earlier chunk, reused after some (0/0 in Eq. 6)", min=0, max=1
+    )
+    heads: Literal["mean", "max", "sum"] = param(
+        "mean", "how the query heads' attention is combined in the statistics: mean | max | sum"
+    )
+    stop_layer: int | None = param(
+        None,
+        "adaptive early termination: unfocused chunks' recomputed tokens stop after this layer "
+        "(the question's focus is read at the layer before); null: off",
+        min=1,
+    )
+    focus_mass: float = param(
+        0.1, "early termination: a chunk is unfocused below this share of the question's chunk attention", min=0, max=1
+    )
+    eviction: Literal["frequency", "lru"] = param(
+        "frequency", "chunk store eviction: frequency (uses x tokens saved per byte) | lru (the ablation)"
+    )
+    stats_block: int = param(1 << 22, "statistics pass: attention entries (head x row x key) computed at once", min=1)
+
+    def validate(self) -> None:
+        if self.chunk_bos:
+            raise ConfigError(
+                "method cachecraft precomputes no chunk alone, so method.chunk_bos has no meaning for it",
+                "drop method.chunk_bos (or set it to false)",
+            )
 
 
 @register

@@ -59,16 +59,17 @@ read past the length).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.params import ClusterKVParams
+from kvbench.methods.params import HeadGranularity, KMeansInit, RetrievalParams
 from kvbench.methods.primitives.kmeans import kmeans
 from kvbench.methods.retrieval import RetrievalMethod
+from kvbench.params import param
 
 
 @dataclass
@@ -351,6 +352,25 @@ def cluster_walk(
     taken = torch.gather(pairs, 2, at.view(heads, group, budget, 1).expand(heads, group, budget, 2))
     slots, perm = torch.sort(taken[..., 0], dim=-1)
     return slots, perm, taken[..., 1]
+
+
+@dataclass(frozen=True)
+class ClusterKVParams(RetrievalParams):
+    sink: int = param(16, "always attended, never clustered, outside the budget", min=0)
+    local_fraction: float = param(0.0, "no window: unclustered recent tokens are attended on top", min=0, max=1)
+    dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (ClusterKV: 0-1)", min=0)
+    clusters: int | None = param(
+        None, "prefill clusters; null: round((L - sink) / 80) (paper); authors' code: 400", min=1
+    )
+    kmeans_iters: int = param(20, "k-means iteration cap", min=1)
+    until_stable: bool = param(True, "stop once no label changes (paper: until convergence)")
+    metric: Literal["cosine", "l2", "ip"] = param("cosine", "k-means metric: cosine (paper) | l2 | ip")
+    seed: int = param(42, "k-means initialisation seed")
+    init: KMeansInit = param("random", "random key vectors (paper) | kmeans++ (the authors' accuracy code)")
+    recluster_every: int = param(320, "decode tokens per incremental clustering", min=1)
+    new_clusters: int = param(4, "clusters per recluster_every new tokens (paper; efficiency code: 8)", min=1)
+    gqa: HeadGranularity = param("per_query_head", "each query head ranks clusters | shared: one ranking per KV head")
+    cache_steps: int = param(1, "R: clusters selected in the last R steps count as device-resident", min=0)
 
 
 @register

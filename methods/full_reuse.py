@@ -11,9 +11,16 @@ query is token-identical to ``full`` (its cache is exact).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvbench.methods import register
-from kvbench.methods.params import FullReuseParams
+from kvbench.methods.params import ReuseParams
 from kvbench.methods.reuse import ReuseMethod
+
+
+@dataclass(frozen=True)
+class FullReuseParams(ReuseParams):
+    pass
 
 
 @register

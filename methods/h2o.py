@@ -36,6 +36,7 @@ Choices where the papers are silent (PQCache's ``KVCacheH2OOfficial``, seed-pqca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,11 +47,22 @@ from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import accumulated_attention, group_reduce
 from kvbench.methods.eviction import EvictionMethod
-from kvbench.methods.params import H2OParams
+from kvbench.methods.params import GqaReduction, MethodParams
 from kvbench.methods.selection import topk_sorted
+from kvbench.params import param
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
+
+
+@dataclass(frozen=True)
+class H2OParams(MethodParams):
+    sink: int = param(32, "PQCache's baseline code: 32 sinks outside the budget", min=0)
+    local_fraction: float = param(0.5, "recent = heavy hitters = half the budget", min=0, max=1)
+    gqa: GqaReduction = param("sum", "accumulated scores over a KV head's query heads: sum (authors) | mean | max")
+    chunk: int = param(0, "prefill query rows per chunk of the accumulated-attention pass (0: automatic)", min=0)
+    chunk_elements: int = param(1 << 23, "automatic chunks: attention entries at once (2**23: 32 MiB in fp32)", min=1)
+    swap_remove: bool = param(True, "decode eviction in O(1) per step (false: order-keeping remove, copies)")
 
 
 @register

@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from kvbench.engine.protocol import QueryStatistic, Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.params import InfLLMParams
+from kvbench.methods.params import RetrievalParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_keyed
+from kvbench.params import param
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -96,6 +97,18 @@ class _Regime:
     block_slots: torch.Tensor  # [blocks, block]: the slots of every full block
     prefix: torch.Tensor  # [1, sink]: the sinks
     reversed_iota: torch.Tensor  # [blocks]: blocks - 1, ..., 0 (topk_keyed's keys)
+
+
+@dataclass(frozen=True)
+class InfLLMParams(RetrievalParams):
+    sink: int = param(32, "n_init: initial tokens always attended, outside the budget", min=0)
+    block_size: int = param(128, "tokens per memory block", min=1)
+    reps: int | None = param(
+        None, "representatives per block; null: round(budget.comm_ratio * block_size), >= 1", min=1
+    )
+    cache_tokens: int = param(4096, "device block cache in tokens: 32 blocks (PQCache's setting)", min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
+    cache_policy: Literal["lfu", "lru"] = param("lru", "block-cache replacement rule (InfLLM: LRU)")
 
 
 @register

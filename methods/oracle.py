@@ -12,15 +12,25 @@ is a quality ceiling for the retrieval methods, not a system design.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.params import OracleParams
+from kvbench.methods.params import GqaRule, RetrievalParams
 from kvbench.methods.primitives.pq import group_scores
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import group_logits, topk_keyed
+from kvbench.params import param
+
+
+@dataclass(frozen=True)
+class OracleParams(RetrievalParams):
+    gqa: GqaRule = param("softmax_sum", "group rule on exact scores: softmax_sum (PQCache's) | logit_sum | max")
+    per_query_head: bool = param(False, "every query head picks its own tokens")
+    offload: bool = param(False, "the Oracle reads every key, so its cache stays on the device")
 
 
 @register

@@ -88,14 +88,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from kvbench.engine.protocol import Selection
+from kvbench.errors import ConfigError
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.params import PQCACHE_PROTOCOL_ITERS, PQCacheParams
+from kvbench.methods.params import GqaRule, KMeansInit, RetrievalParams
 from kvbench.methods.pqcache_workers import KMeansWorkers, LayerJob
 from kvbench.methods.primitives.kmeans import SKLEARN
 from kvbench.methods.primitives.pq import (
@@ -109,6 +111,7 @@ from kvbench.methods.primitives.pq import (
     topk_keyed,
 )
 from kvbench.methods.retrieval import RetrievalMethod
+from kvbench.params import param
 
 
 def default_pq(comm: float, head_dim: int) -> tuple[int, int]:
@@ -208,6 +211,67 @@ class _Layer:
         self.phi: torch.Tensor | None = None  # (metric ip)
         self.prepared = -1  # the step (the store's n) whose host-side work is done
         self.encodes = False  # this step codes the local window's first token (it has no code yet)
+
+
+#: PQCache's ``method.protocol``: the k-means iteration cap of the authors' script it names, which
+#: ``method.kmeans_iters=null`` takes (``run_llama.sh``/``run_mistral.sh`` set ``MAX_ITER=0``, adaptive,
+#: for every quality table; ``test_nah.py`` fixes 10). A run records ``protocol`` and ``kmeans_iters``
+#: in its config.yaml, and the schedule it resolved to in every sample's telemetry.
+PQCACHE_PROTOCOL_ITERS: dict[str, int | str] = {"pqcache": "adaptive", "pqcache_niah": 10}
+
+
+@dataclass(frozen=True)
+class PQCacheParams(RetrievalParams):
+    sink: int = param(32, "the authors' code: 32 sinks outside the budget", min=0)
+    local_fraction: float = param(0.5, "local = top-k = half the budget", min=0, max=1)
+    cache_tokens: int = param(4096, "device block cache in tokens (the authors' 4096)", min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (the authors' 32)", min=0)
+    m: int | None = param(
+        None, "PQ sub-spaces; null (with b): from budget.comm_ratio (2x6 at 1/128, 4x8 at 1/64)", min=1
+    )
+    b: int | None = param(None, "bits per code: 2**b centroids per sub-space; set with m", min=1, max=16)
+    protocol: Literal["pqcache", "pqcache_niah"] = param(
+        "pqcache",
+        "the authors' script whose k-means schedule kmeans_iters=null takes: pqcache (their quality "
+        "scripts, run_llama.sh/run_mistral.sh: adaptive) | pqcache_niah (their test_nah.py: 10 iterations)",
+    )
+    kmeans_iters: int | Literal["adaptive"] | None = param(
+        None,
+        "k-means iteration cap, or adaptive (the paper's cost model, fitted per machine on the k-means it "
+        "governs); null: the protocol's (pqcache: adaptive, pqcache_niah: 10)",
+        min=1,
+    )
+    kmeans_rules: Literal["sklearn", "fixed"] = param(
+        "sklearn",
+        "sklearn (the authors' scikit-learn KMeans): stop at tol 1e-4 or unchanged labels, an empty "
+        "cluster takes the farthest point | fixed: exactly kmeans_iters updates, an empty cluster keeps its centroid",
+    )
+    kmeans_device: Literal["cpu", "model"] = param(
+        "cpu",
+        "cpu: host copies of the keys, clustered by CPU workers (the paper's Alg. 1) | model: batched "
+        "k-means on the model's device (on a GPU, on its own stream)",
+    )
+    metric: Literal["l2", "ip", "cosine"] = param("l2", "k-means metric: l2 (authors' default) | ip | cosine")
+    init: KMeansInit = param("random", "random points shared by all groups (authors') | kmeans++")
+    gqa: GqaRule = param("softmax_sum", "group rule on approximate scores: softmax_sum (authors') | logit_sum | max")
+    seed: int = param(4321, "k-means initialisation seed (the authors')")
+    overlap: bool = param(True, "cluster on the workers while later layers compute (false: inside the prefill)")
+    workers: int = param(
+        1,
+        "k-means worker threads of this method instance; a layer's KV heads x sub-spaces "
+        "are split among them (the authors run h_kv*m processes)",
+        min=1,
+        max=512,
+    )
+
+    def validate(self) -> None:
+        if (self.m is None) != (self.b is None):
+            given, missing = ("m", "b") if self.m is not None else ("b", "m")
+            raise ConfigError(
+                f"method.{given}={getattr(self, given)} without method.{missing} (alone, it would be "
+                "replaced by the comm_ratio default)",
+                "set both, e.g. method.m=2 method.b=6, or neither",
+            )
 
 
 @register

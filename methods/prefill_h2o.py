@@ -42,7 +42,8 @@ of an earlier run) is scored by a fresh precompute of it, its K/V discarded (``p
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -51,13 +52,22 @@ from kvbench.engine.attention_stats import column_mass
 from kvbench.engine.reuse import CachedSpan
 from kvbench.kv.chunks import ChunkKey, ChunkKV
 from kvbench.methods import register
-from kvbench.methods.params import PrefillH2OParams
+from kvbench.methods.params import ChunkRecomputeParams
 from kvbench.methods.primitives.cachecraft import select_tokens
 from kvbench.methods.random_recomp import ChunkRecompute
+from kvbench.params import param
 from kvbench.requests import Segment
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
+
+
+@dataclass(frozen=True)
+class PrefillH2OParams(ChunkRecomputeParams):
+    heads: Literal["mean", "max", "sum"] = param(
+        "mean", "how the query heads' received-attention column sums are combined: mean | max | sum"
+    )
+    stats_block: int = param(1 << 22, "score pass: attention entries (head x row x key) computed at once", min=1)
 
 
 @register

@@ -23,16 +23,26 @@ At least the prompt's last token is always computed (its logits start the genera
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from kvbench.engine.reuse import CachedSpan
 from kvbench.kv.chunks import ChunkKey
 from kvbench.methods import register
-from kvbench.methods.params import PrefixCacheParams
+from kvbench.methods.params import ReuseParams
 from kvbench.methods.reuse import ReuseMethod
+from kvbench.params import param
 from kvbench.requests import Segment, join_segments, segment_spans
+
+
+@dataclass(frozen=True)
+class PrefixCacheParams(ReuseParams):
+    warm: Literal["first_chunk", "prefix", "none"] = param(
+        "first_chunk", "what earlier requests left cached: prefix + first chunk | the prefix | nothing"
+    )
+    store_prompts: bool = param(False, "store each prompt up to its last chunk after the request (request streams)")
 
 
 @register

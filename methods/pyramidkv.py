@@ -47,11 +47,14 @@ authors' code and kvpress instead pad or mask a shared-length cache).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 from kvbench.budget import BudgetConfig, ResolvedBudget
+from kvbench.errors import ConfigError
 from kvbench.methods import register
-from kvbench.methods.params import PyramidKVParams
-from kvbench.methods.snapkv import SnapKV
+from kvbench.methods.snapkv import SnapKV, SnapKVParams
+from kvbench.params import param
 
 ROUNDINGS = ("exact", "authors")
 
@@ -81,6 +84,25 @@ def pyramid_budgets(select: int, layers: int, available: int, beta: float = 20, 
     cumulative = [0] + [math.floor(sum(values[: i + 1]) + 0.5) for i in range(layers)]
     counts = [cumulative[i + 1] - cumulative[i] for i in range(layers)]
     return sorted((min(available, max(0, c)) for c in counts), reverse=True)
+
+
+@dataclass(frozen=True)
+class PyramidKVParams(SnapKVParams):
+    window: int = param(8, "observation window = kept recent window (the authors' KVCache-Factory: 8)", min=1)
+    kernel: int = param(7, "pooling kernel, odd (KVCache-Factory: 7)", min=1)
+    pooling: Literal["avg", "max"] = param("max", "vote pooling (KVCache-Factory: max)")
+    beta: float = param(20.0, "pyramid steepness: the top layer keeps C/beta, the bottom 2C - C/beta")
+    rounding: Literal["exact", "authors"] = param(
+        "authors",
+        "authors: KVCache-Factory's floored step (up to (L-2)/2 more per layer than uniform) | "
+        "exact: layers sum to L x C, the same KV as uniform (preset pyramidkv_equal)",
+    )
+    short_prompt_uniform: bool = param(True, "prompts shorter than 2C keep the uniform budget (authors' code)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.beta <= 0:
+            raise ConfigError(f"method.beta must be positive, got {self.beta}", "use e.g. method.beta=20")
 
 
 @register

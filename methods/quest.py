@@ -61,8 +61,9 @@ import torch
 from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.params import QuestParams
+from kvbench.methods.params import HeadGranularity, RetrievalParams
 from kvbench.methods.retrieval import RetrievalMethod
+from kvbench.params import param
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
@@ -100,6 +101,17 @@ def page_tables(sink: int, local: int, page_size: int, pages: int, device: torch
         page_of=((slots - sink).clamp_min(0) // page_size),
         attended=torch.ones(1, sink + local + 1, dtype=torch.bool, device=device),
     )
+
+
+@dataclass(frozen=True)
+class QuestParams(RetrievalParams):
+    sink: int = param(0, "Quest keeps no sinks; 16 is ClusterKV's own setting (method.sink=16 to align with it)", min=0)
+    local_fraction: float = param(0.0, "no window inside the budget: pages compete for all of it", min=0, max=1)
+    dense_layers: tuple[int, ...] = param((0, 1), "layers that attend every token (Quest/ClusterKV: 0-1)", min=0)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
+    page_size: int = param(16, "tokens per page", min=1)
+    min_pages: int = param(3, "pages attended at least: max(min_pages, budget // page_size) (Quest's code: 3)", min=1)
+    gqa: HeadGranularity = param("per_query_head", "each query head ranks pages | shared: one ranking per KV head")
 
 
 @register

@@ -11,12 +11,24 @@ run is repeatable on any device and every layer draws its own set.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.eviction import EvictionMethod
-from kvbench.methods.params import RandomParams
+from kvbench.methods.params import MethodParams
+from kvbench.params import param
+
+
+@dataclass(frozen=True)
+class RandomParams(MethodParams):
+    """The random-eviction control's parameters (kvpress's ``RandomPress`` defaults)."""
+
+    sink: int = param(0, "no sinks by default (RandomPress); budget.sink adds them", min=0)
+    local_fraction: float = param(0.0, "no recent window by default: the whole budget is drawn", min=0, max=1)
+    seed: int = param(0, "seed of the draw (with the layer index)", min=0)
 
 
 @register

@@ -36,15 +36,17 @@ offsets (within the chunk) chosen.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbench.engine.reuse import CachedSpan, ReusePrefill
 from kvbench.methods import register
-from kvbench.methods.params import ChunkRecomputeParams, RandomRecompParams
+from kvbench.methods.params import ChunkRecomputeParams
 from kvbench.methods.primitives.cachecraft import recompute_count
 from kvbench.methods.reuse import ReuseMethod
+from kvbench.params import param
 from kvbench.requests import Segment, segment_spans
 
 if TYPE_CHECKING:
@@ -116,6 +118,11 @@ class ChunkRecompute(ReuseMethod):
 def chunk_seed(ids: tuple[int, ...]) -> int:
     """A 64-bit number from a chunk's tokens (what seeds its draw with ``seed``)."""
     return int.from_bytes(hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class RandomRecompParams(ChunkRecomputeParams):
+    seed: int = param(0, "random selection seed (with the chunk's tokens: a chunk gets the same draw in every request)")
 
 
 @register

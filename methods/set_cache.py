@@ -38,14 +38,15 @@ per request): ``order`` (the served chunks as indices into the retrieval order),
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.kv.chunks import ChunkKey
 from kvbench.methods import register
-from kvbench.methods.params import SetCacheParams
-from kvbench.methods.prefix_cache import PrefixCache
+from kvbench.methods.prefix_cache import PrefixCache, PrefixCacheParams
+from kvbench.params import param
 from kvbench.requests import Segment, join_segments
 
 if TYPE_CHECKING:
@@ -81,6 +82,13 @@ def arrange(segments: tuple[Segment, ...], leading: list[int]) -> tuple[Segment,
     chunks = [i for i, segment in enumerate(segments) if segment.role == "chunk"]
     order = iter([*leading, *[i for i in chunks if i not in leading]])
     return tuple(segments[next(order)] if segment.role == "chunk" else segment for segment in segments)
+
+
+@dataclass(frozen=True)
+class SetCacheParams(PrefixCacheParams):
+    store_prompts: bool = param(
+        True, "store each served (reordered) prompt up to its last chunk after the request: what later requests hit"
+    )
 
 
 @register

@@ -45,18 +45,46 @@ end (PQCache Table 3).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from kvbench.budget import BudgetConfig, MethodBudgetDefaults, ResolvedBudget
 from kvbench.engine.protocol import QueryStatistic
+from kvbench.errors import ConfigError
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.attention_scores import group_reduce, pool1d, window_votes
 from kvbench.methods.eviction import EvictionMethod
-from kvbench.methods.params import SnapKVParams
+from kvbench.methods.params import GqaReduction, HeadSelection, SinkParams
 from kvbench.methods.selection import topk_sorted
+from kvbench.params import param
+
+
+@dataclass(frozen=True)
+class SnapKVParams(SinkParams):
+    """No ``local_fraction``: the kept window is ``min(window, budget)`` (``budget.local`` overrides)."""
+
+    sink: int = param(32, "the PQCache-table methods' 32 sinks (budget.sink=0: SnapKV's own)", min=0)
+    window: int = param(32, "observation window = kept recent window (the authors' LongBench configs: 32)", min=1)
+    kernel: int = param(7, "pooling kernel, odd (the authors' LongBench configs: 7; code default 5)", min=1)
+    pooling: Literal["avg", "max"] = param(
+        "max", "vote pooling (the authors' LongBench configs: max; code default avg)"
+    )
+    granularity: HeadSelection = param(
+        "query_head",
+        "query_head: every query head keeps its own tokens, K/V stored per query head (the authors' "
+        "code) | kv_head: one set per KV head from votes reduced by method.gqa",
+    )
+    gqa: GqaReduction = param("sum", "granularity=kv_head: votes over a KV head's query heads: sum | mean | max")
+
+    def validate(self) -> None:
+        if self.kernel > 1 and self.kernel % 2 == 0:
+            raise ConfigError(
+                f"the pooling kernel must be odd, got method.kernel={self.kernel}",
+                f"use method.kernel={self.kernel + 1} or {self.kernel - 1}",
+            )
 
 
 @register

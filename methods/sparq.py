@@ -33,9 +33,10 @@ import torch
 from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
-from kvbench.methods.params import SparQParams
+from kvbench.methods.params import RetrievalParams
 from kvbench.methods.retrieval import RetrievalMethod
 from kvbench.methods.selection import topk_keyed
+from kvbench.params import param
 
 
 def sparq_scores(query: torch.Tensor, keys: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +70,12 @@ class _Bucket:
     reach: torch.Tensor  # [end]: slot + 1 + local (a middle slot: reach < length); int64 max for the sinks
     back: torch.Tensor  # [local + 1]: local, ..., 0 (the local window and the current token: current - back)
     reversed_iota: torch.Tensor  # [end]: topk_keyed's keys, where the scores are computed
+
+
+@dataclass(frozen=True)
+class SparQParams(RetrievalParams):
+    r: int | None = param(None, "query components fetched; null: round(budget.comm_ratio * head_dim), >= 1", min=1)
+    cache_blocks: int | None = param(32, "blocks admitted per step, the most selected (null: the whole cache)", min=0)
 
 
 @register

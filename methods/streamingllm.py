@@ -19,6 +19,7 @@ same order (``tests/test_decode_static.py`` checks it against that implementatio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,14 @@ from kvbench.engine.protocol import Selection
 from kvbench.kv.store import LayerKV
 from kvbench.methods import register
 from kvbench.methods.eviction import EvictionMethod
-from kvbench.methods.params import StreamingLLMParams
+from kvbench.methods.params import MethodParams
+from kvbench.params import param
+
+
+@dataclass(frozen=True)
+class StreamingLLMParams(MethodParams):
+    sink: int = param(4, "the paper's 4 initial tokens; budget.sink=32 aligns with PQCache-style methods", min=0)
+    local_fraction: float = param(1.0, "the whole budget is the sliding window", min=0, max=1)
 
 
 @register

@@ -132,7 +132,7 @@ class KVMethod:
     needs_budget: ClassVar[bool] = False
     #: a prefilled cache may be extended by several tokens in one pass (causal by position)
     extends_with_many_tokens: ClassVar[bool] = True
-    #: the method's parameters (``method.<key>``), declared in :mod:`kvbench.methods.params` (the engine
+    #: the method's parameters (``method.<key>``), declared in the method's own module (the engine
     #: knows only the empty base; every shipped method names its own); an instance, parsed and validated
     #: from the config, is ``self.params``
     Params: ClassVar[type[Params]] = Params
