@@ -61,20 +61,11 @@ def listing(what: str | None) -> str:
 
 
 # ---------------------------------------------------------------------- methods
-def family(params: type) -> str:
-    """A method's family from its parameter declaration (the classes' ``family``, without importing them)."""
-    from kvbench.methods.params import RetrievalParams, ReuseParams, SinkParams
-
-    for base, name in ((ReuseParams, "reuse"), (RetrievalParams, "retrieval"), (SinkParams, "eviction")):
-        if issubclass(params, base):
-            return name
-    return "dense"
-
-
 def method_table(names: Sequence[str]) -> str:
     """``kvbench list methods``: per method its family, then one row per parameter (``method.<name>``):
     name, type, default, help. A preset names the method and the values it sets."""
     from kvbench.methods import METHOD_PRESETS, PARAMS
+    from kvbench.methods.params import family_of
     from kvbench.params import help_rows
 
     blocks: list[tuple[str, list[tuple[str, str, str, str]]]] = []
@@ -85,7 +76,7 @@ def method_table(names: Sequence[str]) -> str:
             blocks.append((f"{name} (preset: method={base} {settings})", []))
             continue
         rows = help_rows(PARAMS[name])
-        blocks.append((f"{name} ({family(PARAMS[name])})" + ("" if rows else ": no parameters"), rows))
+        blocks.append((f"{name} ({family_of(PARAMS[name])})" + ("" if rows else ": no parameters"), rows))
     return _blocks(blocks)
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvbench.budget import BudgetConfig
 from kvbench.config import RunConfig
 from kvbench.engine.settings import EngineSettings
-from kvbench.errors import BudgetError, ConfigError, Interrupted
+from kvbench.errors import ConfigError, Interrupted
 from kvbench.metrics import summarise
 from kvbench.profile import Profile
 from kvbench.results import (
@@ -73,23 +73,18 @@ def plan(resolved: dict[str, Any]) -> Plan:
     """Validate ``resolved`` and build the task, method and budget; loads no model and writes nothing."""
     from kvbench.methods import create_method
     from kvbench.tasks import create_task
-    from kvbench.validate import validate
+    from kvbench.validate import check_config, check_method
 
-    validate(resolved)
-    task = create_task(resolved["task"])
+    check_config(resolved)  # every group and the rules between them (a method without its budget, ...)
     method = create_method(resolved["method"])
-    config = RunConfig.parse(resolved, method=method, task=task)
-    if method.needs_budget and not config.budget.is_set:
-        raise BudgetError(
-            f"method {method.name} compresses the KV cache and needs a budget",
-            "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
-        )
-    if not method.needs_budget:
+    config = check_method(resolved, method)  # the checks that need torch; the typed groups
+    task = create_task(resolved["task"])
+    if not config.method.needs_budget:
         # a method that does not compress ignores the budget: runs of one sweep share its run directory
         resolved = {**resolved, "budget": {key: None for key in (resolved.get("budget") or {})}}
     # options a task gained after runs were recorded stay out of the run id at their defaults
     resolved = {**resolved, "task": task.recorded_config(resolved["task"])}
-    if not getattr(method, "uses_chunk_store", False):
+    if not config.method.uses_chunk_store:
         # only reuse methods read store.*: other methods' run ids do not depend on it
         resolved = {key: value for key, value in resolved.items() if key != "store"}
     return Plan(resolved, config, task, method, RunDir(config.output_dir / run_id_for(resolved)))

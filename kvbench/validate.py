@@ -5,50 +5,57 @@ calls :func:`validate_points` on *every* point of a sweep before Hydra starts th
 :func:`kvbench.runner.run` calls :func:`validate` again for callers of the Python API. Each check
 raises :class:`~kvbench.errors.ConfigError` (one line, with the fix).
 
-Two lists of checks, run in order:
+Three lists of checks, run in order:
 
-* :data:`CONFIG_CHECKS` need only the config and the file system. They import neither torch nor a
-  model, so a bad value is reported within about a second of pressing enter: value types of the
-  shared groups (``budget.token_ratio=abc``, negative counts), the task's keys against its defaults'
-  types and its own checks, prompt lengths the model cannot hold (tasks whose prompts are exactly
-  ``task.lengths`` tokens), a missing local ``model.path``, an output folder that cannot be written,
-  a ``task.data_dir`` that is not a folder and data files with a malformed line (file and line named),
-  a reuse method on a task whose prompts have no chunks, a ``prefill_cache`` that is not a boolean.
-* :data:`METHOD_CHECKS` need the method classes, and importing those imports torch (about two
-  seconds): a compressing method without a budget, a ``budget.tokens`` larger than every prompt.
+* :data:`CONFIG_CHECKS` each read one group of the resolved dict (and the file system): value types of
+  the shared groups (``budget.token_ratio=abc``, negative counts), the task's keys against its
+  declaration and its own checks, a missing local ``model.path``, an output folder that cannot be
+  written, a ``task.data_dir`` that is not a folder and data files with a malformed line (file and line
+  named), a ``prefill_cache`` that is not a boolean. Then the config is parsed once into its typed groups
+  (:class:`~kvbench.config.RunConfig`; a shipped method from its declaration, without torch).
+* :data:`CROSS_CHECKS` are the rules between groups, each a ``callable(RunConfig) -> None``: a reuse
+  method on a task whose prompts have no chunks, method parameters that name layers or dimensions the
+  model lacks, prompt lengths the model cannot hold, CUDA graphs asked for on the CPU, a compressing
+  method without a budget or with a budget the prompts cannot hold. They import neither torch nor a
+  model, so a bad value is reported within about a second of pressing enter.
+* :data:`METHOD_CHECKS` need torch or the method instance (``callable(RunConfig, method) -> None``): a
+  ``model.device`` this machine lacks, the method's own budget split (``budget.local`` against its
+  default window share).
 
-Plug-in point: a check is any ``callable(resolved) -> None`` that raises ``ConfigError``. Append it to
-:data:`CONFIG_CHECKS` when it needs no torch, else to :data:`METHOD_CHECKS` (e.g. typed method
-parameters: ``METHOD_CHECKS.append(method_params_check)``); both run for every sweep point.
+Plug-in point: append a check to the list whose input it needs; each raises ``ConfigError`` (one line,
+with the fix) and runs for every sweep point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvbench.config import RunConfig, TaskConfig
 from kvbench.errors import BudgetError, ConfigError, KvbenchError
 from kvbench.models import check_device, check_dtype
 
+if TYPE_CHECKING:
+    from kvbench.engine.protocol import KVMethod
+
 Check = Callable[[dict[str, Any]], None]
+CrossCheck = Callable[[RunConfig], None]
+MethodCheck = Callable[[RunConfig, "KVMethod"], None]
 
 
-#: ``budget.*`` keys: (accepted types, may it be null, lowest value, example)
-def exact_length_extra(task: dict[str, Any]) -> Callable[[dict[str, Any]], int] | None:
+def exact_length_extra(task: TaskConfig) -> int | None:
     """For a task whose prompts are exactly ``task.lengths`` tokens (its parameters say so:
     ``exact_lengths``), the tokens a sample needs beyond its length: its generation, ``max_new_tokens``
     where the task has the key (NIAH), else none (PG19's teacher-forced pass over L tokens). ``None`` for
     any other task: a length the model cannot hold is then found when the prompt is built."""
-    from kvbench.tasks.params import TASK_PARAMS
-
-    params = TASK_PARAMS.get(str(task.get("name")))
-    if params is None or not getattr(params, "exact_lengths", False):
+    if not task.exact_lengths:
         return None
-    return lambda cfg: int(cfg.get("max_new_tokens") or 0)
+    return int(task.get("max_new_tokens") or 0)
 
 
 # ---------------------------------------------------------------------- config-only checks
@@ -167,13 +174,15 @@ def check_budget(resolved: dict[str, Any]) -> None:
 
 
 def check_engine(resolved: dict[str, Any]) -> None:
-    """``engine.*`` (:class:`~kvbench.engine.settings.EngineSettings`): known keys, types and ranges; graphs
-    asked for on a model placed on the CPU."""
+    """``engine.*`` (:class:`~kvbench.engine.settings.EngineSettings`): known keys, types and ranges."""
     from kvbench.engine.settings import engine_settings
 
-    settings = engine_settings(resolved.get("engine"))
-    device = str((resolved.get("model") or {}).get("device") or "auto")
-    if settings.cuda_graph is True and device == "cpu":
+    engine_settings(resolved.get("engine"))
+
+
+def check_engine_device(config: RunConfig) -> None:
+    """CUDA graphs asked for on a model placed on the CPU."""
+    if config.engine.cuda_graph is True and config.model.device == "cpu":
         raise ConfigError(
             "engine.cuda_graph=true needs a CUDA device, but model.device=cpu",
             "use engine.cuda_graph=auto (graphs on CUDA only) or model.device=cuda",
@@ -289,7 +298,7 @@ def check_task(resolved: dict[str, Any]) -> None:
         ) from None
 
 
-def model_max_length(model: dict[str, Any]) -> int | None:
+def model_max_length(model: Mapping[str, Any]) -> int | None:
     """The model's context limit when known before its weights load (``model.max_length``, else the
     ``max_position_embeddings`` of :func:`model_shape`); None when only the weights know."""
     if model.get("max_length"):
@@ -298,7 +307,7 @@ def model_max_length(model: dict[str, Any]) -> int | None:
     return int(value) if value else None
 
 
-def model_shape(model: dict[str, Any]) -> dict[str, int] | None:
+def model_shape(model: Mapping[str, Any]) -> dict[str, int] | None:
     """The model's architecture numbers (``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``max_position_embeddings``) when they are known without
     loading weights: a random model's ``model.config``, a local folder's ``config.json``, or the
@@ -336,19 +345,15 @@ def model_shape(model: dict[str, Any]) -> dict[str, int] | None:
     return shape or None
 
 
-def check_method_in_model(resolved: dict[str, Any]) -> None:
+def check_method_in_model(config: RunConfig) -> None:
     """``method.*`` values that name parts of the model (layers, head dimensions) exist in it, once its
     config is known (:func:`model_shape`), before weights load: ``method.dense_layers=[99]`` on a 4-layer
     model, dense layers that leave no layer to compress, a CacheBlend check layer past the last layer,
     a PQ sub-space count that does not divide the head dimension, SparQ components beyond it."""
-    from kvbench.methods import METHOD_PRESETS, PARAMS, validate_method_config
-
-    if resolved["method"].get("name") not in {*PARAMS, *METHOD_PRESETS}:
-        return  # a method registered outside kvbench.methods (tests, notebooks) checks its own parameters
-    shape = model_shape(resolved["model"]) or {}
+    shape = model_shape(config.model.node) or {}
     layers, head_dim = shape.get("num_hidden_layers"), shape.get("head_dim")
-    params = validate_method_config(resolved["method"])
-    name, model = resolved["method"]["name"], resolved["model"]["name"]
+    params = config.method.params
+    name, model = config.method.name, config.model.name
     dense = tuple(getattr(params, "dense_layers", ()) or ())
     if len(set(dense)) < len(dense):
         raise ConfigError(f"method.dense_layers={list(dense)} names a layer twice", "list each layer once")
@@ -443,25 +448,27 @@ def looks_like_path(text: str) -> bool:
     return text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text
 
 
-def check_lengths(resolved: dict[str, Any]) -> None:
-    task, model = resolved["task"], resolved["model"]
+def check_lengths(config: RunConfig) -> None:
+    """A generation that leaves no room for a prompt; exact prompt lengths (plus their generation) beyond
+    the model's context."""
+    task, model = config.task, config.model
     extra = exact_length_extra(task)
-    limit = model_max_length(model)
+    limit = model_max_length(model.node)
     generate = task.get("max_new_tokens")
     if limit is not None and isinstance(generate, int) and generate >= limit:
         raise ConfigError(
-            f"task.max_new_tokens={generate} leaves no room for a prompt in model {model['name']}'s {limit} tokens",
+            f"task.max_new_tokens={generate} leaves no room for a prompt in model {model.name}'s {limit} tokens",
             f"use task.max_new_tokens well below {limit}, e.g. task.max_new_tokens=64",
         )
     if extra is None or limit is None or not task.get("lengths"):
         return
-    longest = max(int(x) for x in task["lengths"])
-    need = longest + extra(task)
+    longest = max(int(x) for x in task.get("lengths"))
+    need = longest + extra
     if need > limit:
         raise ConfigError(
             f"task.lengths contains {longest}: prompt plus generation ({need} tokens) exceeds model "
-            f"{model['name']}'s maximum of {limit} tokens",
-            f"use task.lengths up to {limit - extra(task)}, or a longer-context model",
+            f"{model.name}'s maximum of {limit} tokens",
+            f"use task.lengths up to {limit - extra}, or a longer-context model",
         )
 
 
@@ -524,23 +531,19 @@ def check_store(resolved: dict[str, Any]) -> None:
         StoreConfig.from_mapping(resolved["store"])
 
 
-def check_reuse_task(resolved: dict[str, Any]) -> None:
+def check_reuse_task(config: RunConfig) -> None:
     """A reuse method (its parameters derive from ``ReuseParams`` in :mod:`kvbench.methods.params`, the
     family's shared base) builds its prefill from chunk caches, so the task's samples must carry
     chunk segments (:attr:`Task.chunked`). Without this check the mistake surfaces only after the model
     has loaded, when the first sample is prepared."""
-    from kvbench.methods import PARAMS
-    from kvbench.methods.params import ReuseParams
     from kvbench.tasks import REGISTRY
 
-    method = resolved["method"]["name"]
-    params = PARAMS.get(method)
-    task = REGISTRY.get(resolved["task"]["name"])
-    if params is None or not issubclass(params, ReuseParams) or task.chunked:
+    if not config.method.uses_chunk_store or config.task.chunked:
         return
     chunked = [name for name in REGISTRY.names() if REGISTRY.get(name).chunked]
     raise ConfigError(
-        f"method {method} reuses chunk caches, but task {task.name}'s prompts are not split into chunks",
+        f"method {config.method.name} reuses chunk caches, but task {config.task.name}'s prompts are not split "
+        "into chunks",
         f"use a chunked task (task={' or task='.join(chunked)}) or a method that is not in the reuse family",
     )
 
@@ -555,82 +558,96 @@ CONFIG_CHECKS: list[Check] = [
     check_profile,
     check_task_types,
     check_task,
-    check_reuse_task,
     check_model,
-    check_method_in_model,
-    check_lengths,
     check_output_dir,
     check_data,
 ]
 
 
-# ---------------------------------------------------------------------- checks that need the method classes
-def check_method_budget(resolved: dict[str, Any]) -> None:
-    """A compressing method needs a budget; a ``budget.tokens`` must fit the smallest exact prompt."""
-    from kvbench.budget import BudgetConfig
-    from kvbench.methods import create_method
+def check_method_budget(config: RunConfig) -> None:
+    """A compressing method needs a budget; its sinks must leave tokens to compress; a ``budget.tokens``
+    must fit the smallest exact prompt, and with the sinks must not cover it."""
+    from kvbench.budget import MethodBudgetDefaults
 
-    method = create_method(resolved["method"])
+    method, budget = config.method, config.budget
     if not method.needs_budget:
         return
-    budget = BudgetConfig.from_mapping(resolved.get("budget"))
     if not budget.is_set:
         raise BudgetError(
             f"method {method.name} compresses the KV cache and needs a budget",
             "set budget.token_ratio=0.1 (fraction of the context) or budget.tokens=1024",
         )
-    task = resolved["task"]
-    extra = exact_length_extra(task)
-    sink = budget.sink if budget.sink is not None else method.defaults().sink
-    limit = model_max_length(resolved["model"])
+    sink = budget.sink if budget.sink is not None else getattr(method.params, "sink", MethodBudgetDefaults().sink)
+    limit = model_max_length(config.model.node)
     if limit is not None and sink >= limit:
         raise BudgetError(
-            f"{_sink_key(budget, method)}={sink} is not smaller than model {resolved['model']['name']}'s "
+            f"{_sink_key(config)}={sink} is not smaller than model {config.model.name}'s "
             f"{limit}-token context: every token would be a sink, and nothing compressed",
             "use a few sink tokens, e.g. budget.sink=32",
         )
-    if extra is None or not task.get("lengths"):
+    window = _exact_window(config)
+    if window is None:
         return
-    shortest = min(int(x) for x in task["lengths"])
-    capacity = shortest + extra(task)
+    shortest, capacity = window
     if budget.tokens is not None and budget.tokens > capacity:
         raise BudgetError(
             f"budget.tokens={budget.tokens} is larger than the context of task.lengths={shortest} "
-            f"({shortest} prompt tokens + {extra(task)} generated)",
+            f"({shortest} prompt tokens + {capacity - shortest} generated)",
             f"use budget.tokens <= {capacity}, or a relative budget such as budget.token_ratio=0.1",
         )
-    _check_budget_parts(budget, method, sink, shortest, capacity)
-
-
-def _sink_key(budget: Any, method: Any) -> str:
-    return "budget.sink" if budget.sink is not None else f"method.sink (method {method.name}'s default)"
-
-
-def _check_budget_parts(budget: Any, method: Any, sink: int, shortest: int, capacity: int) -> None:
-    """The budget's parts against the shortest prompt: sinks that leave no token to choose among, sinks
-    plus ``budget.tokens`` that attend every token although the budget alone is smaller than the prompt
-    (the run would read as compressed and compress nothing), a ``budget.local`` beyond the budget."""
-    from kvbench.budget import resolve_budget
-
     if sink >= shortest:
         raise BudgetError(
-            f"{_sink_key(budget, method)}={sink} is not smaller than the shortest prompt (task.lengths has "
+            f"{_sink_key(config)}={sink} is not smaller than the shortest prompt (task.lengths has "
             f"{shortest}): every prompt token would be a sink, and nothing compressed",
             f"use budget.sink below {shortest}, e.g. budget.sink=32",
         )
     if budget.tokens is not None and budget.tokens < shortest <= sink + budget.tokens:
         raise BudgetError(
-            f"budget.tokens={budget.tokens} plus {sink} sink tokens ({_sink_key(budget, method)}) covers the "
+            f"budget.tokens={budget.tokens} plus {sink} sink tokens ({_sink_key(config)}) covers the "
             f"whole {shortest}-token prompt of task.lengths: every token is attended, nothing compressed",
-            f"lower {_sink_key(budget, method).split(' ')[0]} or budget.tokens so their sum is below {shortest}",
+            f"lower {_sink_key(config).split(' ')[0]} or budget.tokens so their sum is below {shortest}",
         )
-    resolve_budget(budget, shortest, method.defaults(), method.name, capacity)  # budget.local vs the budget
 
 
-def check_device_present(resolved: dict[str, Any]) -> None:
+def _exact_window(config: RunConfig) -> tuple[int, int] | None:
+    """``(shortest prompt, its capacity with the generation)`` for a task with exact prompt lengths."""
+    extra = exact_length_extra(config.task)
+    if extra is None or not config.task.get("lengths"):
+        return None
+    shortest = min(int(x) for x in config.task.get("lengths"))
+    return shortest, shortest + extra
+
+
+def _sink_key(config: RunConfig) -> str:
+    if config.budget.sink is not None:
+        return "budget.sink"
+    return f"method.sink (method {config.method.name}'s default)"
+
+
+CROSS_CHECKS: list[CrossCheck] = [
+    check_engine_device,
+    check_reuse_task,
+    check_method_in_model,
+    check_lengths,
+    check_method_budget,
+]
+
+
+# ---------------------------------------------------------------------- checks that need torch or the method
+def check_budget_split(config: RunConfig, method: KVMethod) -> None:
+    """The method's own split of the budget (its default window share, PyramidKV's layers) applied to the
+    shortest exact prompt: a ``budget.local`` beyond the budget."""
+    from kvbench.budget import resolve_budget
+
+    window = _exact_window(config)
+    if method.needs_budget and config.budget.is_set and window is not None:
+        resolve_budget(config.budget, window[0], method.defaults(), method.name, window[1])
+
+
+def check_device_present(config: RunConfig, method: KVMethod) -> None:
     """A ``model.device`` of ``cuda``/``cuda:N`` exists on this machine (asking needs torch, so it is a
     method check): without it a run would fail only when the model loads."""
-    device = str((resolved.get("model") or {}).get("device") or "auto")
+    device = config.model.device
     if not device.startswith("cuda"):
         return
     import torch
@@ -650,26 +667,54 @@ def check_device_present(resolved: dict[str, Any]) -> None:
         )
 
 
-METHOD_CHECKS: list[Check] = [check_device_present, check_method_budget]
+METHOD_CHECKS: list[MethodCheck] = [check_device_present, check_budget_split]
 
 
 # ---------------------------------------------------------------------- entry points
-def validate(resolved: dict[str, Any], *, methods: bool = True) -> None:
-    """Run :data:`CONFIG_CHECKS`, then (``methods=True``) :data:`METHOD_CHECKS`, on one config."""
-    for check in CONFIG_CHECKS + (METHOD_CHECKS if methods else []):
+def check_config(resolved: dict[str, Any]) -> RunConfig:
+    """:data:`CONFIG_CHECKS` on ``resolved``, its typed groups, then :data:`CROSS_CHECKS` on them (no torch
+    for a shipped method)."""
+    for check in CONFIG_CHECKS:
         check(resolved)
+    config = RunConfig.parse(resolved)
+    for cross in CROSS_CHECKS:
+        cross(config)
+    return config
+
+
+def check_method(resolved: dict[str, Any], method: KVMethod | None = None) -> RunConfig:
+    """:data:`METHOD_CHECKS` with the method built (``method``: already built from ``resolved``); returns
+    the typed groups read from the instance."""
+    from kvbench.methods import create_method
+
+    method = method if method is not None else create_method(resolved["method"])
+    config = RunConfig.parse(resolved, method=method)
+    for check in METHOD_CHECKS:
+        check(config, method)
+    return config
+
+
+def validate(resolved: dict[str, Any], *, methods: bool = True) -> RunConfig:
+    """Every check on one config (``methods=False``: not :data:`METHOD_CHECKS`); returns its typed groups."""
+    config = check_config(resolved)
+    return check_method(resolved) if methods else config
 
 
 def validate_points(points: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> None:
-    """Validate every sweep point: the config-only checks of all points first (fast), then the method
+    """Validate every sweep point: the checks without torch on all points first (fast), then the method
     checks. An error names the point (``labels[i]``) when there are several."""
-    for checks in (CONFIG_CHECKS, METHOD_CHECKS):
+    for checks in (check_config, check_method):
         for index, resolved in enumerate(points):
-            try:
-                for check in checks:
-                    check(resolved)
-            except KvbenchError as error:
-                if len(points) > 1:
-                    where = f" (sweep point {index + 1}/{len(points)}: {labels[index]})" if labels else ""
-                    raise type(error)(f"{error.message}{where}", error.fix) from None
-                raise
+            with _naming_the_point(index, points, labels):
+                checks(resolved)
+
+
+@contextlib.contextmanager
+def _naming_the_point(index: int, points: Sequence[Any], labels: Sequence[str] | None) -> Iterator[None]:
+    try:
+        yield
+    except KvbenchError as error:
+        if len(points) > 1:
+            where = f" (sweep point {index + 1}/{len(points)}: {labels[index]})" if labels else ""
+            raise type(error)(f"{error.message}{where}", error.fix) from None
+        raise

@@ -96,3 +96,12 @@ class ChunkRecomputeParams(ReuseParams):
         min=0,
         max=1,
     )
+
+
+def family_of(params: type) -> str:
+    """A method's family from its parameter declaration (its class's ``family``, without importing it):
+    ``reuse``, ``retrieval``, ``eviction`` (compressing: the bases with a sink) or ``dense``."""
+    for base, name in ((ReuseParams, "reuse"), (RetrievalParams, "retrieval"), (SinkParams, "eviction")):
+        if issubclass(params, base):
+            return name
+    return "dense"

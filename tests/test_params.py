@@ -247,9 +247,14 @@ KVBENCH_IN_PROCESS = (
         (["method=pqcache", "method.kmeans_iters=foo"], "method.kmeans_iters=foo is not an integer or 'adaptive'"),
         (["-m", "method=pqcache", "method.m=2,abc", "method.b=6"], "method.m=abc"),  # the second point
         (["-m", "method=pqcache,oracle", "method.m=2", "method.b=6"], "method oracle has no parameters"),
+        # the rules between groups, checked on the typed config without torch (kvbench.validate.CROSS_CHECKS)
+        (["method=h2o", "budget.tokens=null"], "method h2o compresses the KV cache and needs a budget"),
+        (["method=cacheblend", "task=niah"], "task niah's prompts are not split into chunks"),
+        (["method=quest", "method.dense_layers=[0,99]"], "so there is no layer 99"),
+        (["method=h2o", "task=niah", "task.lengths=[128]", "budget.tokens=100", "budget.sink=32"], "covers the"),
     ],
 )
-def test_cli_rejects_bad_method_keys_before_loading_anything(tmp_path, args, needle):
+def test_cli_rejects_bad_method_keys_and_cross_group_rules_before_loading_anything(tmp_path, args, needle):
     out_dir = tmp_path / "runs"
     started = time.perf_counter()
     result = subprocess.run(
@@ -260,7 +265,7 @@ def test_cli_rejects_bad_method_keys_before_loading_anything(tmp_path, args, nee
             "run",
             "model=tiny_llama",
             f"output_dir={out_dir}",
-            "budget.tokens=64",
+            *([] if any(arg.startswith("budget.tokens") for arg in args) else ["budget.tokens=64"]),
             *args,
         ],
         capture_output=True,
@@ -322,3 +327,20 @@ def test_a_method_preset_is_its_method_with_the_values_set(tmp_path):
     with pytest.raises(ConfigError) as error:
         method_node("pqcache_nah")
     assert "pqcache_niah" in error.value.fix
+
+
+def test_a_methods_typed_group_read_without_torch_matches_the_built_method():
+    """``MethodConfig.parse`` reads a shipped method's family from its declaration (no torch); what the
+    cross-group checks take from it (a budget is needed, a chunk store is read) is what the class says."""
+    from kvbench.config import MethodConfig
+
+    for name in PARAMS:
+        node = method_node(name)
+        light, built = MethodConfig.parse(node), MethodConfig.parse(node, create_method(node))
+        assert (light.name, light.family, light.needs_budget, light.uses_chunk_store) == (
+            built.name,
+            built.family,
+            built.needs_budget,
+            built.uses_chunk_store,
+        ), name
+        assert describe(light.params) == describe(built.params), name

@@ -5,6 +5,7 @@ import pytest
 
 from kvbench import cli
 from kvbench.compose import compose
+from kvbench.config import RunConfig
 from kvbench.errors import ConfigError
 from kvbench.runner import run
 from kvbench.tasks import REGISTRY
@@ -81,4 +82,5 @@ def test_the_fix_names_the_chunked_tasks(tmp_path, no_model):
     "method, task", [("cacheblend", "rag"), ("full_reuse", "ruler"), ("full", "niah"), ("snapkv", "longbench")]
 )
 def test_chunked_tasks_and_other_methods_pass(method, task):
-    check_reuse_task({"method": {"name": method}, "task": {"name": task}})
+    data = [f"task.data_dir={CB}"] if task == "rag" else []
+    check_reuse_task(RunConfig.parse(compose([f"method={method}", f"task={task}", "model=tiny_llama", *data])))

@@ -144,13 +144,14 @@ def test_every_recorded_run_is_what_todays_node_gives_with_its_values():
 
 
 def test_the_tasks_with_exact_prompt_lengths_say_so_in_their_parameters():
+    from kvbench.config import TaskConfig
     from kvbench.validate import exact_length_extra
 
     exact = {name for name, params in TASK_PARAMS.items() if getattr(params, "exact_lengths", False)}
     assert exact == {"niah", "pg19"}
-    assert exact_length_extra(task_node("niah"))(task_node("niah")) == 48  # its generation on top
-    assert exact_length_extra(task_node("pg19"))(task_node("pg19")) == 0
-    assert exact_length_extra(task_node("ruler")) is None
+    assert exact_length_extra(TaskConfig.parse(task_node("niah"))) == 48  # its generation on top
+    assert exact_length_extra(TaskConfig.parse(task_node("pg19"))) == 0
+    assert exact_length_extra(TaskConfig.parse(task_node("ruler"))) is None
 
 
 def test_identity_reads_the_declared_legacy_values_without_importing_a_task():
