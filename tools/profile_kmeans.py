@@ -52,10 +52,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def cases(length: int, pq_iters: int) -> dict[str, dict[str, Any]]:
     """The k-means calls of one layer at ``length`` prompt tokens: the problem shape and the options."""
-    from kvbench.methods.params import ClusterKVParams, PQCacheParams
+    from kvbench.methods import PARAMS
     from kvbench.methods.primitives.kmeans import SKLEARN
 
-    c, p = ClusterKVParams(), PQCacheParams()
+    c, p = PARAMS["clusterkv"](), PARAMS["pqcache"]()
     n = length - c.sink
     return {
         "clusterkv": {
