@@ -212,3 +212,30 @@ def test_committed_fig12_records_agreement_without_writing():
     assert got[("musique", "prefix_cache")] == (20, 100.0) and got[("wikimqa", "prefix_cache")] == (20, 100.0)
     assert got[("musique", "full_reuse")] == (20, 20.0) and got[("musique", "cacheblend")] == (20, 35.0)
     assert got[("wikimqa", "full_reuse")] == (20, 55.0) and got[("wikimqa", "cacheblend")] == (20, 50.0)
+
+
+def test_versus_gives_the_paired_difference_of_two_runs_agreement(tmp_path):
+    """``versus``: per run, its per-sample agreement with the baseline minus the versus run's, on the ids
+    all three answered, with the bootstrap interval of the differences (worked out by hand)."""
+    reuse = {"q0": "Oxford", "q1": "Charles County, Maryland", "q2": "Missouri", "q3": "guitar"}  # ROUGE 0, 1, 1, 0
+    dirs = [
+        _run(tmp_path, "full", FULL),
+        _run(tmp_path, "cacheblend", BLEND),  # ROUGE 1, 0.8, 0, 0 (q9 unpaired)
+        _run(tmp_path, "prefix_cache", FULL),  # ROUGE 1, 1, 1, 1
+        _run(tmp_path, "full_reuse", reuse),
+    ]
+    spec = {"baseline": {"method": "full"}, "versus": {"method": "full_reuse"}, "by": ["method"]}
+    check_render({"agreement": spec})
+    first, second = render_agreement(None, spec, our_runs(dirs), our_runs(dirs, samples=True))
+    assert "full_reuse" in set(pd.read_csv(pd.io.common.StringIO(first.csv))["method"])  # the plain table has it
+    rows = {row["method"]: row for row in pd.read_csv(pd.io.common.StringIO(second.csv)).to_dict("records")}
+    assert set(rows) == {"cacheblend", "prefix_cache"}  # neither the baseline nor the versus run itself
+    blend, same = rows["cacheblend"], rows["prefix_cache"]
+    assert blend["n"] == 4 and blend["d_rouge_l_f1"] == pytest.approx((1 - 0.2 - 1 + 0) / 4)
+    assert blend["d_exact_pct"] == pytest.approx((100 - 100 - 100 + 0) / 4)
+    low, high = bootstrap_diff([1, 0.8, 0, 0], [0, 1, 1, 0])
+    assert (blend["d_rouge_l_f1_ci_low"], blend["d_rouge_l_f1_ci_high"]) == pytest.approx((low, high))
+    assert same["d_rouge_l_f1"] == pytest.approx(0.5) and same["d_exact_pct"] == pytest.approx(50.0)
+    assert "minus method=full_reuse" in second.title and "+0.500 [" in second.markdown
+    with pytest.raises(ConfigError, match="versus"):
+        check_render({"agreement": {"baseline": {"method": "full"}, "versus": "full_reuse"}})

@@ -29,7 +29,7 @@ _ITEM_KEYS = {
     },
     "figure": {"title", "split", "where", "panels", "kind"},
     "paired": {"baseline", "value", "split", "by", "match", "where", "title"},
-    "agreement": {"baseline", "split", "by", "match", "where", "title"},
+    "agreement": {"baseline", "split", "by", "match", "where", "title", "versus"},
     "bench": {"columns", "title"},
     "chunk_scores": {"by", "deviation", "split", "where", "title", "resamples"},  # kvbench.render.chunk_scores
     "tune": {"baseline", "over", "cost", "quality", "target", "split", "where", "title"},  # kvbench.render.tune
