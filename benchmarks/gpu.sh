@@ -77,10 +77,10 @@ for step in "$@"; do
       timeout "${T_8B:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
         --lengths "${LENGTHS_8B:-32768,65536}" --methods full --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-2}" \
         --param kernels="${KERNELS:-split,matmul,sdpa}" --save "$OUT/decode-graph-8b.json" 2>&1 | tee -a "$OUT/decode-graph.log" ;;
-    decode_mha)  # issue 42 (2): the selecting methods against full on the MHA shape (Quest's regime), budget
-      # 1024, device-resident KV
+    decode_mha)  # issue 42 (2): the selecting methods against full on the MHA shape (Quest's regime; Quest with
+      # both page scorings, method.scoring=products|gemv), budget 1024, device-resident KV
       timeout "${T_MHA:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama2_7b_shape --lengths 32768 \
-        --methods "${MHA_METHODS:-full,quest,clusterkv,oracle}" --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
+        --methods "${MHA_METHODS:-full,quest,quest:scoring=gemv,clusterkv,oracle}" --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
         --param kernels="${MHA_KERNELS:-split}" --param profile="${PROFILE_TOP:-0}" --save "$OUT/decode-graph-mha.json" 2>&1 \
         | tee -a "$OUT/decode-graph.log" ;;
     decode_pq)  # issue 42 (3): PQCache's TPOT against the context (the paper: nearly flat), k-means on the GPU

@@ -39,10 +39,15 @@ earlier host-driven select (``tests/legacy_quest.py``), with shapes fixed by the
   earlier ``amin``/``amax`` of its keys.
 * **scores** — every page of the bucket is scored with the earlier expression (the two products, their
   maximum and the sum over ``d``, as one product with the pair axis: bit-identical per page,
-  ``tests/test_static_quest.py``). The cheaper ``q⁺·high + q⁻·low`` as a matrix product is not used: it
-  sums in another order, so its scores are not bit-identical. The newest page gets ``+inf`` while it holds
-  middle slots (it is always attended), the pages past the middle's end ``-inf``; when the middle is a
-  whole number of pages there is no partial page and every budget page is a full one, as before.
+  ``tests/test_static_quest.py``). ``method.scoring=gemv`` computes the same per-coordinate terms as
+  ``q⁺·high + q⁻·low`` (``max(q·M, q·m)`` is ``q·M`` for ``q ≥ 0`` and ``q·m`` for ``q < 0``, exactly),
+  two batched matrix products that read each bound once and write only the ``[rows, pages]`` scores,
+  where the default materialises a ``[heads, pages, 2, d]`` float32 product (at 32k tokens of the 7B MHA
+  shape about 2 GB a step written and read again); it sums over ``d`` in another order, so its scores
+  are equal to the default's up to rounding, not bit for bit, and it is not the default. The newest page
+  gets ``+inf`` while it holds middle slots (it is always attended), the pages past the middle's end
+  ``-inf``; when the middle is a whole number of pages there is no partial page and every budget page is
+  a full one, as before.
 * **the pick** — ``max(min_pages, B // page_size)`` pages by :func:`_top_ascending`: ``topk_sorted``'s
   rule (ties to the lower page, NaN as ``-inf``) by a stable sort, 3 ops instead of
   :func:`~kvbench.methods.selection.topk_keyed`'s 12 for the same pages. Pages become slots through a
@@ -54,7 +59,7 @@ earlier host-driven select (``tests/legacy_quest.py``), with shapes fixed by the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -112,6 +117,12 @@ class QuestParams(RetrievalParams):
     page_size: int = param(16, "tokens per page", min=1)
     min_pages: int = param(3, "pages attended at least: max(min_pages, budget // page_size) (Quest's code: 3)", min=1)
     gqa: HeadGranularity = param("per_query_head", "each query head ranks pages | shared: one ranking per KV head")
+    scoring: Literal["products", "gemv"] = param(
+        "products",
+        "page scores: products (sum over d of max(q*max, q*min), bit for bit as kvbench always scored) | gemv "
+        "(q+ . max + q- . min as two matrix products: the same terms summed in another order, no "
+        "[heads, pages, 2, d] temporary)",
+    )
 
 
 @register
@@ -247,8 +258,13 @@ class Quest(RetrievalMethod):
         q = query[0, :, 0, :]
         q = q if q.device == bounds.device else q.to(bounds.device)
         q = q if q.dtype == torch.float32 else q.float()
-        products = q.view(h, spec.group, 1, 1, d) * bounds.view(h, 1, pages, 2, d)  # [h, group, pages, 2, d]
-        scores = products.amax(dim=3).sum(dim=-1)  # [h, group, pages]
+        if self.params.scoring == "gemv":  # (0·inf = NaN on empty pages: they are masked after)
+            q = q.view(h, spec.group, d)
+            high, low = bounds[:, :, 1].transpose(1, 2), bounds[:, :, 0].transpose(1, 2)  # [h, d, pages] views
+            scores = torch.baddbmm(torch.bmm(q.clamp_min(0), high), q.clamp_max(0), low)  # [h, group, pages]
+        else:
+            products = q.view(h, spec.group, 1, 1, d) * bounds.view(h, 1, pages, 2, d)  # [h, group, pages, 2, d]
+            scores = products.amax(dim=3).sum(dim=-1)  # [h, group, pages]
         return scores.view(rows, pages) if rows == spec.n_heads else scores.sum(dim=1)
 
 

@@ -161,3 +161,17 @@ def test_decode_graph_runs_each_decode_kernel_side_by_side_and_profiles():
     assert [(row["method"], row["kernel"]) for row in rows] == [("full", "sdpa"), ("full", "split")]
     assert all(row["eager_tpot_ms"] > 0 for row in rows)
     assert out.stderr.count("decode_graph profile: full") == 2 and "Self CPU" in out.stderr
+
+
+def test_a_decode_graph_method_entry_may_carry_its_own_parameters():
+    """``--methods full,quest,quest:scoring=gemv`` (what gpu.sh decode_mha compares): one method twice with
+    different parameters in one run; a malformed entry is one clear error."""
+    import pytest
+
+    from kvbench.bench.decode_graph import method_entry
+    from kvbench.errors import ConfigError
+
+    assert method_entry("quest") == ("quest", {})
+    assert method_entry("quest:scoring=gemv:page_size=8") == ("quest", {"scoring": "gemv", "page_size": 8})
+    with pytest.raises(ConfigError, match="name:key=value"):
+        method_entry("quest:scoring")

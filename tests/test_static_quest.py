@@ -141,6 +141,50 @@ def test_the_scores_of_the_full_pages_are_the_earlier_ones_bit_for_bit(gqa):
     assert torch.equal(method._scores(query, bounds, rows)[:, :full], earlier)
 
 
+@pytest.mark.parametrize("gqa", ["per_query_head", "shared"])
+def test_gemv_scoring_is_the_same_terms_summed_in_another_order(gqa):
+    """``method.scoring=gemv``: ``q⁺·max + q⁻·min`` by two matrix products equals the default's scores of
+    every full page up to float32 rounding (not bit for bit), ranks the pages alike here, and leaves the
+    empty pages (±inf bounds) to the masks that follow."""
+    torch.manual_seed(6)
+    heads, kv_heads, d, full = 8, 2, 32, 37
+    keys = torch.randn(kv_heads, 16 * full, d)
+    query = torch.randn(1, heads, 1, d)
+    low, high = legacy_page_bounds(keys, 16)
+    bounds = torch.empty(kv_heads, 48, 2, d)
+    bounds[:, :, 0], bounds[:, :, 1] = float("inf"), float("-inf")
+    bounds[:, :full, 0], bounds[:, :full, 1] = low, high
+    rows = heads if gqa == "per_query_head" else kv_heads
+    spec = SimpleNamespace(n_heads=heads, n_kv_heads=kv_heads, group=heads // kv_heads)
+    scores = {}
+    for scoring in ("products", "gemv"):
+        method = create_method({"name": "quest", "gqa": gqa, "scoring": scoring})
+        method.ctx = SimpleNamespace(spec=spec)
+        scores[scoring] = method._scores(query, bounds, rows)
+    exact, gemv = scores["products"][:, :full], scores["gemv"][:, :full]
+    assert torch.allclose(gemv, exact, rtol=1e-5, atol=1e-5) and not torch.isnan(gemv).any()
+    assert torch.equal(gemv.argsort(dim=1, descending=True), exact.argsort(dim=1, descending=True))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_gemv_scoring_attends_what_the_default_attends_here(fixture, request, random_ids):
+    """On the tiny models the two scorings pick the same pages, so the tokens are the same, step for step
+    sync-free (the steady-step test below runs with either)."""
+    loaded, ids = request.getfixturevalue(fixture), random_ids(700, seed=43)
+    outs = [
+        generate(
+            loaded,
+            create_method({"name": "quest", "offload": False, "scoring": scoring}),
+            ids,
+            max_new_tokens=24,
+            min_new_tokens=24,
+            budget=BudgetConfig(tokens=96),
+        )
+        for scoring in ("products", "gemv")
+    ]
+    assert outs[0].tokens == outs[1].tokens
+
+
 def test_quest_picks_the_pages_whose_bound_is_highest_and_keeps_the_partial_page():
     """``tests/test_retrieval.py``'s hand-made case on the static step's terms: the decoder's counters bound,
     ``before_step`` run, the padding of the partial page masked."""
@@ -176,7 +220,7 @@ def test_quest_picks_the_pages_whose_bound_is_highest_and_keeps_the_partial_page
     assert sel.slots.shape == (2, 3 * 16 + 1) and set(sel.slots[:, 2 * 16 + 5 : -1].flatten().tolist()) == {n}
 
 
-@pytest.mark.parametrize("params", [{}, {"gqa": "shared"}])
+@pytest.mark.parametrize("params", [{}, {"gqa": "shared"}, {"scoring": "gemv"}])
 def test_a_steady_step_reads_nothing_back_and_repeats_its_ops(params, tiny_llama, random_ids):
     """``assert_static_step`` with the tokens (and the attended counts a padded selection leaves on the
     device) read every 8 steps, as on a GPU: on a CPU they are read at every step, inside it."""

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvbench.bench import BenchOptions, BenchResult, bench_device, benchmark, niah_ids
+from kvbench.errors import ConfigError
 
 WARM_TOKENS = 16
 
@@ -208,6 +209,21 @@ def _profiled(run: Any, name: str, ids: list[int], kernel: str, top: int, cuda: 
     return str(prof.key_averages().table(sort_by=key, row_limit=top))
 
 
+def method_entry(entry: str) -> tuple[str, dict[str, Any]]:
+    """``--methods`` entry ``name`` or ``name:key=value[:key=value]`` (one method's own parameters, e.g.
+    ``quest:scoring=gemv`` beside ``quest`` in one run) -> the method's name and its parameters."""
+    import yaml
+
+    name, *pairs = entry.split(":")
+    own: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"decode_graph: method entry {entry!r} is not name:key=value", "e.g. quest:scoring=gemv")
+        own[key] = yaml.safe_load(value)
+    return name, own
+
+
 @benchmark("decode_graph")
 def decode_graph(options: BenchOptions) -> BenchResult:
     from kvbench.budget import BudgetConfig
@@ -224,6 +240,7 @@ def decode_graph(options: BenchOptions) -> BenchResult:
     new_tokens = options.new_tokens or (256 if cuda else 12)
     rounds = options.e2e_rounds()
     methods = list(options.methods or ("full",))
+    entries = {entry: method_entry(entry) for entry in methods}  # (a bad entry is one line, before the model loads)
     loaded = load_model(compose([f"model={model_name}", f"model.device={device.type}"])["model"])
     bandwidth = copy_bandwidth(device)
     params = {k: v for k, v in options.params.items() if k not in ("compile", "kernels", "profile")}
@@ -233,7 +250,8 @@ def decode_graph(options: BenchOptions) -> BenchResult:
     def run(name: str, ids: list[int], n: int, graphs: bool, kernel: str) -> Any:
         engine = engine_settings({**options.engine, "cuda_graph": graphs, "decode_attention": kernel})
         budget = BudgetConfig() if name == "full" else BudgetConfig(tokens=1024, comm_ratio=1 / 128)
-        method = create_method({"name": name} if name == "full" else {"offload": False, **params, "name": name})
+        base, own = entries[name]
+        method = create_method({"name": base} if base == "full" else {"offload": False, **params, **own, "name": base})
         try:
             with _sync_errors(cuda and graphs):
                 return generate(loaded, method, ids, max_new_tokens=n, min_new_tokens=n, budget=budget, engine=engine)
