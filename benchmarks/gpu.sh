@@ -8,7 +8,8 @@
 #   step eager vs replayed as CUDA graphs, sync-free replays, the roofline, and the methods at 32k (MHA shape);
 #   its parts decode_8b, decode_mha, decode_pq, decode_compile run alone too (T_8B, T_MHA, T_PQ, T_COMPILE:
 #   each one's time limit in s; KERNELS: the decode attention kernels decode_8b compares; MHA_METHODS;
-#   PROFILE_TOP=N: decode_mha prints each method's N ops with the most GPU time, from torch.profiler)
+#   PROFILE_TOP=N: decode_mha prints each method's N ops with the most GPU time, from torch.profiler;
+#   quest_scoring: Quest's page scores per layer, products vs gemv, ~1 min)
 #   bash benchmarks/gpu.sh pqcache            # pqcache_e2e on llama31_8b_shape at 32k-128k, bf16
 #   bash benchmarks/gpu.sh clusterkv reuse profile decode kmeans
 #   (decode: where a decode step goes, torch.profiler; profile: does PQCache's k-means hide behind the prefill;
@@ -83,6 +84,9 @@ for step in "$@"; do
         --methods "${MHA_METHODS:-full,quest,quest:scoring=gemv,clusterkv,oracle}" --new-tokens "${NEW_TOKENS:-256}" --rounds "${ROUNDS:-1}" \
         --param kernels="${MHA_KERNELS:-split}" --param profile="${PROFILE_TOP:-0}" --save "$OUT/decode-graph-mha.json" 2>&1 \
         | tee -a "$OUT/decode-graph.log" ;;
+    quest_scoring)  # Quest's page scores per layer, method.scoring products vs gemv (8k-128k, MHA and GQA layouts)
+      timeout "${STEP_TIMEOUT:-120}" $KV bench quest_scoring --device cuda --save "$OUT/quest-scoring.json" 2>&1 \
+        | tee -a "$OUT/quest-scoring.log" ;;
     decode_pq)  # issue 42 (3): PQCache's TPOT against the context (the paper: nearly flat), k-means on the GPU
       timeout "${T_PQ:-${STEP_TIMEOUT:-240}}" $KV bench decode_graph --device cuda --model llama31_8b_shape \
         --lengths "${PQ_LENGTHS:-32768,65536}" --methods full,pqcache --new-tokens 128 --rounds 1 \

@@ -87,6 +87,20 @@ def upper_bound_scores(query: torch.Tensor, low: torch.Tensor, high: torch.Tenso
     return torch.maximum(q * high[:, None], q * low[:, None]).sum(dim=-1)
 
 
+def page_scores(query: torch.Tensor, bounds: torch.Tensor, scoring: str = "products") -> torch.Tensor:
+    """Every page's upper bound ``Σ_d max(q_d·M_d, q_d·m_d)``: ``query`` ``[h, g, d]`` (float32), ``bounds``
+    ``[h, pages, 2, d]`` (minimum, maximum) → ``[h, g, pages]``. ``products``: the products, their maximum
+    and the sum (the earlier expression, bit for bit); ``gemv``: ``q⁺·M + q⁻·m`` as two batched matrix
+    products, the same terms summed in another order (a page with ±inf bounds scores NaN or ±inf: the
+    caller masks the pages without keys)."""
+    h, pages, _, d = bounds.shape
+    if scoring == "gemv":
+        high, low = bounds[:, :, 1].transpose(1, 2), bounds[:, :, 0].transpose(1, 2)  # [h, d, pages] views
+        return torch.baddbmm(torch.bmm(query.clamp_min(0), high), query.clamp_max(0), low)
+    products = query.view(h, query.shape[1], 1, 1, d) * bounds.view(h, 1, pages, 2, d)  # [h, g, pages, 2, d]
+    return products.amax(dim=3).sum(dim=-1)
+
+
 @dataclass(frozen=True)
 class PageTables:
     """Constants of a layer geometry's page grid: ``pages`` pages of ``page_size`` slots from slot ``sink``."""
@@ -251,20 +265,14 @@ class Quest(RetrievalMethod):
         return bounds
 
     def _scores(self, query: torch.Tensor, bounds: torch.Tensor, rows: int) -> torch.Tensor:
-        """:func:`upper_bound_scores` of every page of ``bounds`` (``[kv_heads, pages, 2, d]``) per selection
-        row: the same products, maximum and sum over ``d`` (bit for bit per page), without its copies."""
+        """:func:`page_scores` (``method.scoring``) of every page of ``bounds`` (``[kv_heads, pages, 2, d]``) per
+        selection row; ``products`` is :func:`upper_bound_scores` bit for bit per page, without its copies."""
         spec = self.ctx.spec
         h, pages, _, d = bounds.shape
         q = query[0, :, 0, :]
         q = q if q.device == bounds.device else q.to(bounds.device)
         q = q if q.dtype == torch.float32 else q.float()
-        if self.params.scoring == "gemv":  # (0·inf = NaN on empty pages: they are masked after)
-            q = q.view(h, spec.group, d)
-            high, low = bounds[:, :, 1].transpose(1, 2), bounds[:, :, 0].transpose(1, 2)  # [h, d, pages] views
-            scores = torch.baddbmm(torch.bmm(q.clamp_min(0), high), q.clamp_max(0), low)  # [h, group, pages]
-        else:
-            products = q.view(h, spec.group, 1, 1, d) * bounds.view(h, 1, pages, 2, d)  # [h, group, pages, 2, d]
-            scores = products.amax(dim=3).sum(dim=-1)  # [h, group, pages]
+        scores = page_scores(q.view(h, spec.group, d), bounds, self.params.scoring)  # [h, group, pages]
         return scores.view(rows, pages) if rows == spec.n_heads else scores.sum(dim=1)
 
 

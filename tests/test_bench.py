@@ -175,3 +175,14 @@ def test_a_decode_graph_method_entry_may_carry_its_own_parameters():
     assert method_entry("quest:scoring=gemv:page_size=8") == ("quest", {"scoring": "gemv", "page_size": 8})
     with pytest.raises(ConfigError, match="name:key=value"):
         method_entry("quest:scoring")
+
+
+def test_quest_scoring_times_both_scorings_on_the_same_bounds():
+    """``kvbench bench quest_scoring``: per layout and length both scorings timed side by side, and the
+    scores they give differ only by rounding."""
+    out = kvbench("bench", "quest_scoring", "--quick", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["results"][0]["rows"]
+    assert [(row["layout"], row["tokens"]) for row in rows] == [("7B MHA", 8192), ("8B GQA", 8192)]
+    for row in rows:
+        assert row["products_ms"] > 0 and row["gemv_ms"] > 0 and row["max |difference|"] < 1e-3

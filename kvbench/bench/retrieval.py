@@ -6,6 +6,7 @@ Every comparison is measured in one process on the same inputs; the ratio column
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -145,6 +146,42 @@ def kmeans_faiss(options: BenchOptions) -> BenchResult:
         "early, neither PQCache's scikit-learn rules nor ClusterKV's kept empty centroids (kmeans.py notes)",
     ]
     return BenchResult("kmeans_faiss", "batched k-means vs faiss-cpu (one layer's PQ construction)", rows, notes)
+
+
+@benchmark("quest_scoring")
+def quest_scoring(options: BenchOptions) -> BenchResult:
+    """Quest's page scores per layer and decode step, ``method.scoring`` products vs gemv side by side, on
+    the 7B MHA layout (32 KV heads) and the 8B GQA one (8 KV heads x 4), 16-token pages."""
+    from kvbench.methods.quest import page_scores
+
+    device = bench_device(options)
+    lengths = (8192,) if options.quick else (8192, 32768, 131072)
+    rows = []
+    for layout, kv_heads, group in (("7B MHA", 32, 1), ("8B GQA", KV_HEADS, GROUP)):
+        for s in lengths:
+            generator = torch.Generator().manual_seed(s)
+            pairs = torch.randn(kv_heads, s // 16, 2, HEAD_DIM, generator=generator).to(device)
+            bounds = torch.stack([pairs.amin(dim=2), pairs.amax(dim=2)], dim=2)
+            q = torch.randn(kv_heads, group, HEAD_DIM, generator=generator).to(device)
+            t = {
+                scoring: time_call(
+                    functools.partial(page_scores, q, bounds, scoring), repeats=options.repeats, device=device
+                )
+                for scoring in ("products", "gemv")
+            }
+            gap = (page_scores(q, bounds, "gemv") - page_scores(q, bounds, "products")).abs().max().item()
+            rows.append(
+                {
+                    "layout": layout,
+                    "tokens": s,
+                    "products_ms": 1e3 * t["products"],
+                    "gemv_ms": 1e3 * t["gemv"],
+                    "gemv / products": t["gemv"] / t["products"],
+                    "max |difference|": gap,
+                }
+            )
+    notes = [f"device {device}; one layer's scores of every page, float32 bounds; median of {options.repeats} runs"]
+    return BenchResult("quest_scoring", "Quest's page scores: products vs gemv (method.scoring)", rows, notes)
 
 
 @benchmark("clusterkv_select")
