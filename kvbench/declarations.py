@@ -74,6 +74,8 @@ def read_declaration(module: str) -> Declaration:
     if spec is None or spec.origin is None:
         raise DeclarationError(f"no module {module}")
     path = Path(spec.origin)
+    if path.suffix != ".py":  # an installation without sources (.pyc only): the module itself, torch and all
+        return _imported(module)
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     # the namespace lives in a module object of its own (never the real module's name in sys.modules), so
     # that typing.get_type_hints finds the names the string annotations use
@@ -98,6 +100,18 @@ def read_declaration(module: str) -> Declaration:
         else:
             params = namespace[params_name]
     return Declaration(name=name, params=params, namespace=dict(namespace))
+
+
+def _imported(module: str) -> Declaration:
+    """The declaration of a module read by importing it: its registered method's name and ``Params``."""
+    from kvbench.methods import REGISTRY
+
+    loaded = importlib.import_module(module)
+    namespace = dict(vars(loaded))
+    registered = [cls for cls in REGISTRY.entries.values() if cls.__module__ == module]
+    if not registered:
+        return Declaration(name=None, params=None, namespace=namespace)
+    return Declaration(name=registered[0].name, params=registered[0].Params, namespace=namespace)
 
 
 def _declare(node: ast.stmt, namespace: dict[str, Any], module: str, path: Path) -> None:

@@ -127,3 +127,43 @@ def test_reading_every_method_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     assert int(out[0]) >= 19 and out[1:] == ["False", "False"]
+
+
+def test_an_installation_without_sources_imports_the_module(tmp_path, monkeypatch):
+    """A module installed as bytecode only (no .py to read): its declaration comes from importing it."""
+    import py_compile
+
+    from kvbench.methods import REGISTRY
+
+    package = _package(
+        tmp_path,
+        monkeypatch,
+        {
+            "compiled": textwrap.dedent(
+                """
+                from dataclasses import dataclass
+                from kvbench.engine.protocol import KVMethod
+                from kvbench.methods import register
+                from kvbench.methods.params import MethodParams
+                from kvbench.params import param
+
+                @dataclass(frozen=True)
+                class CompiledParams(MethodParams):
+                    seed: int = param(3, "a seed")
+
+                @register
+                class Compiled(KVMethod):
+                    name = "declfix_compiled"
+                    Params = CompiledParams
+                """
+            )
+        },
+    )
+    source = tmp_path / "declfix" / "compiled.py"
+    py_compile.compile(str(source), cfile=str(source.with_suffix(".pyc")), doraise=True)
+    source.unlink()
+    try:
+        declared = read_declaration(f"{package}.compiled")
+        assert declared.name == "declfix_compiled" and declared.params is not None and declared.params().seed == 3
+    finally:
+        REGISTRY.entries.pop("declfix_compiled", None)
