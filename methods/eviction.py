@@ -8,7 +8,10 @@ a layer that was asked to shrink but kept every token fails the run (:meth:`chec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
+
+import torch
 
 from kvbench.engine.protocol import KVMethod
 from kvbench.errors import CompressionNotApplied
@@ -17,6 +20,7 @@ from kvbench.params import Params
 
 if TYPE_CHECKING:
     from kvbench.engine.context import GenerationContext
+    from kvbench.kv.store import LayerKV
 
 
 class EvictionMethod(KVMethod):
@@ -40,3 +44,18 @@ class EvictionMethod(KVMethod):
                 f"but layer(s) {lazy[:5]} kept all of them",
                 "this is a bug in the method; report it with the run's config.yaml",
             )
+
+    def keep_chosen_middle(self, layer: int, kv: LayerKV, choose: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Keep the sinks, the local window and, per KV head, the ``select`` middle tokens that
+        ``choose(begin, end, select)`` names (``[kv_heads, select]`` positions in ``[begin, end)``): the
+        prefill step of a method that scores each middle token once (random, key norm). Nothing happens
+        when the budget covers the prompt."""
+        budget = self.ctx.budget
+        s, select = kv.n, budget.layer_budget(layer) - budget.local
+        if budget.sink + budget.local + select >= s:
+            return  # the budget covers the prompt: keep everything
+        chosen = choose(budget.sink, s - budget.local, select).to(kv.home)
+        fixed = torch.cat(
+            [torch.arange(budget.sink, device=kv.home), torch.arange(s - budget.local, s, device=kv.home)]
+        )
+        kv.keep(torch.cat([fixed.expand(kv.n_kv_heads, -1), chosen], dim=1))  # (keep sorts each row)

@@ -41,14 +41,9 @@ class Knorm(EvictionMethod):
     def on_prefill(
         self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
     ) -> None:
-        budget = self.ctx.budget
-        s, select = kv.n, budget.layer_budget(layer) - budget.local
-        if budget.sink + budget.local + select >= s:
-            return  # the budget covers the prompt: keep everything
-        middle = key[0, :, budget.sink : s - budget.local].float().norm(dim=-1)  # [kv_heads, middle]
-        # the smallest norms, the earlier token first among equal ones (a stable sort, not topk's order)
-        chosen = torch.sort(middle, dim=1, stable=True).indices[:, :select].to(kv.home) + budget.sink
-        fixed = torch.cat(
-            [torch.arange(budget.sink, device=kv.home), torch.arange(s - budget.local, s, device=kv.home)]
-        )
-        kv.keep(torch.cat([fixed.expand(kv.n_kv_heads, -1), chosen], dim=1))  # (keep sorts each row)
+        def smallest_norms(begin: int, end: int, select: int) -> torch.Tensor:
+            norms = key[0, :, begin:end].float().norm(dim=-1)  # [kv_heads, middle]
+            # the smallest norms, the earlier token first among equal ones (a stable sort, not topk's order)
+            return torch.sort(norms, dim=1, stable=True).indices[:, :select] + begin
+
+        self.keep_chosen_middle(layer, kv, smallest_norms)

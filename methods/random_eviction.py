@@ -40,15 +40,9 @@ class RandomEviction(EvictionMethod):
     def on_prefill(
         self, layer: int, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, kv: LayerKV
     ) -> None:
-        budget = self.ctx.budget
-        s, select = kv.n, budget.layer_budget(layer) - budget.local
-        if budget.sink + budget.local + select >= s:
-            return  # the budget covers the prompt: keep everything
-        middle = s - budget.local - budget.sink
-        generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + layer)
-        scores = torch.rand(kv.n_kv_heads, middle, generator=generator)
-        chosen = torch.topk(scores, select, dim=1).indices.to(kv.home) + budget.sink
-        fixed = torch.cat(
-            [torch.arange(budget.sink, device=kv.home), torch.arange(s - budget.local, s, device=kv.home)]
-        )
-        kv.keep(torch.cat([fixed.expand(kv.n_kv_heads, -1), chosen], dim=1))  # (keep sorts each row)
+        def draw(begin: int, end: int, select: int) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + layer)
+            scores = torch.rand(kv.n_kv_heads, end - begin, generator=generator)
+            return torch.topk(scores, select, dim=1).indices + begin
+
+        self.keep_chosen_middle(layer, kv, draw)
