@@ -136,6 +136,7 @@ class QuestParams(RetrievalParams):
         "page scores: products (sum over d of max(q*max, q*min), bit for bit as kvbench always scored) | gemv "
         "(q+ . max + q- . min as two matrix products: the same terms summed in another order, no "
         "[heads, pages, 2, d] temporary)",
+        legacy="products",
     )
 
 
