@@ -9,11 +9,21 @@ under the mode ``ctx:<digest of the tokens before the chunk that are no chunk, a
 method keeps its statistics beside it (in memory, :class:`Variant`).
 
 **Statistics** (Eqs. 3-4), recorded while the prefill that creates the variant runs: at every layer,
-the attention probabilities of the chunk's rows are recomputed row block by row block
-(:func:`kvbench.engine.attention_stats.segment_mass`, never a whole ``heads x n x n``), summed over
-each earlier chunk (``inter``), over the chunk itself (``intra``, causal) and, per token, over all
-earlier chunks (the inter score). The pass runs inside the prefill (its time is in TTFT and reported
-apart as ``stats_s``; on a GPU it is host time, not synchronised).
+the attention probabilities of the chunk's rows summed over each earlier chunk (``inter``), over the
+chunk itself (``intra``, causal) and, per token, over all earlier chunks (the inter score). ``stats``
+says how (the paper does not; both give the same statistics up to float rounding, a test pins it):
+
+* ``recompute`` (default; the recorded runs'): a second pass recomputes the rows' probabilities in
+  float32, row block by row block (:func:`kvbench.engine.attention_stats.segment_mass`, never a whole
+  ``heads x n x n``), after the layer's K is written — kvbench's own cost, not the method's (at
+  cpu scale about half of Cache-Craft's TTFT on the stream, §7b);
+* ``attention``: the prefill's own attention returns them — the values get each chunk's one-hot
+  membership as extra columns (:class:`kvbench.engine.attention.SegmentColumns`), so the softmax the
+  layer computes anyway also sums each row's mass per chunk, at the cost of ``8 x ceil(chunks / 8)``
+  more head-dimension columns in that one kernel (model dtype: bf16 on a GPU), no second pass.
+
+Either way the time is in TTFT and reported apart as ``stats_s`` (for ``attention`` only the host-side
+reduction; on a GPU host time, not synchronised).
 
 **Planning** (before the request's clock, like the family's lookups; ``plan_s``): for each chunk of
 the new prompt with prefix S_new, every held variant gets beta, gamma, beta' = beta (1 - gamma), its
@@ -82,7 +92,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from kvbench.engine.attention_stats import segment_mass
+from kvbench.engine.attention import SegmentColumns
+from kvbench.engine.attention_stats import reduce_heads, segment_mass
 from kvbench.engine.reuse import CachedSpan, ReusePrefill, store_request_rows
 from kvbench.errors import ConfigError
 from kvbench.kv.chunks import ChunkKey
@@ -213,6 +224,13 @@ class CacheCraftParams(ReuseParams):
     eviction: Literal["frequency", "lru"] = param(
         "frequency", "chunk store eviction: frequency (uses x tokens saved per byte) | lru (the ablation)"
     )
+    stats: Literal["recompute", "attention"] = param(
+        "recompute",
+        "how the statistics are gathered: recompute (a float32 pass over the new variants' rows after "
+        "each layer's K is written) | attention (extra value columns in the prefill's own attention: "
+        "the same softmax, no second pass, the model's dtype)",
+        legacy="recompute",
+    )
     stats_block: int = param(1 << 22, "statistics pass: attention entries (head x row x key) computed at once", min=1)
 
     def validate(self) -> None:
@@ -251,6 +269,7 @@ class CacheCraft(ReuseMethod):
         self._rows_of: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._stat: np.ndarray | None = None
         self._segments_dev: torch.Tensor | None = None
+        self._columns: SegmentColumns | None = None
         self._stats_s = 0.0
         self._plan_s = 0.0
 
@@ -413,21 +432,50 @@ class CacheCraft(ReuseMethod):
             block_elements=self.params.stats_block,
         )
 
-    def observe_attention(self, plan: ReusePrefill, layer: int, query: torch.Tensor, scaling: float) -> None:
-        """Record the new variants' statistics, and the question's focus before the stop layer."""
+    def _measures(self, layer: int) -> tuple[bool, bool]:
+        """Whether this layer records the new variants' statistics, and the question's focus."""
         stop = self.params.stop_layer
         focus = stop is not None and layer == stop - 1 and any(c.selected.size for c in self._plans)
-        stat = self._stat_positions()
-        if not focus and not stat.size:
+        return bool(self._stat_positions().size), focus
+
+    def observe_attention(self, plan: ReusePrefill, layer: int, query: torch.Tensor, scaling: float) -> None:
+        """``stats: recompute``: record the new variants' statistics, and the question's focus before the
+        stop layer, from a float32 pass over the rows' attention (:func:`segment_mass`)."""
+        stat, focus = self._measures(layer)
+        if self.params.stats != "recompute" or not (stat or focus):
             return
         started = time.perf_counter()
         positions = plan.rows.positions
-        if stat.size:
-            rows = self._rows(plan, "stats", np.searchsorted(positions, stat))
+        if stat:
+            rows = self._rows(plan, "stats", np.searchsorted(positions, self._stat_positions()))
             self._mass.append(self._mass_of(plan, layer, query, rows, scaling))
         if focus:
             rows = self._rows(plan, "query", np.flatnonzero(plan.query_flags[positions]))
             self._focus = self._mass_of(plan, layer, query, rows, scaling).mean(dim=0)
+        self._stats_s += time.perf_counter() - started
+
+    def attention_segments(self, plan: ReusePrefill, layer: int) -> SegmentColumns | None:
+        """``stats: attention``: the chunks as segments of this layer's own attention, when it measures."""
+        if self.params.stats != "attention" or not any(self._measures(layer)):
+            return None
+        if self._columns is None:
+            labels = self._key_segments(plan)
+            member = torch.zeros(plan.n, len(self._plans) + 1, device=labels.device)  # (cast to the values)
+            member[torch.arange(plan.n, device=labels.device), torch.where(labels < 0, len(self._plans), labels)] = 1
+            self._columns = SegmentColumns(member[:, : len(self._plans)])
+        return self._columns
+
+    def observe_segment_mass(self, plan: ReusePrefill, layer: int, mass: torch.Tensor) -> None:
+        """``stats: attention``: the statistics from the layer's attention mass ``[active rows, heads, chunks]``."""
+        started = time.perf_counter()
+        stat, focus = self._measures(layer)
+        positions = plan.rows.positions
+        if stat:
+            rows = self._rows(plan, "stats", np.searchsorted(positions, self._stat_positions()))[0]
+            self._mass.append(reduce_heads(mass[rows].float().transpose(0, 1), self.params.heads))
+        if focus:
+            rows = self._rows(plan, "query", np.flatnonzero(plan.query_flags[positions]))[0]
+            self._focus = reduce_heads(mass[rows].float().transpose(0, 1), self.params.heads).mean(dim=0)
         self._stats_s += time.perf_counter() - started
 
     def on_layer(self, plan: ReusePrefill, layer: int, fresh_v: torch.Tensor) -> np.ndarray | None:

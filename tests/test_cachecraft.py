@@ -144,13 +144,15 @@ def test_segment_mass_in_row_blocks_equals_an_explicit_softmax(heads):
         assert torch.allclose(got, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("stats", ["recompute", "attention"])
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
-def test_variant_statistics_equal_those_of_the_models_own_eager_attention(fixture, request, parts):
+def test_variant_statistics_equal_those_of_the_models_own_eager_attention(fixture, stats, request, parts):
     """The statistics recorded in a request equal inter/intra/token scores computed from transformers'
-    eager attention probabilities of a full forward pass (an independent reference)."""
+    eager attention probabilities of a full forward pass (an independent reference), whether a second
+    pass recomputes them or the prefill's own attention returns them."""
     loaded = request.getfixturevalue(fixture)
     segments = prompt(parts, "c1", "c2", "c3")
-    method = create_method({"name": "cachecraft"})
+    method = create_method({"name": "cachecraft", "stats": stats})
     run(loaded, method, segments, store=ram(), n=1)
     ids = torch.tensor([join_segments(segments)])
     previous = loaded.model.config._attn_implementation
@@ -176,10 +178,11 @@ def test_variant_statistics_equal_those_of_the_models_own_eager_attention(fixtur
 
 
 # ---------------------------------------------------------------------- equivalences
+@pytest.mark.parametrize("stats", ["recompute", "attention"])
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
-def test_cfo_forced_to_one_is_token_identical_to_full(fixture, request, parts):
+def test_cfo_forced_to_one_is_token_identical_to_full(fixture, stats, request, parts):
     loaded = request.getfixturevalue(fixture)
-    method, store = create_method({"name": "cachecraft", "cfo": 1.0}), ram()
+    method, store = create_method({"name": "cachecraft", "cfo": 1.0, "stats": stats}), ram()
     for chunks in (("c1", "c2", "c3"), ("c2", "c1", "c3"), ("c2", "c1", "c3")):
         segments = prompt(parts, *chunks)
         full = run(loaded, {"name": "full"}, segments)
@@ -190,12 +193,14 @@ def test_cfo_forced_to_one_is_token_identical_to_full(fixture, request, parts):
         assert {c["recomputed_tokens"] for c in report(out)["chunks"]} == {40, 50, 45}
 
 
-@pytest.mark.parametrize("forced", [0.0, None])
+@pytest.mark.parametrize("forced,stats", [(0.0, "recompute"), (None, "recompute"), (None, "attention")])
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
-def test_a_variant_made_after_the_same_prefix_is_token_identical_to_prefix_caching(fixture, forced, request, parts):
+def test_a_variant_made_after_the_same_prefix_is_token_identical_to_prefix_caching(
+    fixture, forced, stats, request, parts
+):
     loaded = request.getfixturevalue(fixture)
     first, second = prompt(parts, "c1", "c2", "c3"), prompt(parts, "c1", "c2", "c4", query="q2")
-    craft, craft_store = create_method({"name": "cachecraft", "cfo": forced}), ram()
+    craft, craft_store = create_method({"name": "cachecraft", "cfo": forced, "stats": stats}), ram()
     prefix, prefix_store = create_method({"name": "prefix_cache", "warm": "none", "store_prompts": True}), ram()
     assert run(loaded, craft, first, craft_store).tokens == run(loaded, prefix, first, prefix_store).tokens
     ours, theirs = run(loaded, craft, second, craft_store), run(loaded, prefix, second, prefix_store)
@@ -269,9 +274,13 @@ def test_variants_served_from_the_disk_tier_give_the_same_tokens(tiny_llama, par
 
 
 # ---------------------------------------------------------------------- early termination
+@pytest.mark.parametrize("stats", ["recompute", "attention"])
 @pytest.mark.parametrize("focus_mass,stops", [(1.0, True), (0.0, False)])
-def test_early_termination_drops_unfocused_chunks_tokens_after_the_stop_layer(tiny_llama, parts, focus_mass, stops):
+def test_early_termination_drops_unfocused_chunks_tokens_after_the_stop_layer(
+    tiny_llama, parts, focus_mass, stops, stats
+):
     cfg = {"name": "cachecraft", "cfo": 0.3, "new_variant_cfo": 1.0, "stop_layer": 2, "focus_mass": focus_mass}
+    cfg["stats"] = stats
     method, store = create_method(cfg), ram()
     run(tiny_llama, method, prompt(parts, "c1", "c2", "c3"), store, n=1)
     segments = prompt(parts, "c3", "c1", "c2")
@@ -301,6 +310,30 @@ def test_early_termination_keeps_focused_chunks(tiny_llama, parts):
 # ---------------------------------------------------------------------- the store's eviction policy
 def _entry(n_tokens, value=1.0):
     return ChunkKV([torch.full((2, n_tokens, 4), value)], [torch.full((2, n_tokens, 4), -value)], 0)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_statistics_from_the_prefills_attention_equal_the_recomputed_ones(fixture, request, parts):
+    """``stats: attention`` (value columns in the prefill's own attention, on the dense path, on the
+    reuse path with cached rows, and for the question's focus) gives the recomputing pass's statistics
+    and focus, up to float rounding, and the same tokens."""
+    loaded = request.getfixturevalue(fixture)
+    cfg = {"name": "cachecraft", "cfo": 0.3, "new_variant_cfo": 1.0, "stop_layer": 2, "focus_mass": 0.3}
+    methods = {s: (create_method({**cfg, "stats": s}), ram()) for s in ("recompute", "attention")}
+    # a miss (dense), then a reuse with a new chunk (c4: statistics on the reuse path) and the focus
+    for chunks in (("c1", "c2", "c3"), ("c3", "c1", "c4")):
+        outs = {s: run(loaded, m, prompt(parts, *chunks), store) for s, (m, store) in methods.items()}
+        assert outs["attention"].tokens == outs["recompute"].tokens
+    (ours, _), (theirs, _) = methods["attention"], methods["recompute"]
+    assert ours._focus is not None and theirs._focus is not None
+    assert torch.allclose(ours._focus, theirs._focus, atol=1e-5)
+    assert sorted(ours.catalogue) == sorted(theirs.catalogue) and len(ours.catalogue) == 4
+    for digest, variants in theirs.catalogue.items():
+        for mine, reference in zip(ours.catalogue[digest], variants, strict=True):
+            assert np.allclose(mine.stats.inter, reference.stats.inter, atol=1e-5)
+            assert np.allclose(mine.stats.intra, reference.stats.intra, atol=1e-5)
+            assert np.allclose(mine.scores, reference.scores, atol=1e-6)
+    assert [c.action for c in ours._plans] == ["fix", "fix", "miss"]
 
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])

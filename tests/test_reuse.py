@@ -338,7 +338,7 @@ def test_profile_deviation_measures_reuse_against_a_full_prefill(tiny_llama, ran
 
 def test_spearman_matches_scipy_with_ties_and_is_undefined_for_constants():
     scipy = pytest.importorskip("scipy.stats")
-    from kvbench.engine.reuse import _spearman
+    from kvbench.engine.reuse_deviation import _spearman
 
     a = torch.tensor([1.0, 2, 2, 3, 5, 5, 5, 0, 7])
     b = torch.tensor([3.0, 1, 4, 1, 5, 9, 2, 6, 5])

@@ -231,6 +231,49 @@ def with_past(
     return out.reshape(n_heads, t, -1).transpose(0, 1).unsqueeze(0)
 
 
+@dataclass(frozen=True)
+class SegmentColumns:
+    """Extra value columns that make one attention call also return each row's attention *mass* per
+    segment of keys (a policy's statistics, :class:`~kvbench.engine.reuse.ReusePrefill`): the values get
+    the keys' one-hot segment membership as ``segments`` more columns, so the output's extra columns
+    hold ``sum_{keys k of segment s} softmax(q K / sqrt)[k]`` for every row and query head, from the
+    same softmax as the attention itself (no second pass over the logits).
+
+    PyTorch's fused kernels need query, key and value of one head dimension (a wider value sends CPU
+    SDPA to its math path, ~10x slower), so the query and keys get zero columns up to the same width
+    ``d + pad``: the logits are unchanged (the zeros add nothing; the scale is passed explicitly), and so
+    are the first ``d`` output columns (bit-identical on the CPU kernels we tested; a test pins it).
+    ``member`` is ``[n, segments]`` in the model's dtype (a key of no segment has a zero row); ``pad`` is
+    ``segments`` rounded up to a multiple of 8 (the GPU kernels' alignment)."""
+
+    member: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.member.shape[-1])
+
+    @property
+    def pad(self) -> int:
+        return -(-self.count // 8) * 8
+
+    def query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` ``[..., t, d]`` with ``pad`` zero columns: ``[..., t, d + pad]``."""
+        return F.pad(query, (0, self.pad))
+
+    def kv(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` ``[..., n, d]`` with zero columns, ``values`` ``[..., n, d]`` followed by the membership
+        columns and zeros: both ``[..., n, d + pad]``."""
+        d = values.shape[-1]
+        wide = F.pad(values, (0, self.pad))
+        wide[..., d : d + self.count] = self.member.to(values.dtype)
+        return F.pad(keys, (0, self.pad)), wide
+
+    def split(self, out: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An attention output ``[..., d + pad]`` split into the attention's ``[..., d]`` and the mass
+        ``[..., segments]``."""
+        return out[..., :d].contiguous(), out[..., d : d + self.count]
+
+
 def _is_causal_suffix(key_positions: torch.Tensor, query_positions: torch.Tensor) -> bool:
     """Whether the keys hold positions ``0..n-1`` in order and the queries are the last ``t`` of them, in
     order, with ``t`` at least the ``p = n - t`` earlier ones (a prefix-cache hit on a short prefix) —

@@ -53,7 +53,7 @@ def probability_blocks(
         yield start, stop, torch.softmax(logits, dim=-1).reshape(n_heads, stop - start, n)
 
 
-def _reduce_heads(values: torch.Tensor, heads: str) -> torch.Tensor:
+def reduce_heads(values: torch.Tensor, heads: str) -> torch.Tensor:
     """``values`` ``[H, ...]`` combined over the query heads (``HEAD_REDUCTIONS``)."""
     if heads == "mean":
         return values.mean(dim=0)
@@ -95,7 +95,7 @@ def segment_mass(
     member[torch.arange(n, device=device), torch.where(labels < 0, n_segments, labels)] = 1.0
     member = member[:, :n_segments]
     for start, stop, probs in probability_blocks(query, query_positions, keys, key_positions, scaling, block_elements):
-        out[start:stop] = _reduce_heads(probs @ member, heads)  # [H, b, segments] -> [b, segments]
+        out[start:stop] = reduce_heads(probs @ member, heads)  # [H, b, segments] -> [b, segments]
     return out
 
 
@@ -124,4 +124,4 @@ def column_mass(
     per_head = torch.zeros(query.shape[0], keys.shape[1], dtype=torch.float32, device=query.device)
     for _, _, probs in probability_blocks(query, query_positions, keys, key_positions, scaling, block_elements):
         per_head += probs.sum(dim=1)
-    return _reduce_heads(per_head, heads)
+    return reduce_heads(per_head, heads)

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from kvbench.engine import attention
+from kvbench.engine import attention, reuse_deviation
 from kvbench.engine.prefill import PrefillPlan
 from kvbench.engine.rope import apply_rotation, rotation
 from kvbench.kv.chunks import ChunkKey, ChunkKV, ChunkReader, ChunkStore
@@ -88,10 +88,16 @@ class CachedSpan:
 class ReusePolicy(Protocol):
     """What :class:`ReusePrefill` asks of a reuse method (``methods/reuse.py::ReuseMethod`` implements it).
 
-    One hook is optional and looked up by name: ``observe_attention(plan, layer, query, scaling)``,
-    called at every layer once the active rows' fresh K/V are written (the layer's K is then complete),
-    with the active rows' post-RoPE queries ``[heads, t, d]`` — for a policy that measures attention
-    (:func:`kvbench.engine.attention_stats.segment_mass`). A policy without it costs nothing.
+    Three hooks are optional and looked up by name, for a policy that measures attention; a policy
+    without them costs nothing:
+
+    * ``observe_attention(plan, layer, query, scaling)``, called at every layer once the active rows'
+      fresh K/V are written (the layer's K is then complete), with the active rows' post-RoPE queries
+      ``[heads, t, d]`` — to recompute what it needs (:func:`kvbench.engine.attention_stats.segment_mass`);
+    * ``attention_segments(plan, layer)`` returning an :class:`~kvbench.engine.attention.SegmentColumns`
+      (or None), and ``observe_segment_mass(plan, layer, mass)``: the layer's attention itself also
+      computes every active row's attention mass per segment of keys, handed over as ``mass``
+      ``[active rows, heads, segments]`` (model dtype; zeros for rows that do not attend at that layer).
     """
 
     #: ``profile.deviation``: the full prefill's K, V and query rows' Q, for the deviation figures
@@ -312,6 +318,9 @@ class ReusePrefill(PrefillPlan):
         self.cuts_in_layer = bool(getattr(method, "cut_at_attention", False))
         #: the policy's optional ``observe_attention(plan, layer, query, scaling)`` (see :class:`ReusePolicy`)
         self._observe = getattr(method, "observe_attention", None)
+        #: the policy's optional ``attention_segments(plan, layer)`` / ``observe_segment_mass(plan, layer, mass)``
+        self._segments_of = getattr(method, "attention_segments", None)
+        self._observe_mass = getattr(method, "observe_segment_mass", None)
         self.n = n
         self.segments = segments
         self.device = torch.device(ctx.spec.device)
@@ -529,7 +538,7 @@ class ReusePrefill(PrefillPlan):
         self._fresh_keys, self._fresh_layer = key[0], layer
         keep = self.method.on_layer(self, layer, value[0])
         self._fresh_keys = None
-        nxt = self._next = self._shrink(keep) if keep is not None else None
+        self._next = self._shrink(keep) if keep is not None else None
         self.timing["select_s"] += time.perf_counter() - started
         if kv.n == 0:
             kv.append(key[0], value[0], active.host)
@@ -538,10 +547,37 @@ class ReusePrefill(PrefillPlan):
         kv.check_written(layer)  # every key this layer attends is a cached or a computed row
         if self._observe is not None:  # the layer's K now complete: the policy may measure attention
             self._observe(self, layer, query[0], scaling)
+        columns = self._segments_of(self, layer) if self._segments_of is not None else None
+        if columns is None:
+            return self._attention(layer, module, query, key, value, scaling, None)
+        # the policy's statistics from this attention's own softmax (attention.SegmentColumns)
+        wide = self._attention(layer, module, columns.query(query), key, value, scaling, columns)
+        out, mass = columns.split(wide, value.shape[-1])
+        assert self._observe_mass is not None
+        self._observe_mass(self, layer, mass[0])  # [active rows, heads, segments]; zero for rows not attending
+        return out
+
+    def _attention(
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        columns: attention.SegmentColumns | None,
+    ) -> torch.Tensor:
+        """The active rows' attention at ``layer`` (``key``/``value``: the fresh rows'; the layer's complete
+        K/V are in the store), ``[1, active rows, H, width]``, zeros for the rows that do not attend;
+        with ``columns`` the keys and values are widened (``query`` already is)."""
+        kv, active, nxt = self.ctx.store[layer], self.rows, self._next
         cut = nxt is not None and self.cuts_in_layer
         if active.count == self.n and not cut:
             # Every row is fresh, in order: the dense kernel of `full` (rows dropped after it are unused).
+            if columns is not None:
+                key, value = columns.kv(key, value)
             return attention.dense(module, query, key, value, scaling)
+        keys, values = (kv.keys, kv.values) if columns is None else columns.kv(kv.keys, kv.values)
         m = active.count
         code = self.method.bottom_right_mask
         if nxt is None:
@@ -561,17 +597,15 @@ class ReusePrefill(PrefillPlan):
             positions = self.n - m + nxt.keep if code else nxt.positions
             # exact: these rows are the next set's, whose layout the later layers reuse; code: this layer's own
             layout_of, name = (nxt, "exact") if not code else (active, f"code@{layer}")
-        out = torch.zeros(1, m, query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+        out = torch.zeros(1, m, query.shape[1], values.shape[-1], dtype=query.dtype, device=query.device)
         q = query[:, :, rows]
         if active.in_order:
             layout = self._layout(layout_of, name, positions, query)
-            out[:, rows] = attention.with_past(
-                q, kv.keys, kv.values, kv.positions[0], active.host, scaling, layout=layout
-            )
+            out[:, rows] = attention.with_past(q, keys, values, kv.positions[0], active.host, scaling, layout=layout)
         else:
             # the active rows are not every uncached row: the positions are read where they are
             where = self._on_device(self._host_ints(positions))
-            out[:, rows] = attention.with_past(q, kv.keys, kv.values, kv.positions[0], where, scaling)
+            out[:, rows] = attention.with_past(q, keys, values, kv.positions[0], where, scaling)
         return out
 
     def rows_after_attention(self) -> torch.Tensor | None:
@@ -594,7 +628,7 @@ class ReusePrefill(PrefillPlan):
         self.loader.close()
         self.timing["load_s"] += self.loader.load_s
         self.timing["load_wait_s"] += self.loader.wait_s
-        deviation = self._deviation() if self.reference is not None else None
+        deviation = reuse_deviation.deviation(self) if self.reference is not None else None
         for span in self.spans:
             if span.reader is not None:
                 span.reader.close()
@@ -648,139 +682,3 @@ class ReusePrefill(PrefillPlan):
                 not_stored += 1
         self.missed = []
         return {"stored": stored, "not_stored": not_stored}
-
-    # ------------------------------------------------------------------ profile.deviation
-    def _deviation(self) -> dict[str, Any]:
-        """How far reuse is from a full prefill (CacheBlend Figs. 6–8), computed after the prefill.
-
-        * ``reused_kv``: per layer, the KV deviation of every cached token *as reused* (re-rotated,
-          before any recompute) from the full prefill's — squared L2 of V summed over heads and
-          dimensions, the quantity CacheBlend selects by — as a 101-point quantile curve, its mean, and
-          the share of the total carried by the top 15 % of tokens (Fig. 7);
-        * ``spearman``: rank correlation of those per-token deviations between consecutive layers (Fig. 8);
-        * ``attention``: per layer, the Frobenius norm of the difference between the query rows'
-          attention (softmax over every prompt key, causal by position) in this prefill and in the full
-          one, averaged over heads, and its mean over layers (Fig. 6's y axis);
-        * ``blended_kv``: per layer, the mean KV deviation of all tokens after this method's recompute;
-        * ``chunks``: one entry per cached span (the exact prefix and every reused chunk, prompt order),
-          keyed by its ``begin`` / ``end`` in the prompt (``mode``: its store key's mode) so that a
-          method's per-chunk telemetry can be joined with it: ``reused_v``, the mean over its tokens and
-          over every layer of the V deviation *as reused* (before any recompute; the quantity of
-          ``reused_kv`` above), and ``blended_v``, the same after this method's recompute (what the fix
-          left; V only, so that the two compare). 0 for a span whose cache was computed after exactly
-          this prompt's tokens.
-        """
-        assert self.reference is not None  # (called only with profile.deviation)
-        keys_f, values_f, queries_f = self.reference
-        # per-token deviations are computed where the KV lives and read on the host (curves, ranks)
-        device = keys_f[0].device if keys_f else torch.device("cpu")
-        cached = torch.nonzero(self.cached_mask).flatten().cpu()
-        curves, means, top15, per_layer = [], [], [], []
-        blended, attention_dev = [], []
-        span_reused = torch.zeros(len(self.spans), dtype=torch.float64)
-        span_blended = torch.zeros(len(self.spans), dtype=torch.float64)
-        scale = self.ctx.spec.head_dim**-0.5
-        positions = torch.arange(self.n, device=device)
-        query_positions = positions[self.query_mask.to(device)]
-        for layer in range(len(keys_f)):
-            host = self._reused_deviation(layer, values_f[layer], device).cpu()
-            tokens = host[cached]
-            per_layer.append(tokens)
-            curve, mean, share = _curve(tokens)
-            curves.append(curve)
-            means.append(mean)
-            top15.append(share)
-            kv = self.ctx.store[layer]
-            blend_k, blend_v = kv.keys[:, : self.n].to(device).float(), kv.values[:, : self.n].to(device).float()
-            blend_v_dev = (blend_v - values_f[layer].float()).pow(2).sum(dim=(0, 2))
-            blended.append(float((blend_v_dev + (blend_k - keys_f[layer].float()).pow(2).sum(dim=(0, 2))).mean()))
-            blend_host = blend_v_dev.cpu()
-            for i, span in enumerate(self.spans):
-                span_reused[i] += float(host[span.begin : span.end].double().mean())
-                span_blended[i] += float(blend_host[span.begin : span.end].double().mean())
-            q_b, q_f = self._queries.get(layer), queries_f[layer]
-            if q_b is not None and q_b.shape[1]:
-                a_b = _attention(q_b.float(), blend_k, query_positions, positions, scale)
-                a_f = _attention(q_f.float(), keys_f[layer].float(), query_positions, positions, scale)
-                attention_dev.append(float((a_b - a_f).flatten(1).norm(dim=1).mean()))
-        spearman = [_spearman(a, b) for a, b in zip(per_layer, per_layer[1:])]
-        chunks = self._chunk_deviations(span_reused, span_blended, max(1, len(keys_f)))
-        return {
-            "metric": "V squared L2 summed over heads and dims (reused_kv); K+V (blended_kv)",
-            "reused_kv_quantiles": curves,
-            "reused_kv_mean": means,
-            "reused_kv_top15_share": top15,
-            "spearman": spearman,
-            "blended_kv_mean": blended,
-            "attention": attention_dev,
-            "attention_mean": float(sum(attention_dev) / len(attention_dev)) if attention_dev else None,
-            "chunks": chunks,
-        }
-
-    def _reused_deviation(self, layer: int, values_f: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Per token at ``layer``, the V deviation of the cached rows as reused from the full prefill's (else 0)."""
-        dev = torch.zeros(self.n, device=device)
-        for span in self.spans:
-            assert span.reader is not None
-            _, v = span.reader.layer(layer)
-            v = v[:, span.rows].to(device).float()
-            dev[span.begin : span.end] = (v - values_f[:, span.begin : span.end].float()).pow(2).sum(dim=(0, 2))
-        return dev
-
-    def _chunk_deviations(
-        self, span_reused: torch.Tensor, span_blended: torch.Tensor, layers: int
-    ) -> list[dict[str, Any]]:
-        """One entry per cached span: its place, mode and mean V deviation over ``layers``, reused and blended."""
-        return [
-            {
-                "begin": span.begin,
-                "end": span.end,
-                "mode": span.key.mode,
-                "reused_v": float(span_reused[i]) / layers,
-                "blended_v": float(span_blended[i]) / layers,
-            }
-            for i, span in enumerate(self.spans)
-        ]
-
-
-def _curve(tokens: torch.Tensor) -> tuple[list[float], float, float]:
-    """Per-token deviations' 101-point quantile curve, mean, and share of the total held by the top 15 %."""
-    ordered = torch.sort(tokens).values
-    curve = [round(float(x), 6) for x in torch.quantile(ordered, torch.linspace(0, 1, 101))] if tokens.numel() else []
-    mean = float(tokens.mean()) if tokens.numel() else 0.0
-    k = max(1, int(0.15 * tokens.numel()))
-    total = float(tokens.sum())
-    return curve, mean, float(ordered[-k:].sum()) / total if total > 0 else 0.0
-
-
-def _attention(
-    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Softmax attention ``[heads, rows, keys]`` of queries ``[heads, rows, d]`` over keys ``[kv_heads, n, d]``
-    (query head h reads KV head h // group), causal by position."""
-    group = q.shape[0] // k.shape[0]
-    logits = torch.einsum("hrd,hnd->hrn", q, k.repeat_interleave(group, dim=0)) * scale
-    logits = logits.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    return torch.softmax(logits, dim=-1)
-
-
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """Ranks of ``x`` with ties given their average rank (as Spearman's coefficient defines them)."""
-    values, order = torch.sort(x)
-    _, inverse, counts = torch.unique_consecutive(values, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    average = ends - (counts.double() - 1) / 2  # 1-based average rank of each group of equal values
-    ranks = torch.empty(x.numel(), dtype=torch.float64)
-    ranks[order] = average[inverse]
-    return ranks
-
-
-def _spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """Spearman rank correlation of two equally long vectors (average ranks for ties; None when either
-    is constant, e.g. layer 0, whose KV cannot deviate)."""
-    if a.numel() < 2:
-        return None
-    ra, rb = _ranks(a), _ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denominator = float(ra.norm() * rb.norm())
-    return float((ra * rb).sum()) / denominator if denominator > 1e-12 else None

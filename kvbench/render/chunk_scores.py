@@ -6,7 +6,7 @@ prefill? (Cache-Craft's experiment 3; :mod:`kvbench.render`)::
 Reads every request of each run (``samples.jsonl``) that ran with ``profile.deviation``: each reused
 chunk's scores from ``telemetry.method.cachecraft.chunks`` (the chunks whose action is ``reuse`` or
 ``fix``: a variant was read; a chunk computed in full has no reused K/V) joined on their first prompt
-position ``begin`` with ``telemetry.prefill.deviation.chunks`` (:meth:`kvbench.engine.reuse.ReusePrefill._deviation`):
+position ``begin`` with ``telemetry.prefill.deviation.chunks`` (:func:`kvbench.engine.reuse_deviation.deviation`):
 
 * ``reused_v`` — the chunk's V as reused (the variant's, before any recompute) against the
   reference dense prefill: squared L2 over heads and dimensions, mean over the chunk's tokens and over
