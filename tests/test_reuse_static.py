@@ -85,8 +85,8 @@ DIGESTS = {
     "tiny_qwen2/prefix_cache-large": "a3e4c469b28fa173",
     "tiny_qwen2/prefix_cache-longfirst": "72b009c2d3acdb12",
 }
-#: the same on an AVX-512 development machine (recorded 2026-11-30 at b35ca57c): float kernels sum in another
-#: order on another CPU, so each CPU that runs the suite keeps its own set
+#: the same on an Intel Xeon development machine (AVX-512; recorded 2026-11-30 at b35ca57c): float kernels
+#: sum in another order on another CPU, so each CPU that runs the suite keeps its own set
 DIGESTS_AVX512_DEV = {
     "tiny_llama/cacheblend-exact-small": "48ccd7272fcf3fe6",
     "tiny_llama/cacheblend-code-small": "841bae55061a5443",
