@@ -322,23 +322,22 @@ def stream_figure(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     caption = _wrap(caption, 115) if caption else ""
     caption_in = 0.15 + 0.11 * (caption.count("\n") + 1) if caption else 0.0
-    height = 4.4 + caption_in
+    # one legend line per run below the axes (labels are long), then the two line styles
+    labels = [_wrap(label, 110) for label, _ in curves]
+    legend_in = 0.25 + 0.125 * (sum(label.count("\n") + 1 for label in labels) + 1)
+    height = 4.0 + legend_in + caption_in
     fig, ax = plt.subplots(figsize=(6.4, height), dpi=150, layout="constrained")
     _reserve_bottom(fig, caption_in / height)
-    for label, rows in curves:
+    handles = []
+    for (label, rows), text in zip(curves, labels):
         x = [row["throughput"] for row in rows]
         color = (colors or {}).get(label)
         line = ax.plot(
-            x,
-            [row["ttft_p50_s"] for row in rows],
-            marker="o",
-            markersize=4,
-            linewidth=1.5,
-            color=color,
-            label=f"{label} p50",
+            x, [row["ttft_p50_s"] for row in rows], marker="o", markersize=4, linewidth=1.5, color=color, label=text
         )[0]
         ax.plot(
             x,
@@ -348,13 +347,18 @@ def stream_figure(
             linewidth=1.1,
             linestyle="--",
             color=line.get_color(),
-            label=f"{label} p90",
         )
+        handles.append(line)
+    styles = [
+        Line2D([], [], color="#555555", marker="o", markersize=4, linewidth=1.5, label="p50 (solid)"),
+        Line2D([], [], color="#555555", marker="^", markersize=4, linewidth=1.1, linestyle="--", label="p90 (dashed)"),
+    ]
     ax.set_yscale("log")
     ax.set_xlabel("achieved throughput (requests/s)", fontsize=9)
     ax.set_ylabel("TTFT incl. queueing (s, log scale)", fontsize=9)
     ax.grid(alpha=0.3, which="both", linewidth=0.5)
-    ax.legend(fontsize=7, ncol=2)
+    ax.add_artist(ax.legend(handles=styles, fontsize=7, loc="upper left"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=6.5, frameon=False)
     ax.set_title(_wrap(title, 80), fontsize=10)
     if caption:
         fig.text(0.01, 0.01, caption, fontsize=6.5, va="bottom", ha="left", color="#333333")

@@ -200,12 +200,11 @@ def test_stream_figure_draws_one_line_per_run(tmp_path, monkeypatch):
     slow = [record(i, 1.0, 0.1, warmup=i < 2) for i in range(12)]
     RagStream.comparison_figure([("cacheblend", fast), ("full", slow)], tmp_path / "s.png")
     (ax,) = drawn[0].axes
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "cacheblend p50",
-        "cacheblend p90",
-        "full p50",
-        "full p90",
-    ]
+    assert len(ax.get_lines()) == 4  # p50 and p90 of each run
+    # one legend line per run (below the axes) and the two line styles (in the axes)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["cacheblend", "full"]
+    (styles,) = [a for a in ax.artists if a is not ax.get_legend()]
+    assert [t.get_text() for t in styles.get_texts()] == ["p50 (solid)", "p90 (dashed)"]
     rows = [line for line in (tmp_path / "s.csv").read_text().splitlines()[1:]]
     assert len(rows) == 16
     with pytest.raises(ConfigError):
