@@ -93,7 +93,7 @@ import numpy as np
 import torch
 
 from kvbench.engine.attention import SegmentColumns
-from kvbench.engine.attention_stats import reduce_heads, segment_mass
+from kvbench.engine.attention_stats import reduce_heads, segment_mass, segment_membership
 from kvbench.engine.reuse import CachedSpan, ReusePrefill, store_request_rows
 from kvbench.errors import ConfigError
 from kvbench.kv.chunks import ChunkKey
@@ -459,10 +459,7 @@ class CacheCraft(ReuseMethod):
         if self.params.stats != "attention" or not any(self._measures(layer)):
             return None
         if self._columns is None:
-            labels = self._key_segments(plan)
-            member = torch.zeros(plan.n, len(self._plans) + 1, device=labels.device)  # (cast to the values)
-            member[torch.arange(plan.n, device=labels.device), torch.where(labels < 0, len(self._plans), labels)] = 1
-            self._columns = SegmentColumns(member[:, : len(self._plans)])
+            self._columns = SegmentColumns(segment_membership(self._key_segments(plan), len(self._plans)))
         return self._columns
 
     def observe_segment_mass(self, plan: ReusePrefill, layer: int, mass: torch.Tensor) -> None:

@@ -62,6 +62,16 @@ def reduce_heads(values: torch.Tensor, heads: str) -> torch.Tensor:
     return values.sum(dim=0)
 
 
+def segment_membership(labels: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """One-hot ``[n, n_segments]`` float32 membership of keys labelled ``labels`` ``[n]`` (``-1``: a key of no
+    segment, an all-zero row)."""
+    n, device = labels.shape[0], labels.device
+    labels = labels.long()
+    member = torch.zeros(n, n_segments + 1, dtype=torch.float32, device=device)
+    member[torch.arange(n, device=device), torch.where(labels < 0, n_segments, labels)] = 1.0
+    return member[:, :n_segments]
+
+
 def segment_mass(
     query: torch.Tensor,
     query_positions: torch.Tensor,
@@ -89,11 +99,7 @@ def segment_mass(
     out = torch.zeros(rows, n_segments, dtype=torch.float32, device=device)
     if rows == 0 or n == 0:
         return out
-    # one-hot [n, segments] (a key of no segment, -1, has an all-zero row): the sums are one matmul
-    labels = key_segments.to(device).long()
-    member = torch.zeros(n, n_segments + 1, dtype=torch.float32, device=device)
-    member[torch.arange(n, device=device), torch.where(labels < 0, n_segments, labels)] = 1.0
-    member = member[:, :n_segments]
+    member = segment_membership(key_segments.to(device), n_segments)  # the sums are one matmul
     for start, stop, probs in probability_blocks(query, query_positions, keys, key_positions, scaling, block_elements):
         out[start:stop] = reduce_heads(probs @ member, heads)  # [H, b, segments] -> [b, segments]
     return out
