@@ -19,6 +19,16 @@ kept and attended position exactly). The digests are compared exactly; floats in
 per-token NLLs of a perplexity task) are left out of its digest for the same reason (the score
 carries them). Timings are never compared.
 
+Some selections differ across CPUs: the float kernels round differently (AVX2 against AVX-512), and a
+top-k over near-equal scores (SparQ's, PQCache's, the oracle's, K-norm's) can then keep another
+position. A check may keep the values another CPU reproduces as ``also``: a list of partial
+expectations, each laid over ``expect`` (``cpu`` names the machine, for the reader; it is not
+compared). The check passes when ``expect`` or one of those overlays matches entirely, so every
+recorded CPU is pinned down exactly, key for key. ``kvbench check --add-cpu [names]`` records this
+machine's values as one more overlay (only the keys that ``expect`` does not accept) without
+touching ``expect``; ``--update`` records a change of behaviour
+and drops the overlays (they were the old behaviour on other CPUs: re-record them there).
+
 ``kvbench check --update`` re-runs the selected checks and rewrites their expected values with what
 they produce now, printing each change: the deliberate way to accept a change of behaviour (say why
 in the commit). A check whose data folder (``needs``) is absent is reported as skipped, not passed.
@@ -66,7 +76,7 @@ CHECK_OVERRIDES = ("progress=false", "+profile.selection_digest=true")
 PLAN_KEYS = ("reused_tokens", "recompute_ratio")
 #: a golden file's entry: required and optional keys
 REQUIRED = {"name", "overrides"}
-OPTIONAL = {"expect", "tolerance", "needs", "note"}
+OPTIONAL = {"expect", "tolerance", "needs", "note", "also"}
 
 
 def load_checks(path: Path) -> list[dict[str, Any]]:
@@ -90,6 +100,13 @@ def load_checks(path: Path) -> list[dict[str, Any]]:
             )
         if name in names:
             raise ConfigError(f"golden check {name} appears twice in {path}", "give every check its own name")
+        also = check.get("also", [])
+        if not isinstance(also, list) or not all(isinstance(each, dict) and "cpu" in each for each in also):
+            raise ConfigError(
+                f"golden check {name}'s also is not a list of expectations each naming its cpu",
+                f"write also: [{{cpu: <machine>, <key>: <value>, ...}}] in {path} "
+                "(or record this CPU's with kvbench check --add-cpu)",
+            )
         names.add(name)
     return checks
 
@@ -160,6 +177,36 @@ def compare(metrics: dict[str, Any], expect: dict[str, Any], tolerance: float) -
     return failures
 
 
+def expectations(check: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a check accepts: ``expect``, then ``expect`` with each of ``also``'s overlays (other CPUs)."""
+    base = check["expect"]
+    return [base] + [{**base, **{k: v for k, v in each.items() if k != "cpu"}} for each in check.get("also", [])]
+
+
+def compare_any(got: dict[str, Any], check: dict[str, Any]) -> list[str]:
+    """No failures when any of :func:`expectations` matches; else ``expect``'s failures (the reference)."""
+    tolerance = float(check.get("tolerance", 0.0))
+    failures = [compare(got, want, tolerance) for want in expectations(check)]
+    return [] if any(not f for f in failures) else failures[0]
+
+
+def cpu_label() -> str:
+    """This machine's CPU as a golden overlay names it: torch's kernel capability and the model name."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()} {model}"
+
+
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What ``--update`` changes in one check's expected values, one line per key."""
     lines = []
@@ -182,7 +229,7 @@ def write_checks(path: Path, checks: list[dict[str, Any]]) -> None:
         if not line.startswith("#"):
             break
         header.append(line)
-    order = ("name", "note", "needs", "overrides", "tolerance", "expect")
+    order = ("name", "note", "needs", "overrides", "tolerance", "expect", "also")
     body = [{key: check[key] for key in order if key in check} for check in checks]
     text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
     from kvbench.results import write_atomic
@@ -191,10 +238,21 @@ def write_checks(path: Path, checks: list[dict[str, Any]]) -> None:
 
 
 def run_checks(
-    golden: str | None, *, names: Sequence[str] = (), output_dir: str | None = None, update: bool = False
+    golden: str | None,
+    *,
+    names: Sequence[str] = (),
+    output_dir: str | None = None,
+    update: bool = False,
+    add_cpu: bool = False,
 ) -> int:
     """Run the checks ``names`` (default: all) of ``golden``; print one line per check and a total.
-    Returns 1 when any check failed (with ``update``: never; the file is rewritten instead)."""
+    Returns 1 when any check failed (with ``update`` or ``add_cpu``: never; the file is rewritten
+    instead: ``update`` replaces ``expect``, ``add_cpu`` adds this CPU's differing values to ``also``)."""
+    if update and add_cpu:
+        raise ConfigError(
+            "--update and --add-cpu do not go together", "record a change with --update, a CPU with --add-cpu"
+        )
+    record = update or add_cpu
     from kvbench.compose import compose
     from kvbench.results import RunDir
     from kvbench.runner import run
@@ -210,6 +268,11 @@ def run_checks(
         )
     selected = [c for c in checks if not names or c["name"] in names]
     missing = [c["name"] for c in selected if "expect" not in c]
+    if missing and add_cpu:
+        raise ConfigError(
+            f"golden check(s) {', '.join(missing)} have no expected values to add a CPU to",
+            f"record them first with kvbench check --update {' '.join(missing)}",
+        )
     if missing and not update:
         raise ConfigError(
             f"golden check(s) {', '.join(missing)} have no expected values yet",
@@ -228,19 +291,16 @@ def run_checks(
                 continue
             summary = run({**resolved, "output_dir": out}, sweep=sweep)
             got = observed(summary.metrics, RunDir(summary.run_dir).records())
-            if update:
-                diff = changes(check.get("expect", {}), got)
-                check["expect"] = got
-                updated += bool(diff)
-                print(f"{'new ' if diff else 'same'} {check['name']}" + "".join(f"\n     {d}" for d in diff))
+            if record:
+                updated += _record(check, got, add_cpu=add_cpu)
                 continue
-            problems = compare(got, check["expect"], float(check.get("tolerance", 0.0)))
+            problems = compare_any(got, check)
             print(
                 f"{'FAIL' if problems else 'ok':4} {check['name']}  ({summary.run_dir})"
                 + "".join(f"\n     {p}" for p in problems)
             )
             failed += bool(problems)
-    if update:
+    if record:
         write_checks(path, checks)
         print(
             f"{updated} check(s) changed, {len(selected) - skipped - updated} unchanged, {skipped} skipped; "
@@ -253,3 +313,27 @@ def run_checks(
     elif scratch is not None:
         print(f"the failed runs are in {scratch}")
     return 1 if failed else 0
+
+
+def _record(check: dict[str, Any], got: dict[str, Any], *, add_cpu: bool) -> bool:
+    """Record ``got`` in ``check`` and print what changed; whether anything did. ``add_cpu``: as one
+    more overlay of ``also`` (nothing when an accepted expectation already matches); else as ``expect``,
+    dropping ``also``'s overlays when the values change (they recorded the old behaviour)."""
+    name = check["name"]
+    if add_cpu:
+        if not compare_any(got, check):
+            print(f"same {name}")
+            return False
+        tolerance = float(check.get("tolerance", 0.0))
+        expect = check["expect"]
+        moved = {k: v for k, v in got.items() if k not in expect or compare({k: v}, {k: expect[k]}, tolerance)}
+        overlay = {"cpu": cpu_label(), **moved}
+        check["also"] = [*check.get("also", []), overlay]
+        print(f"cpu  {name}" + "".join(f"\n     {k}: {v!r}" for k, v in overlay.items()))
+        return True
+    diff = changes(check.get("expect", {}), got)
+    check["expect"] = got
+    if diff and check.pop("also", None):
+        diff.append("also: dropped the other CPUs' values (re-record them there with kvbench check --add-cpu)")
+    print(f"{'new ' if diff else 'same'} {name}" + "".join(f"\n     {d}" for d in diff))
+    return bool(diff)

@@ -172,7 +172,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from kvbench.check import run_checks
 
-    return run_checks(args.golden, names=args.names, output_dir=args.output_dir, update=args.update)
+    return run_checks(
+        args.golden, names=args.names, output_dir=args.output_dir, update=args.update, add_cpu=args.add_cpu
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:

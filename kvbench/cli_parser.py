@@ -150,6 +150,12 @@ def _check_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="re-run the checks and rewrite their expected values, printing what changed",
     )
+    p_check.add_argument(
+        "--add-cpu",
+        action="store_true",
+        help="record the values this CPU reproduces beside the expected ones (for selections that "
+        "break float ties differently across CPUs); the expected values stay",
+    )
     return p_check
 
 

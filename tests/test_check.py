@@ -205,3 +205,66 @@ def test_selection_digest_counts_sets_not_slot_order():
     assert digest([[3, 1, 2], [5, 4, 0]]) == digest([[1, 2, 3], [0, 4, 5]])
     assert digest([[3, 1, 2], [5, 4, 0]]) != digest([[3, 1, 2], [5, 4, 6]])
     assert digest([[3, 1, 2], [5, 4, 0]]) != digest([[5, 4, 0], [3, 1, 2]])  # heads stay apart
+
+
+def test_other_cpus_values_are_accepted_key_for_key():
+    """``also`` lays each CPU's values over ``expect``: a check passes on one recorded CPU's whole set,
+    never on a mix of two CPUs' values."""
+    from kvbench.check import compare_any
+
+    check = {
+        "expect": {"n": 1, "recall": 0.5, "selection": "a" * 16},
+        "also": [{"cpu": "AVX512 x", "recall": 0.4, "selection": "b" * 16}],
+    }
+    assert compare_any({"n": 1, "recall": 0.5, "selection": "a" * 16}, check) == []
+    assert compare_any({"n": 1, "recall": 0.4, "selection": "b" * 16}, check) == []
+    mixed = compare_any({"n": 1, "recall": 0.5, "selection": "b" * 16}, check)
+    assert mixed == [f"selection: got {'b' * 16!r}, expected {'a' * 16!r}"]  # expect's failures reported
+    assert compare_any({"n": 2, "recall": 0.4, "selection": "b" * 16}, check)  # the overlay keeps expect's n
+
+
+def test_add_cpu_records_an_overlay_and_update_drops_it(tmp_path, capsys):
+    """A check recorded on another CPU (here: a selection digest this machine does not reproduce) fails;
+    --add-cpu keeps ``expect`` and adds this machine's differing values under its CPU's name, after which
+    the check passes; --add-cpu again changes nothing; --update of a changed behaviour drops the overlay."""
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    (essays / "e.txt").write_text("Some essay text about work and life. " * 200)
+    overrides = [
+        "model=tiny_llama",
+        "method=snapkv",
+        "task=niah",
+        "task.lengths=[400]",
+        "task.depths=[0.5]",
+        "task.max_new_tokens=4",
+        f"task.data_dir={essays}",
+        "budget.tokens=64",
+    ]
+    golden = tmp_path / "checks.yaml"
+    golden.write_text(yaml.safe_dump([{"name": "snap", "overrides": overrides}]))
+    with pytest.raises(ConfigError, match="record them first"):
+        run_checks(str(golden), add_cpu=True)
+    assert run_checks(str(golden), update=True) == 0
+    here = yaml.safe_load(golden.read_text())[0]["expect"]
+    elsewhere = {**here, "selection": "0123456789abcdef"}
+    golden.write_text(yaml.safe_dump([{"name": "snap", "overrides": overrides, "expect": elsewhere}]))
+    assert run_checks(str(golden)) == 1
+    capsys.readouterr()
+    assert run_checks(str(golden), add_cpu=True) == 0
+    assert "cpu  snap" in capsys.readouterr().out
+    entry = yaml.safe_load(golden.read_text())[0]
+    assert entry["expect"] == elsewhere  # the other CPU's values stay
+    assert set(entry["also"][0]) == {"cpu", "selection"} and entry["also"][0]["selection"] == here["selection"]
+    assert run_checks(str(golden)) == 0
+    assert run_checks(str(golden), add_cpu=True) == 0 and "same snap" in capsys.readouterr().out
+    assert len(yaml.safe_load(golden.read_text())[0]["also"]) == 1
+    golden.write_text(golden.read_text().replace("budget.tokens=64", "budget.tokens=64, method.window=16"))
+    assert run_checks(str(golden)) == 1
+    assert run_checks(str(golden), update=True) == 0
+    assert "dropped the other CPUs' values" in capsys.readouterr().out
+    assert "also" not in yaml.safe_load(golden.read_text())[0]
+    with pytest.raises(ConfigError, match="do not go together"):
+        run_checks(str(golden), update=True, add_cpu=True)
+    golden.write_text(yaml.safe_dump([{"name": "snap", "overrides": overrides, "expect": here, "also": [{"x": 1}]}]))
+    with pytest.raises(ConfigError, match="naming its cpu"):
+        run_checks(str(golden))
