@@ -20,6 +20,9 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,11 +81,21 @@ def main() -> None:
             tele = run(method)
             if method not in best or tele["tpot_s"] < best[method]["tpot_s"]:
                 best[method] = tele
-    full = best["full"]["tpot_s"]
     print(
         f"prompt {len(ids)} tokens, {args.new_tokens} new, best of {args.rounds} alternating rounds, "
         f"{torch.get_num_threads()} torch threads"
     )
+    print_table(best, methods)
+    for method in methods:
+        if args.cprofile:
+            cprofile_decode(partial(run, method), method, args.cprofile)
+        if args.torch_profile:
+            torch_profile_decode(partial(run, method), method, args.torch_profile)
+
+
+def print_table(best: dict[str, dict[str, Any]], methods: list[str]) -> None:
+    """Per-step TPOT, its ratio to full's and its parts; then each method's own timers per step."""
+    full = best["full"]["tpot_s"]
     print(f"{'method':10} {'tpot_ms':>8} {'ratio':>6} {'select_ms':>9} {'fetch_ms':>8} {'compute_ms':>10}  (per step)")
     for method in methods:
         t = best[method]
@@ -97,53 +110,76 @@ def main() -> None:
             steps = best[method]["decode_steps"]
             print(f"  {method}: " + ", ".join(f"{k[:-2]} {1e3 * v / steps:.2f} ms/step" for k, v in timers.items()))
 
-    if not (args.cprofile or args.torch_profile):
-        return
-    # profile only the decode loop: wrap GenerationContext.forward (the prefill goes through run_prefill)
+
+@contextmanager
+def decode_steps(enter: Callable[[], None], leave: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Calls ``enter`` / ``leave`` around every decode step of the runs inside: the static step
+    (``StaticDecoder.step``) and the dynamic one (``GenerationContext.forward``, which runs the static
+    step itself when it is one: counted once). The prefill goes through ``run_prefill``, not these."""
     from kvbench.engine.context import GenerationContext
+    from kvbench.engine.decode import StaticDecoder
 
-    original = GenerationContext.forward
-    for method in methods:
-        if args.cprofile:
-            profiler = cProfile.Profile()
+    depth = [0]
 
-            def forward(self, *a, _p=profiler, **k):
-                _p.enable()
-                try:
-                    return original(self, *a, **k)
-                finally:
-                    _p.disable()
-
-            GenerationContext.forward = forward  # type: ignore[method-assign]
-            started = time.perf_counter()
-            run(method)
-            GenerationContext.forward = original  # type: ignore[method-assign]
-            stream = io.StringIO()
-            stats = pstats.Stats(profiler, stream=stream).sort_stats("tottime")
-            stats.print_stats(args.cprofile)
-            print(f"==== cProfile {method} ({time.perf_counter() - started:.1f} s run) ====")
-            print(stream.getvalue())
-        if args.torch_profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            cuda = torch.cuda.is_available()
-            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-            started_at: list[bool] = []
-
-            def forward(self, *a, _p=prof, _s=started_at, **k):
-                if not _s:  # the first decode step: profile from here to the end of the run
-                    _p.start()
-                    _s.append(True)
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, *a: Any, **k: Any) -> Any:
+            depth[0] += 1
+            if depth[0] == 1:
+                enter()
+            try:
                 return original(self, *a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    leave()
 
-            GenerationContext.forward = forward  # type: ignore[method-assign]
-            run(method)
-            GenerationContext.forward = original  # type: ignore[method-assign]
-            prof.stop()
-            print(f"==== torch.profiler {method} ====")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
-            if cuda:
-                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.torch_profile))
+        return wrapped
+
+    originals = (GenerationContext.forward, StaticDecoder.step)
+    GenerationContext.forward = wrap(originals[0])  # type: ignore[method-assign]
+    StaticDecoder.step = wrap(originals[1])  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GenerationContext.forward, StaticDecoder.step = originals  # type: ignore[method-assign]
+
+
+def cprofile_decode(run: Callable[[], Any], method: str, top: int) -> None:
+    """One run under cProfile, its decode steps only; prints the ``top`` functions by own time."""
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    with decode_steps(profiler.enable, profiler.disable):
+        run()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(top)
+    print(f"==== cProfile {method} ({time.perf_counter() - started:.1f} s run) ====")
+    print(stream.getvalue())
+
+
+def torch_profile_decode(run: Callable[[], Any], method: str, top: int) -> None:
+    """One run under torch.profiler from its first decode step to its end; the ``top`` ops by own CPU
+    time (and CUDA time on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    started: list[bool] = []
+
+    def first_step() -> None:
+        if not started:
+            prof.start()
+            started.append(True)
+
+    with decode_steps(first_step):
+        run()
+    if not started:
+        print(f"==== torch.profiler {method}: no decode step ran ====")
+        return
+    prof.stop()
+    print(f"==== torch.profiler {method} ====")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top))
 
 
 if __name__ == "__main__":
