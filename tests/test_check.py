@@ -166,13 +166,12 @@ def test_needs_skips_and_bad_entries(tmp_path, capsys):
         run_checks(str(golden))
 
 
-def test_selection_digest_catches_a_changed_selection(tmp_path, capsys):
-    """The checks record which positions every layer keeps and attends: SnapKV's observation window
-    16 instead of 32 keeps other tokens, and the check names ``selection`` among what moved."""
+def _snapkv_check(tmp_path: Path) -> list[str]:
+    """A smoke SnapKV config on the tiny model and an essay in ``tmp_path`` (its selection is recorded)."""
     essays = tmp_path / "essays"
     essays.mkdir()
     (essays / "e.txt").write_text("Some essay text about work and life. " * 200)
-    overrides = [
+    return [
         "model=tiny_llama",
         "method=snapkv",
         "task=niah",
@@ -182,6 +181,12 @@ def test_selection_digest_catches_a_changed_selection(tmp_path, capsys):
         f"task.data_dir={essays}",
         "budget.tokens=64",
     ]
+
+
+def test_selection_digest_catches_a_changed_selection(tmp_path, capsys):
+    """The checks record which positions every layer keeps and attends: SnapKV's observation window
+    16 instead of 32 keeps other tokens, and the check names ``selection`` among what moved."""
+    overrides = _snapkv_check(tmp_path)
     golden = tmp_path / "checks.yaml"
     golden.write_text(yaml.safe_dump([{"name": "snap", "overrides": overrides}]))
     assert run_checks(str(golden), update=True) == 0
@@ -227,19 +232,7 @@ def test_add_cpu_records_an_overlay_and_update_drops_it(tmp_path, capsys):
     """A check recorded on another CPU (here: a selection digest this machine does not reproduce) fails;
     --add-cpu keeps ``expect`` and adds this machine's differing values under its CPU's name, after which
     the check passes; --add-cpu again changes nothing; --update of a changed behaviour drops the overlay."""
-    essays = tmp_path / "essays"
-    essays.mkdir()
-    (essays / "e.txt").write_text("Some essay text about work and life. " * 200)
-    overrides = [
-        "model=tiny_llama",
-        "method=snapkv",
-        "task=niah",
-        "task.lengths=[400]",
-        "task.depths=[0.5]",
-        "task.max_new_tokens=4",
-        f"task.data_dir={essays}",
-        "budget.tokens=64",
-    ]
+    overrides = _snapkv_check(tmp_path)
     golden = tmp_path / "checks.yaml"
     golden.write_text(yaml.safe_dump([{"name": "snap", "overrides": overrides}]))
     with pytest.raises(ConfigError, match="record them first"):
