@@ -1,8 +1,9 @@
 """benchmarks/RESULTS.md's tables against the records they were made from.
 
 A sample of RESULTS.md's generated tables is recomputed here from the committed records in
-``benchmarks/records/`` through the renderer ``kvbench reproduce`` uses (``kvbench.render``), and every
-number of those tables is compared with the text: a table and its records cannot drift apart. RESULTS
+``benchmarks/records/`` through the renderer ``kvbench reproduce`` uses (``kvbench.render``) or the
+paired comparison ``kvbench report --paired`` prints (``kvbench.compare``; §7's Fig. 12 at full n), and
+every number of those tables is compared with the text: a table and its records cannot drift apart. RESULTS
 formats the tables by hand (row order, bold, "1/10" for 0.1, fewer places), so the comparison is by
 cell — the row and column a number sits in — and numeric, within half a unit of the last place the
 text prints. Each table is also checked to fail once one of its numbers is altered in a copy."""
@@ -209,12 +210,89 @@ def fig15c(text: str) -> tuple[dict, Cells]:
     return printed, computed
 
 
+def table_after(text: str, marker: str) -> tuple[list[str], list[list[str]]]:
+    """The first markdown table after the line that starts with ``marker``: (header, rows)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(marker))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = [
+        [cell.strip().replace("**", "") for cell in line.strip().strip("|").split("|")] for line in lines[first:end]
+    ]
+    return rows[0], rows[2:]
+
+
+def numbers_in(cell: str) -> list[str]:
+    """The numbers a cell prints, in order (``+0.65 [−4.25, +5.30]`` → three), signs kept but ``+``."""
+    return [n.replace("+", "") for n in re.findall(r"[+−-]?\d+(?:\.\d+)?", cell)]
+
+
+@functools.cache
+def paired_cells(folder: str, where: tuple[tuple[str, str], ...], baseline: str) -> dict[str, dict[str, list[float]]]:
+    """``kvbench report --paired method=<baseline>``'s numbers by method: ``n``, ``mean``, ``baseline``,
+    ``delta`` (Δ and its interval), ``p``, ``exact``, ``rouge``, ``jaccard`` (each mean and interval)."""
+    from kvbench.compare import paired_report
+
+    report = paired_report([RECORDS / folder], f"method={baseline}", where=dict(where))
+    paired, agreement = report.split("## ")[1:3]
+    columns = {"n": "n", "mean": "mean", "baseline": "baseline", "delta": "Δ", "ci": "95% CI of Δ", "p": "p"}
+    out: dict[str, dict[str, list[float]]] = {}
+    for section, names in (
+        (paired, columns),
+        (agreement, {"exact": "exact %", "rouge": "ROUGE-L F1", "jaccard": "Jaccard"}),
+    ):
+        header, rows = table_after(section, "")
+        for row in rows:
+            cells = dict(zip(header, row))
+            got = out.setdefault(row[0], {})
+            for name, column in names.items():
+                got[name] = [float(v.replace("−", "-")) for v in numbers_in(cells[column])]
+    for got in out.values():  # Δ and its interval, as RESULTS prints them together
+        got["delta"] += got.pop("ci")
+    return out
+
+
+def fulln(marker: str, dataset: str, model: str) -> Callable[[str], tuple[dict, Cells]]:
+    """§7, CacheBlend Fig. 12 at full n: each method against full on the same questions (F1, paired Δ
+    with its interval, p, agreement with full's answers), and CacheBlend against full reuse."""
+
+    def read(text: str) -> tuple[dict, Cells]:
+        header, rows = table_after(text, marker)
+        assert header[:3] == ["method", "n", "F1"] and len(header) == 8, header
+        printed = {
+            (row[0], col, i): n for row in rows for col in range(1, 8) for i, n in enumerate(numbers_in(row[col]))
+        }
+        where = (("config.task.dataset", dataset), ("model", model))
+        full = paired_cells("cacheblend-fig12-fulln", where, "full")
+        versus = paired_cells("cacheblend-fig12-fulln", where, "full_reuse")
+        columns = ["n", "mean", "delta", "p", "exact", "rouge", "jaccard"]
+        computed: Cells = {}
+        for method in ("full_reuse", "cacheblend"):
+            for col, name in enumerate(columns, 1):
+                computed.update({(method, col, i): v for i, v in enumerate(full[method][name])})
+        computed[("full", 1, 0)] = full["cacheblend"]["n"][0]
+        computed[("full", 2, 0)] = full["cacheblend"]["baseline"][0]
+        row = "cacheblend vs full_reuse"
+        for col, name in enumerate(columns, 1):
+            if name != "mean":  # its F1 is the cacheblend row's; ROUGE-L and Jaccard without their intervals
+                values = versus["cacheblend"][name]
+                computed.update({(row, col, i): v for i, v in enumerate(values[:1] if col > 5 else values)})
+        return printed, computed
+
+    return read
+
+
 TABLES: dict[str, Callable[[str], tuple[dict, Cells]]] = {
     "clusterkv/fig11a (§4i)": fig11a,
     "pqcache/fig10d (§4k)": fig10d,
     "pqcache/table2 (§4m)": table2,
     "pqcache/fig10a (§4n)": fig10a,
     "cacheblend/fig15c (§7)": fig15c,
+    "cacheblend/fig12 musique full n (§7)": fulln("**On every Musique question**", "musique", "qwen25_05b"),
+    "cacheblend/fig12 wikimqa full n (§7)": fulln(
+        "**On every question of the 2WikiMQA subset**", "wikimqa", "qwen25_05b"
+    ),
+    "cacheblend/fig12 qwen25_15b (§7)": fulln("**On `qwen25_15b`**", "musique", "qwen25_15b"),
 }
 
 
@@ -263,4 +341,7 @@ HEADINGS = {
     "pqcache/table2 (§4m)": "## 4m.",
     "pqcache/fig10a (§4n)": "## 4n.",
     "cacheblend/fig15c (§7)": "### Prefill vs decode against the batch size",
+    "cacheblend/fig12 musique full n (§7)": "**On every Musique question**",
+    "cacheblend/fig12 wikimqa full n (§7)": "**On every question of the 2WikiMQA subset**",
+    "cacheblend/fig12 qwen25_15b (§7)": "**On `qwen25_15b`**",
 }
