@@ -93,10 +93,15 @@ def param(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def legacy_values(cls: type[Params]) -> dict[str, Any]:
+    """The keys of ``cls`` declared with a legacy value (see :func:`param`), and those values."""
+    return {f.name: f.metadata["legacy"] for f in dataclasses.fields(cls) if "legacy" in f.metadata}
+
+
 def identity_values(cls: type[Params], values: dict[str, Any]) -> dict[str, Any]:
     """``values`` (a config node of ``cls``'s keys) without the keys that hold their legacy value (see
     :func:`param`): what identifies a run."""
-    legacy = {f.name: f.metadata["legacy"] for f in dataclasses.fields(cls) if "legacy" in f.metadata}
+    legacy = legacy_values(cls)
     return {
         key: value
         for key, value in values.items()

@@ -303,7 +303,9 @@ def comparison_figure(
 def distinct_labels(labels: Sequence[str], configs: Sequence[Mapping[str, Any]]) -> list[str]:
     """``labels`` (one per run, with its resolved config), where two runs would read alike extended by the
     config keys that tell them apart (``cacheblend · store.tier=disk``): for a figure whose lines are
-    labelled by one line of text (the request-stream figure)."""
+    labelled by one line of text (the request-stream figure). A key a run was recorded without reads as
+    its legacy value (:func:`kvbench.results.with_legacy`); the output folder and progress bars never count."""
+    from kvbench.results import with_legacy
 
     def flat(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -314,11 +316,11 @@ def distinct_labels(labels: Sequence[str], configs: Sequence[Mapping[str, Any]])
                 out[f"{prefix}{key}"] = value
         return out
 
-    flats = [flat(config) for config in configs]
+    flats = [flat(with_legacy(dict(config))) for config in configs]
     result = list(labels)
     for label in {x for x in labels if list(labels).count(x) > 1}:
         alike = [i for i, x in enumerate(labels) if x == label]
-        keys = sorted({k for i in alike for k in flats[i]} - {"output_dir"})
+        keys = sorted({k for i in alike for k in flats[i]} - {"output_dir", "progress"})
         differing = [k for k in keys if len({repr(flats[i].get(k)) for i in alike}) > 1]
         for i in alike:
             result[i] = " · ".join([label, *(f"{k}={flats[i].get(k)}" for k in differing)])

@@ -103,6 +103,22 @@ def identity(resolved: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
+def with_legacy(resolved: dict[str, Any]) -> dict[str, Any]:
+    """``resolved`` with each key its method or task declares a legacy value for (:func:`kvbench.params.param`)
+    and lacks set to that value: what a run recorded before the key existed did, so that it reads like
+    a run that sets the key (a figure's labels). Nothing heavy is imported."""
+    from kvbench.methods import PARAMS
+    from kvbench.params import legacy_values
+    from kvbench.tasks.params import TASK_PARAMS
+
+    for group, declared in (("task", TASK_PARAMS), ("method", PARAMS)):
+        node = resolved.get(group)
+        params = declared.get(str(node.get("name"))) if isinstance(node, dict) else None
+        if params is not None:
+            resolved = {**resolved, group: {**legacy_values(params), **node}}
+    return resolved
+
+
 def run_id_for(resolved: dict[str, Any]) -> str:
     """``<task>-<method>-<model>-<hash>``: readable, and unique per resolved config."""
     names = [str((resolved.get(group) or {}).get("name", group)) for group in ("task", "method", "model")]

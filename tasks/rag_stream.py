@@ -532,6 +532,4 @@ class RagStream(Rag):
             "seeded stream for every method): one server, FIFO, batch 1. TTFT = wait + chunk caches computed on "
             "a miss + prefill; throughput = served requests / (last completion - first arrival)."
         )
-        return stream_figure(
-            curves, path, title="TTFT under load vs achieved throughput (CacheBlend Fig. 14)", caption=caption
-        )
+        return stream_figure(curves, path, title="TTFT under load vs achieved throughput", caption=caption)

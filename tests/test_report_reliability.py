@@ -214,3 +214,14 @@ def test_runs_a_figure_would_label_alike_are_told_apart_by_their_differing_confi
         "cacheblend · store.disk_gb=0 · store.tier=ram",
         "cacheblend · store.disk_gb=8 · store.tier=disk",
     ]
+    # a key a run was recorded without reads as its legacy value; progress bars are not a difference
+    craft = [
+        {"method": {"name": "cachecraft", "eviction": "lru"}, "progress": False},  # recorded before stats existed
+        {"method": {"name": "cachecraft", "eviction": "frequency", "stats": "recompute"}, "progress": True},
+        {"method": {"name": "cachecraft", "eviction": "frequency", "stats": "attention"}, "progress": True},
+    ]
+    assert distinct_labels(["cachecraft"] * 3, craft) == [
+        "cachecraft · method.eviction=lru · method.stats=recompute",
+        "cachecraft · method.eviction=frequency · method.stats=recompute",
+        "cachecraft · method.eviction=frequency · method.stats=attention",
+    ]
