@@ -113,7 +113,9 @@ def with_legacy(resolved: dict[str, Any]) -> dict[str, Any]:
 
     for group, declared in (("task", TASK_PARAMS), ("method", PARAMS)):
         node = resolved.get(group)
-        params = declared.get(str(node.get("name"))) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        params = declared.get(str(node.get("name")))
         if params is not None:
             resolved = {**resolved, group: {**legacy_values(params), **node}}
     return resolved
