@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,25 +90,24 @@ def identity(resolved: dict[str, Any]) -> dict[str, Any]:
     recorded that sit at their legacy value (declared with their parameters, :meth:`kvbench.params.Params.identity`;
     each method's and task's module), so a run recorded before a key existed and
     the same run with the key at that value are one run. Nothing heavy is imported."""
-    from kvbench.methods import PARAMS
-    from kvbench.tasks.params import TASK_PARAMS
-
-    for group, declared in (("task", TASK_PARAMS), ("method", PARAMS)):
-        node = resolved.get(group)
-        if not isinstance(node, dict):
-            continue
-        params = declared.get(str(node.get("name")))
-        if params is not None:
-            resolved = {**resolved, group: params.identity(dict(node))}
-    return resolved
+    return _each_component(resolved, lambda params, node: params.identity(node))
 
 
 def with_legacy(resolved: dict[str, Any]) -> dict[str, Any]:
     """``resolved`` with each key its method or task declares a legacy value for (:func:`kvbench.params.param`)
     and lacks set to that value: what a run recorded before the key existed did, so that it reads like
     a run that sets the key (a figure's labels). Nothing heavy is imported."""
-    from kvbench.methods import PARAMS
     from kvbench.params import legacy_values
+
+    return _each_component(resolved, lambda params, node: {**legacy_values(params), **node})
+
+
+def _each_component(
+    resolved: dict[str, Any], change: Callable[[Any, dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any]:
+    """``resolved`` with its task and method nodes replaced by ``change(their Params class, a copy)``
+    (a node whose name declares no parameters is kept)."""
+    from kvbench.methods import PARAMS
     from kvbench.tasks.params import TASK_PARAMS
 
     for group, declared in (("task", TASK_PARAMS), ("method", PARAMS)):
@@ -117,7 +116,7 @@ def with_legacy(resolved: dict[str, Any]) -> dict[str, Any]:
             continue
         params = declared.get(str(node.get("name")))
         if params is not None:
-            resolved = {**resolved, group: {**legacy_values(params), **node}}
+            resolved = {**resolved, group: change(params, dict(node))}
     return resolved
 
 
