@@ -26,8 +26,8 @@ expectations, each laid over ``expect`` (``cpu`` names the machine, for the read
 compared). The check passes when ``expect`` or one of those overlays matches entirely, so every
 recorded CPU is pinned down exactly, key for key. ``kvbench check --add-cpu [names]`` records this
 machine's values as one more overlay (only the keys that ``expect`` does not accept) without
-touching ``expect``; ``--update`` records a change of behaviour
-and drops the overlays (they were the old behaviour on other CPUs: re-record them there).
+touching ``expect``; ``--update`` records a change of behaviour and drops the overlays (they were the
+old behaviour on other CPUs: re-record them there).
 
 ``kvbench check --update`` re-runs the selected checks and rewrites their expected values with what
 they produce now, printing each change: the deliberate way to accept a change of behaviour (say why
@@ -192,19 +192,11 @@ def compare_any(got: dict[str, Any], check: dict[str, Any]) -> list[str]:
 
 def cpu_label() -> str:
     """This machine's CPU as a golden overlay names it: torch's kernel capability and the model name."""
-    import platform
-
     import torch
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{torch.backends.cpu.get_cpu_capability()} {model}"
+    from kvbench.runner import device_name
+
+    return f"{torch.backends.cpu.get_cpu_capability()} {device_name('cpu')}"
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
